@@ -1,0 +1,269 @@
+"""Host memory as the model sees it: one allocation seam, payloads with identity, and a ledger.
+
+What this module promises:
+
+* **One seam.** Every allocation that the C++ makes on the prompt-cache paths (state buffers,
+  checkpoint payload copies, token clones, list nodes) is a call to :meth:`Host.allocate`. When
+  the seam is armed (:meth:`AllocationSeam.arm`) the Nth call raises :class:`BadAlloc`, our
+  ``std::bad_alloc``; in persistent mode every call from the Nth on fails. A zero-byte request
+  never reaches the seam, as ``std::vector::resize(0)`` never calls ``operator new``.
+* **Payloads observed exactly.** A :class:`Payload` is one heap buffer: an identity, its bytes,
+  a digest of those bytes taken when it was sealed, and a holder count. ``acquire``/``release``
+  mirror a ``shared_ptr`` (PR semantics) or the single owner of a ``std::vector`` (master). The
+  payload is freed when the last holder releases it, and the :class:`Ledger` shows it at once.
+* **A ledger of bytes.** Physical live bytes are the bytes of payloads alive now. The ledger keeps
+  the all-time peak, and :meth:`Host.operation` measures the peak and the metadata allocated
+  within one operation (a save, a load), which is what the transient-peak property reads.
+
+Metadata (token arrays, list nodes, checkpoint headers) goes through the seam so it can fail, and
+is counted per operation in ``meta_bytes``; it is not part of the physical live bytes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import itertools
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+
+from .errors import BadAlloc
+
+__all__ = [
+    "AllocationSeam",
+    "BadAlloc",
+    "Host",
+    "Ledger",
+    "OperationStats",
+    "Payload",
+]
+
+# bytes charged for metadata allocations (sizes of the C++ objects on x86-64 libstdc++)
+TOKEN_BYTES = 4  # llama_token
+LIST_NODE_BYTES = 16  # std::list node links
+CHECKPOINT_HEADER_BYTES = 112  # common_prompt_checkpoint without its buffers' contents
+ENTRY_HEADER_BYTES = 144  # server_prompt_cache_state without its buffers' contents
+SHARED_CONTROL_BLOCK_BYTES = 24  # shared_ptr control block of a shared payload (PR)
+
+
+class AllocationSeam:
+    """The one hook every modelled allocation passes through.
+
+    ``arm(nth, persistent=False)`` makes the ``nth`` allocation from now fail (and, if persistent,
+    every one after it); ``disarm()`` returns the number of faults that fired. ``sites`` records the
+    sites seen since the last ``arm``/``reset_trace`` so a sweep can name each allocation point.
+    """
+
+    def __init__(self) -> None:
+        self._nth: int | None = None
+        self._persistent = False
+        self.count = 0
+        self.fired = 0
+        self.sites: list[str] = []
+        self.fired_sites: list[str] = []
+
+    @property
+    def armed(self) -> bool:
+        return self._nth is not None
+
+    def arm(self, nth: int, *, persistent: bool = False) -> None:
+        if nth < 1:
+            raise ValueError(f"nth must be >= 1, got {nth}")
+        self._nth = nth
+        self._persistent = persistent
+        self.count = 0
+        self.fired = 0
+        self.sites = []
+        self.fired_sites = []
+
+    def disarm(self) -> int:
+        fired = self.fired
+        self._nth = None
+        self._persistent = False
+        return fired
+
+    def reset_trace(self) -> None:
+        self.count = 0
+        self.sites = []
+
+    def check(self, site: str, nbytes: int) -> None:
+        """Called once per allocation; raises :class:`BadAlloc` when this one is armed to fail."""
+        self.count += 1
+        self.sites.append(site)
+        if self._nth is None:
+            return
+        if self.count == self._nth or (self._persistent and self.count > self._nth):
+            self.fired += 1
+            self.fired_sites.append(site)
+            raise BadAlloc(site, self.count, nbytes)
+
+
+@dataclass
+class OperationStats:
+    """What one operation did to host memory (filled in when the ``with`` block ends)."""
+
+    name: str
+    live_before: int
+    peak: int = 0
+    live_after: int = 0
+    meta_bytes: int = 0
+    allocations: int = 0
+
+    @property
+    def peak_excess(self) -> int:
+        """Physical bytes above the live bytes at the start of the operation, at its peak."""
+        return self.peak - self.live_before
+
+
+@dataclass
+class Ledger:
+    """Physical bytes of payloads that are alive, their all-time peak, and released payloads."""
+
+    live_bytes: int = 0
+    peak_bytes: int = 0
+    live: dict[int, Payload] = field(default_factory=dict)
+    released: int = 0
+    released_bytes: int = 0
+
+    def on_alloc(self, p: Payload) -> None:
+        self.live[p.ident] = p
+        self.live_bytes += p.nbytes
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def on_resize(self, p: Payload, old: int) -> None:
+        self.live_bytes += p.nbytes - old
+        self.peak_bytes = max(self.peak_bytes, self.live_bytes)
+
+    def on_free(self, p: Payload) -> None:
+        del self.live[p.ident]
+        self.live_bytes -= p.nbytes
+        self.released += 1
+        self.released_bytes += p.nbytes
+
+
+class Payload:
+    """One heap buffer: ``std::vector<uint8_t>`` (master) or its shared immutable storage (PR).
+
+    A payload is created with zero-filled bytes by :meth:`Host.alloc_payload`; the producer writes
+    it once with :meth:`fill`, which seals its digest. After that the bytes may change only through
+    :meth:`rewrite`, which models master's in-place ``resize`` + ``get_data`` into a vector that has
+    a single owner. Whoever rewrites a payload that others hold breaks snapshot immutability: the
+    immutability property catches that by comparing each holder's recorded digest with the bytes.
+    """
+
+    __slots__ = ("_data", "_host", "digest", "holders", "ident", "kind", "released")
+
+    def __init__(self, host: Host, ident: int, nbytes: int, kind: str) -> None:
+        self._host = host
+        self.ident = ident
+        self.kind = kind
+        self._data = bytes(nbytes)
+        self.digest = _digest(self._data)
+        self.holders = 1
+        self.released = False
+
+    def __repr__(self) -> str:
+        return f"Payload(#{self.ident} {self.kind} {self.nbytes}B holders={self.holders})"
+
+    @property
+    def nbytes(self) -> int:
+        return len(self._data)
+
+    @property
+    def data(self) -> bytes:
+        if self.released:
+            raise RuntimeError(f"use after free of payload #{self.ident}")
+        return self._data
+
+    def fill(self, data: bytes) -> int:
+        """Write the buffer (``llama_state_seq_get_data_ext`` into it); returns bytes written."""
+        n = min(len(data), self.nbytes)
+        self._data = data[:n] + self._data[n:]
+        self.digest = _digest(self._data)
+        return n
+
+    def rewrite(self, data: bytes, site: str) -> None:
+        """Resize in place and write (master's ``update_tgt``). Growth goes through the seam."""
+        old = self.nbytes
+        if len(data) > old:
+            self._host.seam.check(site, len(data))
+        self._data = bytes(data)
+        self.digest = _digest(self._data)
+        self._host.ledger.on_resize(self, old)
+        self._host.note_peak()
+
+    def acquire(self) -> Payload:
+        if self.released:
+            raise RuntimeError(f"acquire after free of payload #{self.ident}")
+        self.holders += 1
+        return self
+
+    def release(self) -> None:
+        if self.released or self.holders <= 0:
+            raise RuntimeError(f"double release of payload #{self.ident}")
+        self.holders -= 1
+        if self.holders == 0:
+            self.released = True
+            self._host.ledger.on_free(self)
+
+
+def _digest(data: bytes) -> str:
+    return hashlib.blake2b(data, digest_size=12).hexdigest()
+
+
+class Host:
+    """The process heap of the modelled server: the seam, the ledger and operation scopes."""
+
+    def __init__(self) -> None:
+        self.seam = AllocationSeam()
+        self.ledger = Ledger()
+        self._ids = itertools.count(1)
+        self._ops: list[OperationStats] = []
+        self.last_op: OperationStats | None = None
+
+    def allocate(self, site: str, nbytes: int) -> None:
+        """A metadata allocation (token array, list node, header): may fail, is counted per op."""
+        if nbytes <= 0:
+            return
+        self.seam.check(site, nbytes)
+        for op in self._ops:
+            op.meta_bytes += nbytes
+            op.allocations += 1
+
+    def alloc_payload(self, site: str, nbytes: int, kind: str) -> Payload | None:
+        """``std::vector<uint8_t>(nbytes)``: a zero-filled buffer, or ``None`` for zero bytes."""
+        if nbytes <= 0:
+            return None
+        self.seam.check(site, nbytes)
+        p = Payload(self, next(self._ids), nbytes, kind)
+        self.ledger.on_alloc(p)
+        for op in self._ops:
+            op.allocations += 1
+            op.peak = max(op.peak, self.ledger.live_bytes)
+        return p
+
+    def copy_payload(self, site: str, src: Payload | None) -> Payload | None:
+        """A deep copy of ``src`` (copy-constructing a ``std::vector``)."""
+        if src is None:
+            return None
+        p = self.alloc_payload(site, src.nbytes, src.kind)
+        assert p is not None
+        p.fill(src.data)
+        return p
+
+    def note_peak(self) -> None:
+        for op in self._ops:
+            op.peak = max(op.peak, self.ledger.live_bytes)
+
+    @contextmanager
+    def operation(self, name: str) -> Iterator[OperationStats]:
+        """Measure one operation: live bytes before and after, peak and metadata in between."""
+        op = OperationStats(name=name, live_before=self.ledger.live_bytes, peak=self.ledger.live_bytes)
+        self._ops.append(op)
+        try:
+            yield op
+        finally:
+            self._ops.remove(op)
+            op.live_after = self.ledger.live_bytes
+            op.peak = max(op.peak, op.live_after)
+            self.last_op = op

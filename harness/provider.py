@@ -1,0 +1,390 @@
+"""State providers: what the model asks of a ``llama_context``, and a synthetic one.
+
+The server touches sequence state through a handful of libllama calls; :class:`StateProvider` is
+exactly that surface (names without the ``llama_`` prefix):
+
+* ``state_seq_get_size_ext`` / ``state_seq_get_data_ext`` / ``state_seq_set_data_ext`` with
+  ``flags`` 0 (full state, used for cache entries) or :data:`STATE_SEQ_FLAGS_PARTIAL_ONLY`
+  (only the part that cannot be rolled back: SWA or recurrent cells, used for checkpoints);
+* ``memory_seq_rm`` / ``memory_seq_cp`` / ``memory_seq_pos_min`` / ``memory_seq_pos_max``;
+* ``decode`` of tokens appended to one sequence, and ``seq_rm_type`` as
+  ``common_context_can_seq_rm`` reports it.
+
+``seq_tokens`` is the one addition: the token history the sequence's state describes, or ``None``
+when its parts disagree. It is what "target and draft stay in step" is checked against. A real
+provider may answer it only from positions (``None`` is never a valid answer for a consistent
+sequence).
+
+:class:`SyntheticProvider` makes deterministic bytes whose sizes behave like the four memory kinds
+(a libllama provider lives beside it once the real-target issue lands):
+
+==============  =========================================  ====================================
+kind            full state (flags 0)                       partial state (PARTIAL_ONLY)
+==============  =========================================  ====================================
+transformer     KV cells, grows with tokens                 same as full (libllama returns the KV)
+recurrent       one recurrent block, constant               same as full
+hybrid          recurrent block + KV cells                  recurrent block only (constant)
+iswa            full-attention KV + SWA KV (window cells)   SWA KV only, bounded by the window
+==============  =========================================  ====================================
+
+Its promises: bytes are a pure function of (seed, kind, component, token history); a state that
+is loaded back restores exactly the history it was taken from; a truncated, corrupted or
+mismatched buffer is refused (``set`` returns 0 and clears the sequence, as libllama does);
+``seq_rm`` of a suffix fails on recurrent memory unless it removes everything or nothing, and
+succeeds or fails as a whole on hybrid memory (recurrent part first, as ``llama_memory_hybrid``).
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+__all__ = [
+    "STATE_SEQ_FLAGS_NONE",
+    "STATE_SEQ_FLAGS_PARTIAL_ONLY",
+    "MemoryKind",
+    "SeqRmType",
+    "StateProvider",
+    "SyntheticProvider",
+]
+
+STATE_SEQ_FLAGS_NONE = 0
+STATE_SEQ_FLAGS_PARTIAL_ONLY = 1
+
+
+class SeqRmType(enum.Enum):
+    """``common_context_seq_rm_type`` (common/common.h)."""
+
+    NO = "no"
+    PART = "part"
+    FULL = "full"
+    RS = "rs"
+
+
+class MemoryKind(enum.Enum):
+    TRANSFORMER = "transformer"
+    RECURRENT = "recurrent"
+    HYBRID = "hybrid"
+    ISWA = "iswa"
+
+
+@runtime_checkable
+class StateProvider(Protocol):
+    """One ``llama_context``'s sequence-state surface, as the server uses it."""
+
+    name: str
+    n_swa: int
+
+    def seq_rm_type(self) -> SeqRmType: ...
+
+    def state_seq_get_size_ext(self, seq: int, flags: int) -> int: ...
+
+    def state_seq_get_data_ext(self, seq: int, flags: int) -> bytes: ...
+
+    def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int: ...
+
+    def memory_seq_rm(self, seq: int, p0: int, p1: int) -> bool: ...
+
+    def memory_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None: ...
+
+    def memory_seq_pos_min(self, seq: int) -> int: ...
+
+    def memory_seq_pos_max(self, seq: int) -> int: ...
+
+    def decode(self, seq: int, tokens: Sequence[int], pos0: int) -> int: ...
+
+    def seq_tokens(self, seq: int) -> tuple[int, ...] | None: ...
+
+
+_MAGIC = b"SYNS"
+_HEADER = struct.Struct("<4sBBBB")  # magic, kind, flags, n_components, pad
+_COMP = struct.Struct("<BII16s")  # component id, n (history length), lo (first kept cell), digest
+_TOKEN = struct.Struct("<i")
+
+
+@dataclass
+class _Comp:
+    """One memory component of one sequence: a KV cache (optionally windowed) or a recurrent block."""
+
+    cid: int
+    is_rs: bool
+    window: int = 0  # >0: sliding-window KV that keeps only the last ``window`` cells
+    hist: tuple[int, ...] = ()
+    lo: int = 0  # first position whose cell is kept (KV only)
+
+    def pos_min(self) -> int:
+        if self.is_rs:
+            return len(self.hist) - 1 if self.hist else -1
+        return self.lo if self.lo < len(self.hist) else -1
+
+    def pos_max(self) -> int:
+        return len(self.hist) - 1
+
+    def cells(self) -> int:
+        if self.is_rs:
+            return 1 if self.hist else 0
+        return len(self.hist) - self.lo
+
+
+@dataclass
+class _Seq:
+    comps: list[_Comp] = field(default_factory=list)
+
+
+# component ids
+_KV, _SWA, _RS = 1, 2, 3
+
+
+class SyntheticProvider:
+    """A deterministic stand-in for a ``llama_context`` of one of the four memory kinds.
+
+    ``kv_bytes_per_token`` is the size of one KV cell (>= 8), ``rs_bytes`` the size of the recurrent
+    block, ``window`` the SWA window (iSWA only), ``n_ctx`` the KV cells shared by all sequences
+    (``decode`` returns 1 when they run out, as ``llama_decode`` does when the KV is full).
+    """
+
+    def __init__(
+        self,
+        kind: MemoryKind,
+        *,
+        name: str = "tgt",
+        n_seq: int = 4,
+        n_ctx: int = 4096,
+        kv_bytes_per_token: int = 32,
+        rs_bytes: int = 1024,
+        window: int = 8,
+        seed: int = 0,
+    ) -> None:
+        if kv_bytes_per_token < 8:
+            raise ValueError("kv_bytes_per_token must be >= 8")
+        self.kind = kind
+        self.name = name
+        self.n_seq = n_seq
+        self.n_ctx = n_ctx
+        self.kv_bpt = kv_bytes_per_token
+        self.rs_bytes = rs_bytes
+        self.window = window
+        self.seed = seed
+        self.n_swa = window if kind is MemoryKind.ISWA else 0
+        self._registry: dict[bytes, tuple[int, ...]] = {_hist_digest(()): ()}
+        self._seqs = [self._new_seq() for _ in range(n_seq)]
+        self.decode_calls = 0
+
+    # ---- structure -------------------------------------------------------------------------
+
+    def _new_seq(self) -> _Seq:
+        k = self.kind
+        if k is MemoryKind.TRANSFORMER:
+            comps = [_Comp(_KV, False)]
+        elif k is MemoryKind.RECURRENT:
+            comps = [_Comp(_RS, True)]
+        elif k is MemoryKind.HYBRID:
+            comps = [_Comp(_RS, True), _Comp(_KV, False)]
+        else:
+            comps = [_Comp(_KV, False), _Comp(_SWA, False, window=self.window)]
+        return _Seq(comps)
+
+    def _partial_ids(self) -> set[int]:
+        k = self.kind
+        if k is MemoryKind.TRANSFORMER:
+            return {_KV}
+        if k is MemoryKind.RECURRENT or k is MemoryKind.HYBRID:
+            return {_RS}
+        return {_SWA}
+
+    def _selected(self, seq: int, flags: int) -> list[_Comp]:
+        ids = self._comp_ids(flags)
+        return [c for c in self._seq(seq).comps if c.cid in ids]
+
+    def _comp_ids(self, flags: int) -> list[int]:
+        all_ids = [c.cid for c in self._seqs[0].comps] if self._seqs else []
+        if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY:
+            partial = self._partial_ids()
+            return [c for c in all_ids if c in partial]
+        return all_ids
+
+    def _seq(self, seq: int) -> _Seq:
+        if not 0 <= seq < self.n_seq:
+            raise IndexError(f"{self.name}: seq_id {seq} out of range (n_seq = {self.n_seq})")
+        return self._seqs[seq]
+
+    def seq_rm_type(self) -> SeqRmType:
+        if self.kind in (MemoryKind.RECURRENT, MemoryKind.HYBRID):
+            return SeqRmType.FULL
+        return SeqRmType.PART
+
+    def kv_cells_used(self) -> int:
+        return sum(c.cells() for s in self._seqs for c in s.comps if not c.is_rs)
+
+    # ---- state bytes ----------------------------------------------------------------------
+
+    def _comp_size(self, c: _Comp) -> int:
+        if c.is_rs:
+            return _COMP.size + (self.rs_bytes if c.hist else 0)
+        return _COMP.size + c.cells() * self.kv_bpt
+
+    def state_seq_get_size_ext(self, seq: int, flags: int) -> int:
+        return _HEADER.size + sum(self._comp_size(c) for c in self._selected(seq, flags))
+
+    def state_seq_get_data_ext(self, seq: int, flags: int) -> bytes:
+        comps = self._selected(seq, flags)
+        out = [_HEADER.pack(_MAGIC, _KIND_IDS[self.kind], flags & 0xFF, len(comps), 0)]
+        for c in comps:
+            d = _hist_digest(c.hist)
+            self._registry[d] = c.hist
+            out.append(_COMP.pack(c.cid, len(c.hist), c.lo if not c.is_rs else 0, d))
+            if c.is_rs:
+                if c.hist:
+                    out.append(self._rs_block(d))
+            else:
+                for pos in range(c.lo, len(c.hist)):
+                    out.append(self._cell(c.cid, pos, c.hist[pos]))
+        data = b"".join(out)
+        assert len(data) == self.state_seq_get_size_ext(seq, flags)
+        return data
+
+    def _rs_block(self, digest: bytes) -> bytes:
+        h = hashlib.shake_256(b"rs" + self.seed.to_bytes(8, "little") + digest)
+        return h.digest(self.rs_bytes)
+
+    def _cell(self, cid: int, pos: int, tok: int) -> bytes:
+        h = hashlib.blake2b(
+            struct.pack("<qBii", self.seed, cid, pos, tok), digest_size=min(64, self.kv_bpt - 4)
+        ).digest()
+        filler = (h * (1 + (self.kv_bpt - 4) // len(h)))[: self.kv_bpt - 4]
+        return _TOKEN.pack(tok) + filler
+
+    def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int:
+        """Restore ``data`` into ``seq``; 0 on any mismatch, and then the sequence is cleared."""
+        s = self._seq(seq)
+        parsed = self._parse(data, flags)
+        if parsed is None:
+            self.memory_seq_rm(seq, -1, -1)
+            return 0
+        by_id = {c.cid: c for c in s.comps}
+        # the restored cells must find room in the KV cache (llama_kv_cache::state_read_meta)
+        freed = sum(by_id[cid].cells() for cid, _, _ in parsed if cid != _RS)
+        needed = sum(len(h) - lo for cid, h, lo in parsed if cid != _RS)
+        if self.kv_cells_used() - freed + needed > self.n_ctx:
+            self.memory_seq_rm(seq, -1, -1)
+            return 0
+        for cid, hist, lo in parsed:
+            c = by_id[cid]
+            c.hist = hist
+            c.lo = lo
+        return len(data)
+
+    def _parse(self, data: bytes, flags: int) -> list[tuple[int, tuple[int, ...], int]] | None:
+        if len(data) < _HEADER.size:
+            return None
+        magic, kind_id, dflags, n, _ = _HEADER.unpack_from(data, 0)
+        if magic != _MAGIC or kind_id != _KIND_IDS[self.kind] or dflags != (flags & 0xFF):
+            return None
+        expect_ids = self._comp_ids(flags)
+        if n != len(expect_ids):
+            return None
+        off = _HEADER.size
+        out: list[tuple[int, tuple[int, ...], int]] = []
+        for cid_expected in expect_ids:
+            if off + _COMP.size > len(data):
+                return None
+            cid, nh, lo, d = _COMP.unpack_from(data, off)
+            off += _COMP.size
+            hist = self._registry.get(d)
+            if cid != cid_expected or hist is None or len(hist) != nh:
+                return None
+            if cid == _RS:
+                if nh:
+                    if data[off : off + self.rs_bytes] != self._rs_block(d):
+                        return None
+                    off += self.rs_bytes
+                out.append((cid, hist, 0))
+            else:
+                if lo > nh:
+                    return None
+                for pos in range(lo, nh):
+                    if data[off : off + self.kv_bpt] != self._cell(cid, pos, hist[pos]):
+                        return None
+                    off += self.kv_bpt
+                out.append((cid, hist, lo))
+        if off != len(data):
+            return None
+        return out
+
+    # ---- memory ---------------------------------------------------------------------------
+
+    def memory_seq_rm(self, seq: int, p0: int, p1: int) -> bool:
+        """Remove positions [p0, p1) (p1 < 0: to the end). Only suffix removal is modelled."""
+        s = self._seq(seq)
+        if p1 >= 0 and p0 > 0:
+            raise NotImplementedError("the synthetic provider models suffix removal only (p1 = -1)")
+        p0 = max(0, p0)
+        # recurrent parts first: if they refuse, nothing changes (llama_memory_hybrid::seq_rm)
+        for c in s.comps:
+            if c.is_rs and 0 < p0 < len(c.hist):
+                return False
+        for c in s.comps:
+            if p0 == 0:
+                c.hist, c.lo = (), 0
+            elif c.is_rs:
+                pass  # p0 >= len(hist): nothing to remove
+            else:
+                c.hist = c.hist[:p0]
+                c.lo = min(c.lo, p0)
+        return True
+
+    def memory_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        if p0 > 0 or p1 >= 0:
+            raise NotImplementedError("the synthetic provider models whole-sequence copy only")
+        s, d = self._seq(src), self._seq(dst)
+        d.comps = [_Comp(c.cid, c.is_rs, c.window, c.hist, c.lo) for c in s.comps]
+
+    def memory_seq_pos_min(self, seq: int) -> int:
+        # hybrid and iSWA: the max of the parts' minima (llama_memory_hybrid::seq_pos_min)
+        mins = [c.pos_min() for c in self._seq(seq).comps]
+        return -1 if all(m < 0 for m in mins) else max(mins)
+
+    def memory_seq_pos_max(self, seq: int) -> int:
+        return min(c.pos_max() for c in self._seq(seq).comps)
+
+    def decode(self, seq: int, tokens: Sequence[int], pos0: int) -> int:
+        """Append ``tokens`` at positions ``pos0..``: 0 ok, 1 KV full, -1 positions out of order."""
+        self.decode_calls += 1
+        s = self._seq(seq)
+        if any(len(c.hist) != pos0 for c in s.comps):
+            return -1
+        toks = tuple(int(t) for t in tokens)
+        new = []
+        for c in s.comps:
+            h = c.hist + toks
+            new.append((c, h, max(c.lo, len(h) - c.window) if c.window else c.lo))
+        delta = sum((len(h) - lo) - c.cells() for c, h, lo in new if not c.is_rs)
+        if self.kv_cells_used() + delta > self.n_ctx:
+            return 1
+        for c, h, lo in new:
+            c.hist, c.lo = h, lo
+        return 0
+
+    def seq_tokens(self, seq: int) -> tuple[int, ...] | None:
+        hists = {c.hist for c in self._seq(seq).comps}
+        if len(hists) != 1:
+            return None
+        return next(iter(hists))
+
+
+_KIND_IDS = {
+    MemoryKind.TRANSFORMER: 1,
+    MemoryKind.RECURRENT: 2,
+    MemoryKind.HYBRID: 3,
+    MemoryKind.ISWA: 4,
+}
+
+
+def _hist_digest(hist: tuple[int, ...]) -> bytes:
+    h = hashlib.blake2b(digest_size=16)
+    h.update(struct.pack(f"<{len(hist)}i", *hist))
+    return h.digest()

@@ -1,0 +1,675 @@
+"""The slot side of llama-server: slots, slot selection, prompt processing, checkpoints, drafts.
+
+Upstream: tools/server/server-context.cpp, llama.cpp commit 0c1e570 (vendored by
+llama-cpp-python 0.3.36). Each method names the upstream lines it mirrors.
+
+What is modelled: ``server_slot::prompt_save/prompt_load/prompt_clear/copy_state_to``;
+``get_available_slot`` (by id, by similarity, by LRU, then save/load/update of the cache);
+``process_single_task`` for completion tasks (deferral, child tasks, idle-slot caching with and
+without ``kv_unified``); the start of prompt processing (restore point from a checkpoint and
+invalidation of later checkpoints); prompt batches with the checkpoint gate and
+``create_checkpoint`` (min-step thinning when full, count cap, superseding); generation with and
+without a draft model (``spec_ckpt`` update/restore on partial acceptance); ``decode`` failure
+handling (``try_clear_idle_slots``, halving, errors); ``abort_all_slots``.
+
+Deviations (deliberate, to keep the model small):
+
+* Text-only prompts; no chat message spans, so ``is_user_start`` is never true and checkpoints
+  come from the near-end rule (the last ``4 + n_ubatch`` and ``4`` tokens) and from prompt ends.
+* One slot's prompt batch per ``update_slots`` iteration (upstream packs several slots into one
+  batch); generation of all generating slots happens in the same iteration.
+* Sampling is a hash of the token history (greedy decoding on a fixed "model"); the draft model
+  proposes the target's token except where a hash says otherwise, so partial acceptance happens.
+* A rejected draft on checkpoint-type memory is replayed within the same iteration.
+"""
+
+from __future__ import annotations
+
+import enum
+import hashlib
+import struct
+from dataclasses import dataclass, field
+from typing import Any
+
+from .cache import ServerPrompt, ServerPromptCache, Tokens, f32, get_common_prefix
+from .checkpoint import CommonPromptCheckpoint
+from .errors import GgmlAbort
+from .memory import Host
+from .provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, SeqRmType, StateProvider
+from .semantics import Semantics
+
+__all__ = ["ServerContext", "ServerParams", "ServerSlot", "SlotState", "Task"]
+
+VOCAB = 24
+
+
+class SlotState(enum.Enum):
+    """``slot_state`` (server-context.cpp)."""
+
+    IDLE = "idle"
+    WAIT_OTHER = "wait_other"
+    STARTED = "started"
+    PROCESSING_PROMPT = "processing_prompt"
+    DONE_PROMPT = "done_prompt"
+    GENERATING = "generating"
+
+
+@dataclass
+class ServerParams:
+    """The ``common_params`` fields that matter here, with upstream defaults unless noted.
+
+    ``cache_ram`` is ``--cache-ram`` (-1 no limit, 0 cache disabled) in units of ``cache_ram_unit``
+    bytes (1 MiB upstream; the synthetic backend uses small units). ``n_batch``/``n_ubatch`` and
+    ``checkpoint_min_step`` default to small values suited to prompts of tens of tokens.
+    """
+
+    n_slots: int = 2
+    cache_ram: int = 8192
+    cache_ram_unit: int = 1024 * 1024
+    n_ctx_checkpoints: int = 32
+    checkpoint_min_step: int = 8
+    cache_idle_slots: bool = True
+    kv_unified: bool = False
+    slot_prompt_similarity: float = 0.1
+    n_batch: int = 16
+    n_ubatch: int = 8
+    n_draft_max: int = 0  # >0 and a draft context: speculative decoding
+
+
+@dataclass
+class Task:
+    """The parts of ``server_task`` a completion needs."""
+
+    id: int
+    tokens: Tokens
+    id_slot: int = -1
+    n_predict: int = 4
+    cache_prompt: bool = True
+    id_parent: int = -1
+    n_children: int = 0
+
+    def is_parent(self) -> bool:
+        return self.n_children > 0
+
+    def is_child(self) -> bool:
+        return self.id_parent != -1
+
+
+@dataclass
+class Event:
+    """One cache-side operation on a slot, for the property that no processing slot is touched."""
+
+    op: str
+    slot: int
+    slot_processing: bool
+
+
+def sample(hist: Tokens) -> int:
+    """The target model's greedy choice after ``hist`` (a hash: deterministic, history-dependent)."""
+    h = hashlib.blake2b(struct.pack(f"<{len(hist)}i", *hist), digest_size=2).digest()
+    return 1 + h[0] % VOCAB
+
+
+def draft_sample(hist: Tokens) -> int:
+    """The draft model's choice: the target's, except on roughly one history in three."""
+    h = hashlib.blake2b(b"draft" + struct.pack(f"<{len(hist)}i", *hist), digest_size=2).digest()
+    t = sample(hist)
+    return t if h[1] % 3 else 1 + (t + h[0]) % VOCAB
+
+
+class ServerSlot:
+    """``server_slot`` (server-context.cpp:198): the fields and methods the cache paths use."""
+
+    def __init__(self, server: ServerContext, id: int) -> None:
+        self.server = server
+        self.id = id
+        self.ctx_tgt = server.ctx_tgt
+        self.ctx_dft = server.ctx_dft
+        self.prompt = ServerPrompt.empty(server.host)
+        self.spec_ckpt: CommonPromptCheckpoint = server.checkpoint_cls(server.host, server.sem)
+        self.state = SlotState.IDLE
+        self.task: Task | None = None
+        self.t_last_used = -1
+        self.sampled: int | None = None
+        self.n_decoded = 0
+        self.n_prompt_cached = 0
+        self.result: list[int] = []
+        self.error: str | None = None
+
+    def __repr__(self) -> str:
+        return f"slot{self.id}({self.state.value}, {self.prompt.n_tokens()} tok, {len(self.prompt.checkpoints)} ckpt)"
+
+    def is_processing(self) -> bool:
+        return self.state is not SlotState.IDLE
+
+    # common_memory::seq_rm (common.cpp:1558): aborts on failure
+    def mem_seq_rm(self, p0: int, p1: int) -> None:
+        for ctx in (self.ctx_tgt, self.ctx_dft):
+            if ctx is not None and not ctx.memory_seq_rm(self.id, p0, p1):
+                raise GgmlAbort(f"{ctx.name}: failed to remove sequence {self.id} [{p0}, {p1})")
+
+    # server-context.cpp:258
+    def prompt_save(self, prompt_cache: ServerPromptCache) -> bool:
+        self.server.events.append(Event("save", self.id, self.is_processing()))
+        if not self.prompt.tokens:
+            return False
+        cur_size_tgt = self.ctx_tgt.state_seq_get_size_ext(self.id, STATE_SEQ_FLAGS_NONE)
+        cur_size_dft = (
+            self.ctx_dft.state_seq_get_size_ext(self.id, STATE_SEQ_FLAGS_NONE) if self.ctx_dft else 0
+        )
+        with self.server.host.operation("save") as op:
+            cur = prompt_cache.alloc(self.prompt, cur_size_tgt, cur_size_dft)
+            if cur is not None:
+                # the return value of get_data_ext is not checked upstream (:273)
+                if cur.data.main is not None:
+                    cur.data.main.fill(self.ctx_tgt.state_seq_get_data_ext(self.id, STATE_SEQ_FLAGS_NONE))
+                if self.ctx_dft is not None and cur.data.drft is not None:
+                    cur.data.drft.fill(self.ctx_dft.state_seq_get_data_ext(self.id, STATE_SEQ_FLAGS_NONE))
+        self.server.last_save = SaveRecord(self.id, cur_size_tgt + cur_size_dft, op, cur is not None)
+        return cur is not None
+
+    # server-context.cpp:284
+    def prompt_load(self, prompt_cache: ServerPromptCache, tokens: Tokens) -> bool:
+        self.server.events.append(Event("load", self.id, self.is_processing()))
+        with self.server.host.operation("load"):
+            res = prompt_cache.load(self.prompt, tokens, self.ctx_tgt, self.ctx_dft, self.id)
+        return res
+
+    # server-context.cpp:293
+    def prompt_clear(self) -> None:
+        self.server.events.append(Event("clear", self.id, self.is_processing()))
+        self.mem_seq_rm(-1, -1)
+        self.prompt.clear()
+
+    # server-context.cpp:692
+    def copy_state_to(self, other: ServerSlot) -> None:
+        assert self.state is SlotState.DONE_PROMPT, "GGML_ASSERT(state == SLOT_STATE_DONE_PROMPT)"
+        other.mem_seq_rm(-1, -1)
+        for ctx in (self.ctx_tgt, self.ctx_dft):
+            if ctx is not None:
+                ctx.memory_seq_cp(self.id, other.id, -1, -1)
+        other.prompt.assign(self.prompt.clone())
+        other.sampled = self.sampled
+
+    def reset(self) -> None:
+        """``server_slot::reset`` (:313): clears the speculative checkpoint among per-task state."""
+        if self.ctx_dft is not None:
+            self.spec_ckpt.clear()
+        self.task = None
+        self.n_decoded = 0
+        self.sampled = None
+
+    # server-context.cpp:515
+    def release(self) -> None:
+        if not self.is_processing():
+            return
+        assert self.task is not None
+        self.server.clock += 1
+        self.t_last_used = self.server.clock
+        self.state = SlotState.IDLE
+        # do not keep context of the child slots - the parent's context is enough
+        if self.task.is_child():
+            self.prompt_clear()
+        self.reset()
+
+
+@dataclass
+class SaveRecord:
+    """The last ``prompt_save``: slot, new state bytes, its memory figures, whether it saved."""
+
+    slot: int
+    state_bytes: int
+    op: Any
+    saved: bool
+
+
+@dataclass
+class LaunchResult:
+    status: str  # "launched" | "deferred"
+    slot: int = -1
+    task: int = -1
+
+
+@dataclass
+class ServerContext:
+    """``server_context_impl`` reduced to the prompt-cache paths (server-context.cpp)."""
+
+    params: ServerParams
+    host: Host
+    sem: Semantics
+    ctx_tgt: StateProvider
+    ctx_dft: StateProvider | None = None
+    slots: list[ServerSlot] = field(default_factory=list)
+    prompt_cache: ServerPromptCache | None = None
+    events: list[Event] = field(default_factory=list)
+    errors: list[tuple[int, str]] = field(default_factory=list)
+    clock: int = 0
+    next_task_id: int = 0
+    last_save: SaveRecord | None = None
+
+    def __post_init__(self) -> None:
+        self.checkpoint_cls: type[CommonPromptCheckpoint] = self.sem.checkpoint_cls or CommonPromptCheckpoint
+        cache_cls: type[ServerPromptCache] = self.sem.cache_cls or ServerPromptCache
+        slot_cls: type[ServerSlot] = self.sem.slot_cls or ServerSlot
+        p = self.params
+        n_ctx = getattr(self.ctx_tgt, "n_ctx", 0)
+        # server-context.cpp:1333: --cache-ram 0 disables the cache
+        if p.cache_ram != 0:
+            self.prompt_cache = cache_cls(self.host, self.sem, p.cache_ram, n_ctx, unit=p.cache_ram_unit)
+        # :1401 idle-slot caching needs the cache
+        if p.cache_idle_slots and p.cache_ram == 0:
+            p.cache_idle_slots = False
+        self.n_swa = self.ctx_tgt.n_swa
+        self.slots = [slot_cls(self, i) for i in range(p.n_slots)]
+        self.slot_n_ctx = n_ctx if p.kv_unified else n_ctx // max(1, p.n_slots)
+
+    # ---- slot selection --------------------------------------------------------------------
+
+    # server-context.cpp:1528
+    def get_available_slot(self, task: Task) -> ServerSlot | None:
+        ret: ServerSlot | None = None
+        update_cache = False
+
+        if task.id_slot != -1:
+            ret = self.slots[task.id_slot] if 0 <= task.id_slot < len(self.slots) else None
+
+        if self.params.slot_prompt_similarity != 0.0:
+            f_sim_best = 0.0
+            for slot in self.slots:
+                if task.id_slot != -1 and slot.id != task.id_slot:
+                    continue
+                if slot.is_processing():
+                    continue
+                if not slot.prompt.tokens:
+                    continue
+                lcp_len = get_common_prefix(slot.prompt.tokens, task.tokens)
+                f_sim_cur = f32(lcp_len / len(task.tokens))
+                if f_sim_cur > f_sim_best and f_sim_cur > f32(self.params.slot_prompt_similarity):
+                    f_sim_best = f_sim_cur
+                    ret = slot
+            if ret is not None:
+                n_ret = ret.prompt.n_tokens()
+                f_keep = f32(f_sim_best * len(task.tokens) / n_ret) if n_ret else float("nan")
+                # if we are about to lose a large portion of the existing context - save it
+                if f_keep < 0.5:
+                    update_cache = True
+
+        if ret is None:
+            t_last = -1
+            for slot in self.slots:
+                if slot.is_processing():
+                    continue
+                if ret is None or slot.t_last_used <= t_last:
+                    t_last = slot.t_last_used
+                    ret = slot
+            if ret is not None:
+                update_cache = True
+
+        if ret is not None:
+            update_cache = update_cache and self.prompt_cache is not None
+            if update_cache and self.prompt_cache is not None:
+                ret.prompt_save(self.prompt_cache)
+                if not ret.prompt_load(self.prompt_cache, task.tokens):
+                    ret.prompt_clear()
+                self.prompt_cache.update()
+        return ret
+
+    # server-context.cpp:1648
+    def try_clear_idle_slots(self) -> bool:
+        if not self.params.kv_unified:
+            return False
+        for slot in self.slots:
+            if slot.is_processing():
+                continue
+            if slot.prompt.n_tokens() > 0:
+                slot.prompt_clear()
+                return True
+        return False
+
+    # server-context.cpp:2231
+    def get_free_slots(self, n_needed: int, exclude: int) -> list[ServerSlot]:
+        out: list[ServerSlot] = []
+        for slot in self.slots:
+            if not slot.is_processing() and slot.id != exclude:
+                out.append(slot)
+            if len(out) >= n_needed:
+                break
+        return out
+
+    # ---- tasks -----------------------------------------------------------------------------
+
+    def handle_completion(
+        self,
+        tokens: Tokens,
+        *,
+        id_slot: int = -1,
+        n_cmpl: int = 1,
+        n_predict: int = 4,
+        cache_prompt: bool = True,
+    ) -> LaunchResult:
+        """``process_single_task`` for a completion (server-context.cpp:2370-2432)."""
+        if not tokens:
+            raise ValueError("empty prompt")
+        self.next_task_id += 1
+        task = Task(self.next_task_id, tuple(tokens), id_slot, n_predict, cache_prompt, -1, n_cmpl - 1)
+        self.events.clear()
+        slot = self.get_available_slot(task)
+        if slot is None or slot.is_processing():
+            return LaunchResult("deferred", -1 if slot is None else slot.id, task.id)
+        if task.is_parent():
+            children = self.get_free_slots(task.n_children, slot.id)
+            if len(children) < task.n_children:
+                return LaunchResult("deferred", slot.id, task.id)
+            for child in children:
+                self.next_task_id += 1
+                child.task = Task(self.next_task_id, task.tokens, -1, n_predict, cache_prompt, task.id)
+                child.state = SlotState.WAIT_OTHER
+        self.launch_slot_with_task(slot, task)
+
+        # :2417 idle-slot caching
+        if self.params.cache_idle_slots and self.prompt_cache is not None:
+            for s in self.slots:
+                if not s.is_processing():
+                    if s.prompt_save(self.prompt_cache):
+                        self.prompt_cache.update()
+                    if self.params.kv_unified:
+                        s.prompt_clear()
+        return LaunchResult("launched", slot.id, task.id)
+
+    def launch_slot_with_task(self, slot: ServerSlot, task: Task) -> None:
+        slot.task = task
+        slot.state = SlotState.STARTED
+        slot.n_decoded = 0
+        slot.result = []
+        slot.error = None
+
+    def send_error(self, slot: ServerSlot, msg: str) -> None:
+        slot.error = msg
+        self.errors.append((slot.id, msg))
+
+    # ---- update_slots ----------------------------------------------------------------------
+
+    def update_slots(self) -> None:
+        """One iteration of the server loop: prompt batches, child activation, generation."""
+        for slot in self.slots:
+            if slot.state is SlotState.STARTED:
+                self._start_prompt(slot)
+            if slot.state is SlotState.PROCESSING_PROMPT:
+                self._prompt_batch(slot)
+        # :3740 activate child tasks once the parent's prompt is processed
+        for slot in self.slots:
+            if slot.state is SlotState.DONE_PROMPT and slot.task is not None and slot.task.is_parent():
+                for other in self.slots:
+                    if (
+                        other.state is SlotState.WAIT_OTHER
+                        and other.task is not None
+                        and other.task.id_parent == slot.task.id
+                    ):
+                        slot.copy_state_to(other)
+                        other.state = SlotState.DONE_PROMPT
+        for slot in self.slots:
+            if slot.state is SlotState.DONE_PROMPT:
+                slot.state = SlotState.GENERATING
+            elif slot.state is SlotState.GENERATING:
+                self._generate(slot)
+
+    def run_until_idle(self, max_iters: int = 10_000) -> None:
+        for _ in range(max_iters):
+            if not any(s.is_processing() for s in self.slots):
+                return
+            self.update_slots()
+        raise RuntimeError("server did not become idle")
+
+    # server-context.cpp:3140-3400
+    def _start_prompt(self, slot: ServerSlot) -> None:
+        assert slot.task is not None
+        input_tokens = slot.task.tokens
+        if len(input_tokens) >= self.slot_n_ctx:
+            self.send_error(slot, "request exceeds the available context size")
+            slot.release()
+            return
+        n_past = get_common_prefix(slot.prompt.tokens, input_tokens) if slot.task.cache_prompt else 0
+        pos_next = n_past
+        has_new_tokens = n_past < len(input_tokens)
+        pos_min_thold = max(0, pos_next - self.n_swa - (0 if has_new_tokens else 1))
+
+        if 0 < n_past <= slot.prompt.n_tokens():
+            pos_min = self.ctx_tgt.memory_seq_pos_min(slot.id)
+            if pos_min == -1:
+                raise GgmlAbort("pos_min == -1, but n_past > 0 - should not happen")
+            if pos_min >= pos_min_thold:
+                found: CommonPromptCheckpoint | None = None
+                for cur in reversed(slot.prompt.checkpoints):
+                    if cur.pos_max > pos_next:
+                        continue
+                    if cur.pos_min < pos_min_thold or cur.pos_min == 0:
+                        found = cur
+                        break
+                if found is not None:
+                    found.load_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                    found.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                    pos_next = min(pos_next, max(found.pos_min + 1, found.pos_max))
+                    n_past = min(pos_next, found.n_tokens)
+                else:
+                    pos_next = 0
+                    n_past = 0
+
+        # :3369 erase any checkpoints with pos_max > pos_next
+        for cur in list(slot.prompt.checkpoints):
+            if cur.pos_max > pos_next:
+                slot.prompt.checkpoints.erase(cur)
+
+        # :3385 [TAG_PROMPT_LOGITS]
+        if n_past == len(input_tokens) and n_past > 0:
+            n_past -= 1
+
+        slot.n_prompt_cached = n_past
+        slot.prompt.tokens = slot.prompt.tokens[:n_past]
+        # :3424 truncate any tokens that are beyond n_past for this slot
+        slot.mem_seq_rm(n_past, -1)
+        slot.state = SlotState.PROCESSING_PROMPT
+
+    def _do_checkpoint_base(self) -> bool:
+        """:3441 checkpoints only where memory cannot be rolled back (FULL, RS) or with SWA."""
+        t = self.ctx_tgt.seq_rm_type()
+        return self.params.n_ctx_checkpoints > 0 and (
+            t is SeqRmType.FULL or t is SeqRmType.RS or self.n_swa > 0
+        )
+
+    # server-context.cpp:3441-3620
+    def _prompt_batch(self, slot: ServerSlot) -> None:
+        assert slot.task is not None
+        p = self.params
+        input_tokens = slot.task.tokens
+        n_task = len(input_tokens)
+        do_checkpoint = self._do_checkpoint_base()
+        n_start = slot.prompt.n_tokens()
+        batch: list[int] = []
+        while slot.prompt.n_tokens() + len(batch) < n_task and len(batch) < p.n_batch:
+            batch.append(input_tokens[n_start + len(batch)])
+            if do_checkpoint:
+                n_now = n_start + len(batch)
+                if any(n_task == n_now + min(p.n_batch, off) for off in (4 + p.n_ubatch, 4)):
+                    break
+        n_tokens_cur = len(batch)
+        n_after = n_start + n_tokens_cur
+        near_prompt_end = n_task < n_after + p.n_ubatch
+        if n_after != n_task and not near_prompt_end:
+            do_checkpoint = False
+        pos_min = self.ctx_tgt.memory_seq_pos_min(slot.id)
+        pos_max = self.ctx_tgt.memory_seq_pos_max(slot.id)
+        if do_checkpoint and pos_min < 0:
+            do_checkpoint = False
+        cps = slot.prompt.checkpoints
+        do_checkpoint = do_checkpoint and (
+            cps.empty() or near_prompt_end or n_start > cps.back().n_tokens + p.checkpoint_min_step
+        )
+        # the tokens are in the slot's prompt before the checkpoint is taken (:3526)
+        slot.prompt.tokens = slot.prompt.tokens + tuple(batch)
+        if do_checkpoint:
+            self.create_checkpoint(slot, n_tokens_cur, pos_min, pos_max)
+        if not self._decode(slot, batch, n_start):
+            return
+        if slot.prompt.n_tokens() == n_task:
+            slot.state = SlotState.DONE_PROMPT
+            slot.sampled = sample(slot.prompt.tokens)
+
+    # server-context.cpp:2290
+    def create_checkpoint(self, slot: ServerSlot, n_tokens_cur: int, pos_min: int, pos_max: int) -> None:
+        assert slot.task is not None
+        p = self.params
+        id_task = slot.task.id
+        cps = slot.prompt.checkpoints
+        # evict checkpoints within min-step of a previous one, unless created by the current task;
+        # only when the list is full
+        last = -1
+        if len(cps) + 1 >= p.n_ctx_checkpoints:
+            for it in list(cps):
+                if len(cps) + 1 < p.n_ctx_checkpoints:
+                    break
+                if it.id_task != id_task and last >= 0 and it.n_tokens <= last + p.checkpoint_min_step:
+                    cps.erase(it)
+                    continue
+                last = it.n_tokens
+        while len(cps) >= p.n_ctx_checkpoints:
+            cps.pop_front()
+        # replace an existing checkpoint at the same n_tokens instead of appending a duplicate
+        n_tokens_new = slot.prompt.n_tokens() - n_tokens_cur
+        for it in list(cps):
+            if it.n_tokens == n_tokens_new:
+                cps.erase(it)
+        cur = cps.emplace_back(self.checkpoint_cls(self.host, self.sem, id_task=id_task))
+        cur.update_pos(n_tokens_new, pos_min, pos_max)
+        cur.update_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        cur.update_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        if self.ctx_dft is not None:
+            cur.update_spec(_spec_state(slot.prompt.tokens[:n_tokens_new]))
+
+    def _decode(self, slot: ServerSlot, batch: list[int], pos0: int) -> bool:
+        """``llama_decode`` of one slot's batch on target then draft (:3660-3737).
+
+        Returns False when the batch could not be processed; the slot is then released (and, for
+        a target failure, cleared) as upstream does.
+        """
+        while True:
+            ret = self.ctx_tgt.decode(slot.id, batch, pos0)
+            if ret == 0:
+                break
+            if ret == 1 and self.try_clear_idle_slots():
+                continue
+            # upstream halves n_batch and retries; a one-token batch that still fails is an error
+            err = "Context size has been exceeded." if ret == 1 else "Invalid input batch."
+            for s in self.slots:
+                if s.is_processing():
+                    self.send_error(s, err)
+                    s.release()
+                    s.prompt_clear()
+            return False
+        if self.ctx_dft is not None:
+            ret = self.ctx_dft.decode(slot.id, batch, pos0)
+            if ret != 0:
+                # :3731 "failed to process speculative batch" -> abort_all_slots: released, not cleared
+                self.abort_all_slots("failed to process speculative batch")
+                return False
+        return True
+
+    # server-context.cpp:2735
+    def abort_all_slots(self, reason: str) -> None:
+        for s in self.slots:
+            if s.is_processing():
+                self.send_error(s, reason)
+                s.release()
+
+    def _finish_token(self, slot: ServerSlot) -> None:
+        assert slot.task is not None
+        if slot.n_decoded >= slot.task.n_predict:
+            slot.release()
+
+    def _generate(self, slot: ServerSlot) -> None:
+        assert slot.sampled is not None
+        if self.ctx_dft is not None and self.params.n_draft_max > 0:
+            self._speculative_round(slot)
+            return
+        n = slot.prompt.n_tokens()
+        tok = slot.sampled
+        slot.prompt.tokens = (*slot.prompt.tokens, tok)
+        if not self._decode(slot, [tok], n):
+            return
+        slot.result.append(tok)
+        slot.n_decoded += 1
+        slot.sampled = sample(slot.prompt.tokens)
+        self._finish_token(slot)
+
+    # server-context.cpp:2980-3060 (draft, spec_ckpt) and :3890-3960 (acceptance)
+    def _speculative_round(self, slot: ServerSlot) -> None:
+        assert slot.sampled is not None and self.ctx_dft is not None and slot.task is not None
+        tgt, dft = self.ctx_tgt, self.ctx_dft
+        n = slot.prompt.n_tokens()
+        use_ckpt_tgt = tgt.seq_rm_type() is SeqRmType.FULL
+        use_ckpt_dft = dft.seq_rm_type() is SeqRmType.FULL
+        ckpt = slot.spec_ckpt
+        ckpt.update_pos(n, tgt.memory_seq_pos_min(slot.id), tgt.memory_seq_pos_max(slot.id))
+        if use_ckpt_dft:
+            ckpt.update_dft(dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+
+        # common_speculative_draft: the draft model runs ahead in its own context
+        k = min(self.params.n_draft_max, slot.task.n_predict - slot.n_decoded)
+        hist = (*slot.prompt.tokens, slot.sampled)
+        draft: list[int] = []
+        if dft.decode(slot.id, [slot.sampled], n) == 0:
+            for i in range(k):
+                d = draft_sample(hist)
+                draft.append(d)
+                hist = (*hist, d)
+                if i + 1 < k and dft.decode(slot.id, [d], n + 1 + i) != 0:
+                    break
+
+        # restore the draft context to the state before drafting
+        if use_ckpt_dft:
+            ckpt.load_dft(dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        if not dft.memory_seq_rm(slot.id, ckpt.pos_max + 1, -1):
+            raise GgmlAbort(f"failed to remove sequence {slot.id}")
+        if draft and use_ckpt_tgt:
+            ckpt.update_tgt(tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+
+        batch = [slot.sampled, *draft]
+        slot.prompt.tokens = slot.prompt.tokens + tuple(batch)
+        if not self._decode(slot, batch, n):
+            return
+
+        # accept: the target's greedy choices along the draft
+        accepted: list[int] = []
+        h = slot.prompt.tokens[: n + 1]
+        for d in draft:
+            a = sample(h)
+            accepted.append(a)
+            if a != d:
+                break
+            h = (*h, d)
+        else:
+            accepted.append(sample(h))
+        n_rollback = len(draft) + 1 - len(accepted)
+        confirmed = [slot.sampled, *accepted[:-1]]
+        if n_rollback > 0:
+            if use_ckpt_tgt:
+                ckpt.load_tgt(tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                ckpt.load_dft(dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                slot.mem_seq_rm(ckpt.pos_max + 1, -1)
+                slot.prompt.tokens = slot.prompt.tokens[: ckpt.n_tokens]
+                # replay the confirmed tokens (upstream: next iteration, spec_is_replay)
+                slot.prompt.tokens = slot.prompt.tokens + tuple(confirmed)
+                if not self._decode(slot, confirmed, ckpt.n_tokens):
+                    return
+            else:
+                keep = n + len(confirmed)
+                slot.mem_seq_rm(keep, -1)
+                slot.prompt.tokens = slot.prompt.tokens[:keep]
+        slot.result.extend(confirmed)
+        slot.n_decoded += len(confirmed)
+        slot.sampled = accepted[-1]
+        self._finish_token(slot)
+
+
+def _spec_state(hist: Tokens) -> bytes:
+    """``common_speculative_get_state``: a small per-position blob (e.g. EAGLE3's g_embd row)."""
+    return hashlib.blake2b(struct.pack(f"<{len(hist)}i", *hist), digest_size=32).digest()
