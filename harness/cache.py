@@ -203,9 +203,7 @@ class ServerPromptCache:
         return res
 
     # server-task.cpp:1711
-    def alloc(
-        self, prompt: ServerPrompt, state_size_tgt: int, state_size_dft: int
-    ) -> ServerPromptCacheState | None:
+    def alloc(self, prompt: ServerPrompt, state_size_tgt: int, state_size_dft: int) -> ServerPromptCacheState | None:
         """Make room for ``prompt`` and append an entry with zeroed state buffers, or return None.
 
         Order (server-task.cpp:1711-1791): contained check; logical size incl. checkpoints;
@@ -278,9 +276,7 @@ class ServerPromptCache:
                     p.release()
             raise
 
-    def _push_back(
-        self, prompt: ServerPrompt, tgt: Payload | None, dft: Payload | None
-    ) -> ServerPromptCacheState:
+    def _push_back(self, prompt: ServerPrompt, tgt: Payload | None, dft: Payload | None) -> ServerPromptCacheState:
         """``states.push_back({{prompt.tokens.clone(), prompt.checkpoints}, {move(tgt), move(dft)}})``."""
         tokens = clone_tokens(self.host, prompt.tokens)
         checkpoints = prompt.checkpoints.copy()

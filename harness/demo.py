@@ -38,9 +38,9 @@ def central_claim(semantics: str, *, n_tokens: int = 48, kind: str = "hybrid") -
     assert cache is not None and len(cache) == 0
     c = sum(ck.size() for ck in slot.prompt.checkpoints)
     assert slot.prompt_save(cache)
-    rec = server.last_save
-    assert rec is not None
-    return ClaimFigures(semantics, rec.state_bytes, c, rec.op.peak_excess, cache.size())
+    op = server.host.last_op
+    assert op is not None and op.name == "save"
+    return ClaimFigures(semantics, op.state_bytes, c, op.peak_excess, cache.size())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -54,8 +54,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"save of a {args.tokens}-token {args.kind} prompt into an empty cache")
     print(f"{'semantics':<10} {'S (state)':>10} {'C (ckpts)':>10} {'peak excess':>12} {'logical':>9}")
     for r in rows:
-        print(f"{r.semantics:<10} {r.state_bytes:>10} {r.checkpoint_bytes:>10} {r.peak_excess:>12} "
-              f"{r.logical_charged:>9}")
+        print(
+            f"{r.semantics:<10} {r.state_bytes:>10} {r.checkpoint_bytes:>10} {r.peak_excess:>12} {r.logical_charged:>9}"
+        )
     if args.json:
         with open(args.json, "w") as f:
             json.dump([asdict(r) for r in rows], f, indent=2)

@@ -52,11 +52,16 @@ class AllocationSeam:
     ``arm(nth, persistent=False)`` makes the ``nth`` allocation from now fail (and, if persistent,
     every one after it); ``disarm()`` returns the number of faults that fired. ``sites`` records the
     sites seen since the last ``arm``/``reset_trace`` so a sweep can name each allocation point.
+
+    ``scope``: when set, only allocations made inside a :meth:`Host.operation` of that name are
+    counted and can fail (``"save"`` arms a fault for the next prompt save only), and the seam
+    disarms itself when an operation of that name ends after a fault fired.
     """
 
     def __init__(self) -> None:
         self._nth: int | None = None
         self._persistent = False
+        self.scope: str | None = None
         self.count = 0
         self.fired = 0
         self.sites: list[str] = []
@@ -66,11 +71,12 @@ class AllocationSeam:
     def armed(self) -> bool:
         return self._nth is not None
 
-    def arm(self, nth: int, *, persistent: bool = False) -> None:
+    def arm(self, nth: int, *, persistent: bool = False, scope: str | None = None) -> None:
         if nth < 1:
             raise ValueError(f"nth must be >= 1, got {nth}")
         self._nth = nth
         self._persistent = persistent
+        self.scope = scope
         self.count = 0
         self.fired = 0
         self.sites = []
@@ -80,6 +86,7 @@ class AllocationSeam:
         fired = self.fired
         self._nth = None
         self._persistent = False
+        self.scope = None
         return fired
 
     def reset_trace(self) -> None:
@@ -108,6 +115,12 @@ class OperationStats:
     live_after: int = 0
     meta_bytes: int = 0
     allocations: int = 0
+    # set by the operation's owner: prompt_save records the new state bytes (S) and the
+    # value-owned checkpoint bytes it copies in both semantics (data_spec)
+    state_bytes: int = 0
+    spec_bytes: int = 0
+    n_tokens: int = 0
+    n_checkpoints: int = 0
 
     @property
     def peak_excess(self) -> int:
@@ -186,7 +199,7 @@ class Payload:
         """Resize in place and write (master's ``update_tgt``). Growth goes through the seam."""
         old = self.nbytes
         if len(data) > old:
-            self._host.seam.check(site, len(data))
+            self._host._check(site, len(data))
         self._data = bytes(data)
         self.digest = _digest(self._data)
         self._host.ledger.on_resize(self, old)
@@ -220,12 +233,19 @@ class Host:
         self._ids = itertools.count(1)
         self._ops: list[OperationStats] = []
         self.last_op: OperationStats | None = None
+        # every finished operation, oldest first; a driver clears it between steps
+        self.ops_log: list[OperationStats] = []
+
+    def _check(self, site: str, nbytes: int) -> None:
+        scope = self.seam.scope
+        if scope is None or any(op.name == scope for op in self._ops):
+            self.seam.check(site, nbytes)
 
     def allocate(self, site: str, nbytes: int) -> None:
         """A metadata allocation (token array, list node, header): may fail, is counted per op."""
         if nbytes <= 0:
             return
-        self.seam.check(site, nbytes)
+        self._check(site, nbytes)
         for op in self._ops:
             op.meta_bytes += nbytes
             op.allocations += 1
@@ -234,7 +254,7 @@ class Host:
         """``std::vector<uint8_t>(nbytes)``: a zero-filled buffer, or ``None`` for zero bytes."""
         if nbytes <= 0:
             return None
-        self.seam.check(site, nbytes)
+        self._check(site, nbytes)
         p = Payload(self, next(self._ids), nbytes, kind)
         self.ledger.on_alloc(p)
         for op in self._ops:
@@ -267,3 +287,6 @@ class Host:
             op.live_after = self.ledger.live_bytes
             op.peak = max(op.peak, op.live_after)
             self.last_op = op
+            self.ops_log.append(op)
+            if self.seam.scope == name and self.seam.fired:
+                self.seam.disarm()

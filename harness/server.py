@@ -29,7 +29,6 @@ import enum
 import hashlib
 import struct
 from dataclasses import dataclass, field
-from typing import Any
 
 from .cache import ServerPrompt, ServerPromptCache, Tokens, f32, get_common_prefix
 from .checkpoint import CommonPromptCheckpoint
@@ -133,6 +132,7 @@ class ServerSlot:
         self.sampled: int | None = None
         self.n_decoded = 0
         self.n_prompt_cached = 0
+        self.pos_next = 0  # where the last prompt processing resumed (after checkpoint invalidation)
         self.result: list[int] = []
         self.error: str | None = None
 
@@ -154,10 +154,12 @@ class ServerSlot:
         if not self.prompt.tokens:
             return False
         cur_size_tgt = self.ctx_tgt.state_seq_get_size_ext(self.id, STATE_SEQ_FLAGS_NONE)
-        cur_size_dft = (
-            self.ctx_dft.state_seq_get_size_ext(self.id, STATE_SEQ_FLAGS_NONE) if self.ctx_dft else 0
-        )
+        cur_size_dft = self.ctx_dft.state_seq_get_size_ext(self.id, STATE_SEQ_FLAGS_NONE) if self.ctx_dft else 0
         with self.server.host.operation("save") as op:
+            op.state_bytes = cur_size_tgt + cur_size_dft
+            op.spec_bytes = sum(c.data_spec.nbytes for c in self.prompt.checkpoints if c.data_spec is not None)
+            op.n_tokens = self.prompt.n_tokens()
+            op.n_checkpoints = len(self.prompt.checkpoints)
             cur = prompt_cache.alloc(self.prompt, cur_size_tgt, cur_size_dft)
             if cur is not None:
                 # the return value of get_data_ext is not checked upstream (:273)
@@ -165,7 +167,6 @@ class ServerSlot:
                     cur.data.main.fill(self.ctx_tgt.state_seq_get_data_ext(self.id, STATE_SEQ_FLAGS_NONE))
                 if self.ctx_dft is not None and cur.data.drft is not None:
                     cur.data.drft.fill(self.ctx_dft.state_seq_get_data_ext(self.id, STATE_SEQ_FLAGS_NONE))
-        self.server.last_save = SaveRecord(self.id, cur_size_tgt + cur_size_dft, op, cur is not None)
         return cur is not None
 
     # server-context.cpp:284
@@ -214,16 +215,6 @@ class ServerSlot:
 
 
 @dataclass
-class SaveRecord:
-    """The last ``prompt_save``: slot, new state bytes, its memory figures, whether it saved."""
-
-    slot: int
-    state_bytes: int
-    op: Any
-    saved: bool
-
-
-@dataclass
 class LaunchResult:
     status: str  # "launched" | "deferred"
     slot: int = -1
@@ -245,7 +236,6 @@ class ServerContext:
     errors: list[tuple[int, str]] = field(default_factory=list)
     clock: int = 0
     next_task_id: int = 0
-    last_save: SaveRecord | None = None
 
     def __post_init__(self) -> None:
         self.checkpoint_cls: type[CommonPromptCheckpoint] = self.sem.checkpoint_cls or CommonPromptCheckpoint
@@ -458,6 +448,7 @@ class ServerContext:
         for cur in list(slot.prompt.checkpoints):
             if cur.pos_max > pos_next:
                 slot.prompt.checkpoints.erase(cur)
+        slot.pos_next = pos_next
 
         # :3385 [TAG_PROMPT_LOGITS]
         if n_past == len(input_tokens) and n_past > 0:
@@ -472,9 +463,7 @@ class ServerContext:
     def _do_checkpoint_base(self) -> bool:
         """:3441 checkpoints only where memory cannot be rolled back (FULL, RS) or with SWA."""
         t = self.ctx_tgt.seq_rm_type()
-        return self.params.n_ctx_checkpoints > 0 and (
-            t is SeqRmType.FULL or t is SeqRmType.RS or self.n_swa > 0
-        )
+        return self.params.n_ctx_checkpoints > 0 and (t is SeqRmType.FULL or t is SeqRmType.RS or self.n_swa > 0)
 
     # server-context.cpp:3441-3620
     def _prompt_batch(self, slot: ServerSlot) -> None:

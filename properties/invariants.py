@@ -1,0 +1,518 @@
+"""The eleven invariants, each a named function that raises :class:`Violation` when broken.
+
+Two kinds of checks:
+
+* **State invariants** look at a :class:`~harness.server.ServerContext` at rest and need nothing
+  else: ``accounting``, ``refcount``, ``checkpoint_lists``, ``draft_in_step``, plus
+  ``immutability`` which compares against a :class:`Shadow` of what every holder saw before.
+  :func:`check_state` runs them all; the state machine calls it after every step and the fault
+  sweep uses it as its integrity check.
+* **Operation post-conditions** compare a cache or slot before and after one operation:
+  ``limit``, ``no_partial_entries``, ``transient_peak``, ``load_transfer``, ``no_prefix_entries``,
+  ``checkpoint_lists`` (invalidation), ``busy_slot_untouched``. :class:`Tracer` wraps the methods of
+  one live server *instance* (so a mutant subclass cannot skip the check) and calls them.
+
+Every check computes its expectation independently of the code under test: sizes are summed from
+payload bytes, digests are taken from the bytes themselves, ratios are exact fractions.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from fractions import Fraction
+from typing import Any
+
+from harness.cache import ServerPromptCache, ServerPromptCacheState, get_common_prefix
+from harness.checkpoint import CheckpointList, CommonPromptCheckpoint
+from harness.memory import (
+    CHECKPOINT_HEADER_BYTES,
+    ENTRY_HEADER_BYTES,
+    LIST_NODE_BYTES,
+    TOKEN_BYTES,
+    OperationStats,
+    Payload,
+)
+from harness.server import ServerContext, ServerSlot
+
+__all__ = [
+    "INVARIANTS",
+    "Shadow",
+    "Tracer",
+    "Violation",
+    "check_state",
+]
+
+# name -> one line, in the order of the issue; every entry is a property in the gate's report
+INVARIANTS: dict[str, str] = {
+    "limit": "size() <= limit_size after alloc/update; n_tokens() within the token limit computed on entry",
+    "accounting": "size()/n_tokens() equal the sums over entries; logical bytes >= physical unique bytes",
+    "immutability": "a checkpoint payload never changes while anyone holds it",
+    "refcount": "holder counts equal references; unreferenced payloads are released; no leaks",
+    "no_partial_entries": "an allocation failure in a save leaves the cache as before minus documented evictions",
+    "transient_peak": "a save's physical peak exceeds live bytes by at most S + value-owned spec + metadata",
+    "load_transfer": "load leaves the cache unchanged or moves exactly one qualifying entry to the slot",
+    "no_prefix_entries": "right after a successful alloc no entry's tokens are a prefix of another's",
+    "checkpoint_lists": "ascending n_tokens, at most n_ctx_checkpoints, pos_max <= resume position",
+    "busy_slot_untouched": "cache operations never touch a slot that is processing",
+    "draft_in_step": "a slot's target and draft memory describe exactly the slot's tokens",
+}
+
+
+class Violation(AssertionError):
+    """An invariant does not hold: ``name`` is its key in :data:`INVARIANTS`."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"[{name}] {message}")
+        self.name = name
+        self.message = message
+
+
+def _fail(name: str, message: str) -> None:
+    raise Violation(name, message)
+
+
+def _bytes_digest(p: Payload) -> str:
+    return hashlib.blake2b(p.data, digest_size=12).hexdigest()
+
+
+def _ckpt_digests(c: CommonPromptCheckpoint) -> tuple[str | None, ...]:
+    return tuple(None if p is None else _bytes_digest(p) for p in (c.data_tgt, c.data_dft, c.data_spec))
+
+
+def _holders(server: ServerContext) -> Iterator[tuple[str, CommonPromptCheckpoint]]:
+    """Every checkpoint alive, named by who holds it."""
+    cache = server.prompt_cache
+    if cache is not None:
+        for i, e in enumerate(cache.states):
+            for j, c in enumerate(e.prompt.checkpoints):
+                yield f"cache[{i}].ckpt[{j}]", c
+    for s in server.slots:
+        for j, c in enumerate(s.prompt.checkpoints):
+            yield f"slot{s.id}.ckpt[{j}]", c
+        yield f"slot{s.id}.spec_ckpt", s.spec_ckpt
+
+
+def _references(server: ServerContext) -> tuple[Counter[int], dict[int, Payload]]:
+    """How many holders reference each payload (by identity), and the payloads themselves."""
+    refs: Counter[int] = Counter()
+    objs: dict[int, Payload] = {}
+    for _, c in _holders(server):
+        for p in c.payloads():
+            refs[p.ident] += 1
+            objs[p.ident] = p
+    if server.prompt_cache is not None:
+        for e in server.prompt_cache.states:
+            for p in (e.data.main, e.data.drft):
+                if p is not None:
+                    refs[p.ident] += 1
+                    objs[p.ident] = p
+    return refs, objs
+
+
+# ---- state invariants ---------------------------------------------------------------------
+
+
+def check_accounting(server: ServerContext) -> None:
+    """``size()`` and ``n_tokens()`` are the sums over entries; logical >= physical.
+
+    Guards ``--cache-ram``: the limit is only as good as the size it is compared with. A size()
+    that forgets checkpoints (the bug #25070 fixed) lets the cache hold more than configured. The
+    logical charge counts a shared payload once per holder, so it may exceed the physical bytes of
+    the cache's unique payloads (PR: conservative) but never fall below them.
+    """
+    cache = server.prompt_cache
+    if cache is None:
+        return
+    expect_size = 0
+    expect_tokens = 0
+    unique: dict[int, int] = {}
+    for i, e in enumerate(cache.states):
+        entry = sum(p.nbytes for p in (e.data.main, e.data.drft) if p is not None)
+        for c in e.prompt.checkpoints:
+            entry += sum(p.nbytes for p in (c.data_tgt, c.data_dft, c.data_spec) if p is not None)
+        if e.size() != entry:
+            _fail("accounting", f"cache[{i}].size() = {e.size()}, its payloads hold {entry} bytes")
+        expect_size += entry
+        expect_tokens += len(e.prompt.tokens)
+        for p in e.payloads():
+            unique[p.ident] = p.nbytes
+    if cache.size() != expect_size:
+        _fail("accounting", f"size() = {cache.size()}, sum over entries = {expect_size}")
+    if cache.n_tokens() != expect_tokens:
+        _fail("accounting", f"n_tokens() = {cache.n_tokens()}, sum over entries = {expect_tokens}")
+    physical = sum(unique.values())
+    if expect_size < physical:
+        _fail("accounting", f"logical {expect_size} < physical unique {physical}")
+
+
+def check_refcount(server: ServerContext) -> None:
+    """Each payload's holder count equals its references; nothing unreferenced stays alive.
+
+    Guards the PR's ownership model: a shared payload freed while a cache entry still points at it
+    is a use-after-free, and one kept alive after its last holder is gone is a leak that
+    ``--cache-ram`` cannot see.
+    """
+    refs, objs = _references(server)
+    ledger = server.host.ledger
+    for ident, n in refs.items():
+        p = objs[ident]
+        if p.released:
+            _fail("refcount", f"payload #{ident} is referenced {n}x but was released (use after free)")
+        if p.holders != n:
+            _fail("refcount", f"payload #{ident} has holders={p.holders}, referenced {n}x")
+    leaked = [p for i, p in ledger.live.items() if i not in refs]
+    if leaked:
+        _fail("refcount", f"{len(leaked)} payload(s) alive with no holder: {leaked[:3]}")
+    live = sum(p.nbytes for p in ledger.live.values())
+    if live != ledger.live_bytes:
+        _fail("refcount", f"ledger live_bytes = {ledger.live_bytes}, live payloads hold {live}")
+
+
+def _check_list(where: str, cps: CheckpointList, cap: int) -> None:
+    prev = None
+    for c in cps:
+        if prev is not None and c.n_tokens <= prev:
+            _fail("checkpoint_lists", f"{where}: n_tokens not ascending ({prev} then {c.n_tokens})")
+        prev = c.n_tokens
+    if cap > 0 and len(cps) > cap:
+        _fail("checkpoint_lists", f"{where}: {len(cps)} checkpoints > n_ctx_checkpoints = {cap}")
+
+
+def check_checkpoint_lists(server: ServerContext) -> None:
+    """Checkpoint lists are ascending in ``n_tokens`` and no longer than ``n_ctx_checkpoints``.
+
+    The restore search walks the list newest to oldest and takes the first usable one; it relies on
+    the order, and the cap is the only bound on per-slot checkpoint memory.
+    """
+    cap = server.params.n_ctx_checkpoints
+    if server.prompt_cache is not None:
+        for i, e in enumerate(server.prompt_cache.states):
+            _check_list(f"cache[{i}]", e.prompt.checkpoints, cap)
+    for s in server.slots:
+        _check_list(f"slot{s.id}", s.prompt.checkpoints, cap)
+
+
+def check_draft_in_step(server: ServerContext) -> None:
+    """Each slot's target (and draft) memory describes exactly the slot's tokens.
+
+    Guards every restore path: a cache load, a checkpoint restore, a speculative rollback and each
+    failure recovery must leave target and draft at the same tokens as ``slot.prompt.tokens``;
+    otherwise the next decode continues from a state that does not match the text.
+    """
+    for s in server.slots:
+        for ctx in (server.ctx_tgt, server.ctx_dft):
+            if ctx is None:
+                continue
+            got = ctx.seq_tokens(s.id)
+            if got != s.prompt.tokens:
+                _fail(
+                    "draft_in_step",
+                    f"slot{s.id}: {ctx.name} memory describes {_short(got)}, slot tokens are {_short(s.prompt.tokens)}",
+                )
+
+
+@dataclass
+class Shadow:
+    """What each live checkpoint's payload bytes were when last seen, for ``immutability``."""
+
+    seen: dict[int, tuple[CommonPromptCheckpoint, tuple[str | None, ...], str]] = field(default_factory=dict)
+
+    def expect_update(self, ckpt: CommonPromptCheckpoint) -> None:
+        """The owner rewrote this checkpoint on purpose: its new bytes become the expectation."""
+        self.seen.pop(id(ckpt), None)
+
+    def check(self, server: ServerContext) -> None:
+        """A checkpoint's bytes never change while anyone holds it (``immutability``).
+
+        Guards the PR's snapshot semantics: when a slot and a cache entry share a payload, a slot
+        that rewrites its checkpoint in place would silently change the cache entry's snapshot,
+        and a later restore from the cache would resume from the wrong state.
+        """
+        alive: dict[int, tuple[CommonPromptCheckpoint, str]] = {}
+        for where, c in _holders(server):
+            if where.endswith("spec_ckpt"):
+                continue  # the owner updates spec_ckpt in place by design; it is never shared
+            alive[id(c)] = (c, where)
+        for key, (c, where) in alive.items():
+            now = _ckpt_digests(c)
+            prev = self.seen.get(key)
+            if prev is not None and prev[0] is c and prev[1] != now:
+                _fail("immutability", f"{where} ({c}) changed bytes while held (was {prev[1]}, now {now})")
+            self.seen[key] = (c, now, where)
+        for key in [k for k in self.seen if k not in alive]:
+            del self.seen[key]
+
+
+def check_state(server: ServerContext, shadow: Shadow | None = None) -> None:
+    """All state invariants; raise the first :class:`Violation`."""
+    check_accounting(server)
+    check_refcount(server)
+    check_checkpoint_lists(server)
+    check_draft_in_step(server)
+    if shadow is not None:
+        shadow.check(server)
+
+
+def clear_all(server: ServerContext) -> None:
+    """Clear every slot and the cache, then physical live bytes must be 0 (``refcount``)."""
+    for s in server.slots:
+        s.prompt_clear()
+        s.spec_ckpt.clear()
+    cache = server.prompt_cache
+    if cache is not None:
+        while cache.states:
+            cache._pop_front()
+    if server.host.ledger.live_bytes != 0:
+        _fail(
+            "refcount",
+            f"with every slot and the cache cleared, {server.host.ledger.live_bytes} bytes are still live: "
+            f"{list(server.host.ledger.live.values())[:3]}",
+        )
+
+
+# ---- operation post-conditions ------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class EntryView:
+    """An entry as it was: identity, tokens, checkpoint identities and digests, data identities."""
+
+    entry: ServerPromptCacheState
+    tokens: tuple[int, ...]
+    ckpts: tuple[tuple[int, tuple[str | None, ...]], ...]
+    data: tuple[int | None, int | None]
+
+
+def _view(e: ServerPromptCacheState) -> EntryView:
+    return EntryView(
+        e,
+        e.prompt.tokens,
+        tuple((id(c), _ckpt_digests(c)) for c in e.prompt.checkpoints),
+        tuple(None if p is None else p.ident for p in (e.data.main, e.data.drft)),  # type: ignore[arg-type]
+    )
+
+
+def _slot_view(s: ServerSlot) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[str | None, ...]], ...]]:
+    return s.prompt.tokens, tuple((id(c), _ckpt_digests(c)) for c in s.prompt.checkpoints)
+
+
+def _short(t: Any) -> str:
+    if not isinstance(t, tuple):
+        return repr(t)
+    return repr(t) if len(t) <= 8 else f"({len(t)} tokens ending {t[-4:]})"
+
+
+class Tracer:
+    """Wraps one server instance's cache and slot operations with their post-conditions.
+
+    ``findings`` collects the values the report shows (``transient_peak`` ratios for ``master``).
+    ``strict_peak``: fail the ``transient_peak`` property (True), or only record figures.
+    """
+
+    def __init__(self, server: ServerContext, *, strict_peak: bool = True, shadow: Shadow | None = None) -> None:
+        self.server = server
+        self.strict_peak = strict_peak
+        self.shadow = shadow
+        self.peaks: list[tuple[int, int, int]] = []  # (peak excess, bound, S) per save
+        self.checked: Counter[str] = Counter()
+        cache = server.prompt_cache
+        if cache is not None:
+            self._wrap(cache, "alloc", self._alloc)
+            self._wrap(cache, "load", self._load)
+            self._wrap(cache, "update", self._update)
+        for s in server.slots:
+            self._wrap(s, "prompt_save", self._save(s))
+        self._wrap(server, "_start_prompt", self._start_prompt)
+        self._wrap(server, "handle_completion", self._handle)
+
+    @staticmethod
+    def _wrap(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        setattr(obj, name, make(getattr(obj, name)))
+
+    # limit + no_prefix_entries + no_partial_entries
+    def _alloc(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        server = self.server
+
+        def alloc(prompt: Any, size_tgt: int, size_dft: int) -> Any:
+            cache = server.prompt_cache
+            assert cache is not None
+            before = [_view(e) for e in cache.states]
+            size_before = cache.size()
+            limit_before = cache.limit_size
+            fired_before = server.host.seam.fired
+            res = inner(prompt, size_tgt, size_dft)
+            fired = server.host.seam.fired > fired_before
+            after = [_view(e) for e in cache.states]
+            if res is not None:
+                self.checked["limit"] += 1
+                if cache.limit_size > 0 and cache.size() > cache.limit_size:
+                    _fail("limit", f"after alloc size() = {cache.size()} > limit_size = {cache.limit_size}")
+                self.checked["no_prefix_entries"] += 1
+                toks = [e.prompt.tokens for e in cache.states]
+                for i, a in enumerate(toks):
+                    for j, b in enumerate(toks):
+                        if i != j and len(a) <= len(b) and b[: len(a)] == a:
+                            _fail(
+                                "no_prefix_entries", f"entry {i} ({_short(a)}) is a prefix of entry {j} ({_short(b)})"
+                            )
+            if fired:
+                self.checked["no_partial_entries"] += 1
+                if res is not None:
+                    _fail("no_partial_entries", "alloc returned an entry although an allocation failed inside it")
+                old_ids = {id(v.entry): v for v in before}
+                idx = [list(old_ids).index(id(v.entry)) if id(v.entry) in old_ids else -1 for v in after]
+                for v, i in zip(after, idx, strict=True):
+                    if i < 0:
+                        _fail("no_partial_entries", f"a new entry ({_short(v.tokens)}) survived a failed allocation")
+                    if old_ids[id(v.entry)] != v:
+                        _fail("no_partial_entries", f"entry {_short(v.tokens)} changed during a failed allocation")
+                if idx != sorted(idx):
+                    _fail("no_partial_entries", "entries were reordered by a failed allocation")
+                if cache.limit_size != limit_before and cache.limit_size > max(1, int(0.4 * size_before)):
+                    _fail(
+                        "no_partial_entries",
+                        f"limit_size became {cache.limit_size}, above max(1, 0.4*size) = {max(1, int(0.4 * size_before))}",
+                    )
+            return res
+
+        return alloc
+
+    def _save(self, slot: ServerSlot) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+        server = self.server
+
+        def make(inner: Callable[..., Any]) -> Callable[..., Any]:
+            def prompt_save(cache: ServerPromptCache) -> Any:
+                before = _slot_view(slot)
+                fired_before = server.host.seam.fired
+                n_ops = len(server.host.ops_log)
+                res = inner(cache)
+                if server.host.seam.fired > fired_before and _slot_view(slot) != before:
+                    _fail("no_partial_entries", f"slot{slot.id} changed during a save that failed to allocate")
+                for op in server.host.ops_log[n_ops:]:
+                    if op.name == "save":
+                        self._check_peak(op)
+                return res
+
+            return prompt_save
+
+        return make
+
+    def _check_peak(self, op: OperationStats) -> None:
+        """``transient_peak``: bound = S + value-owned spec bytes; metadata within its own bound."""
+        self.checked["transient_peak"] += 1
+        bound = op.state_bytes + op.spec_bytes
+        self.peaks.append((op.peak_excess, bound, op.state_bytes))
+        meta_bound = (
+            TOKEN_BYTES * op.n_tokens
+            + (LIST_NODE_BYTES + CHECKPOINT_HEADER_BYTES) * op.n_checkpoints
+            + LIST_NODE_BYTES
+            + ENTRY_HEADER_BYTES
+        )
+        if not self.strict_peak:
+            return
+        if op.peak_excess > bound:
+            _fail(
+                "transient_peak",
+                f"save peak exceeded live bytes by {op.peak_excess} > S + spec = {bound} "
+                f"(S = {op.state_bytes}; the excess {op.peak_excess - bound} is copied checkpoint payload)",
+            )
+        if op.meta_bytes > meta_bound:
+            _fail("transient_peak", f"save allocated {op.meta_bytes} metadata bytes > bound {meta_bound}")
+
+    # limit (bytes and tokens) after update
+    def _update(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        server = self.server
+
+        def update() -> Any:
+            cache = server.prompt_cache
+            assert cache is not None
+            # the token limit as update() computes it on entry, after its byte-limit pass
+            sizes = [(e.size(), len(e.prompt.tokens)) for e in cache.states]
+            if cache.limit_size > 0:
+                while sizes and sum(b for b, _ in sizes) > cache.limit_size:
+                    sizes.pop(0)
+            spt = max(Fraction(1), Fraction(sum(b for b, _ in sizes), max(1, sum(n for _, n in sizes))))
+            if cache.limit_size > 0:
+                limit_cur = max(cache.limit_tokens, int(cache.limit_size / spt))
+            else:
+                limit_cur = cache.limit_tokens
+            res = inner()
+            self.checked["limit"] += 1
+            if cache.limit_size > 0 and cache.size() > cache.limit_size:
+                _fail("limit", f"after update size() = {cache.size()} > limit_size = {cache.limit_size}")
+            # upstream computes in float: allow one token per 2**22 of rounding
+            if cache.limit_tokens > 0 and cache.n_tokens() > limit_cur + 1 + limit_cur // (1 << 22):
+                _fail("limit", f"after update n_tokens() = {cache.n_tokens()} > token limit {limit_cur}")
+            return res
+
+        return update
+
+    # load_transfer
+    def _load(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        server = self.server
+
+        def load(prompt: Any, tokens_new: tuple[int, ...], ctx_tgt: Any, ctx_dft: Any, id_slot: int) -> Any:
+            cache = server.prompt_cache
+            assert cache is not None
+            before = [_view(e) for e in cache.states]
+            slot_tokens = prompt.tokens
+            moved = {id(v.entry): [id(c) for c in v.entry.prompt.checkpoints] for v in before}
+            res = inner(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
+            self.checked["load_transfer"] += 1
+            after = [_view(e) for e in cache.states]
+            if after == before:
+                return res
+            if not res:
+                _fail("load_transfer", "load failed and left the cache changed (an entry lost part of its state)")
+            gone = [v for v in before if all(v.entry is not a.entry for a in after)]
+            if len(gone) != 1 or [v for v in before if v not in gone] != after:
+                _fail("load_transfer", f"load removed {len(gone)} entries or changed the others")
+            e = gone[0]
+            if prompt.tokens != e.tokens:
+                _fail("load_transfer", "the slot did not receive the chosen entry's tokens")
+            if [id(c) for c in prompt.checkpoints] != moved[id(e.entry)]:
+                _fail("load_transfer", "the slot's checkpoints are not the entry's (copied, not moved)")
+            lcp_slot = get_common_prefix(slot_tokens, tokens_new)
+            lcp = get_common_prefix(e.tokens, tokens_new)
+            f_keep = Fraction(lcp, len(e.tokens))
+            f_keep_slot = Fraction(lcp_slot, len(slot_tokens)) if slot_tokens else Fraction(-1)
+            if f_keep < Fraction(1, 4):
+                _fail("load_transfer", f"chosen entry has f_keep = {float(f_keep):.3f} < 0.25")
+            if not (f_keep > f_keep_slot and Fraction(lcp, len(tokens_new)) > Fraction(lcp_slot, len(tokens_new))):
+                _fail("load_transfer", "chosen entry does not beat the slot on both f_keep and f_sim")
+            return res
+
+        return load
+
+    # checkpoint_lists: invalidation against the resume position
+    def _start_prompt(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        def start(slot: ServerSlot) -> Any:
+            res = inner(slot)
+            if slot.is_processing():
+                self.checked["checkpoint_lists"] += 1
+                for c in slot.prompt.checkpoints:
+                    if c.pos_max > slot.pos_next:
+                        _fail(
+                            "checkpoint_lists",
+                            f"slot{slot.id}: checkpoint pos_max {c.pos_max} > resume position {slot.pos_next}",
+                        )
+            return res
+
+        return start
+
+    # busy_slot_untouched
+    def _handle(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+        server = self.server
+
+        def handle(*a: Any, **kw: Any) -> Any:
+            res = inner(*a, **kw)
+            self.checked["busy_slot_untouched"] += 1
+            for ev in server.events:
+                if ev.slot_processing:
+                    _fail("busy_slot_untouched", f"prompt_{ev.op} ran on slot{ev.slot} while it was processing")
+            return res
+
+        return handle
