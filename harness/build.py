@@ -45,4 +45,5 @@ def make_server(
             window=window,
             seed=seed + 1,
         )
-    return ServerContext(params, Host(), sem, tgt, dft)
+    server_cls: type[ServerContext] = sem.server_cls or ServerContext
+    return server_cls(params, Host(), sem, tgt, dft)

@@ -228,36 +228,12 @@ class ServerPromptCache:
             self.log.append(f"prompt state size {state_size_new} exceeds cache size limit {self.limit_size}")
             return None
 
-        # :1737 remove any cached prompts that are fully contained in the current prompt
-        for state in list(self.states):
-            n = get_common_prefix(state.prompt.tokens, prompt.tokens)
-            if n == len(state.prompt.tokens):
-                self.log.append(f"removing obsolete cached prompt with length {n}")
-                self._erase(state)
+        self._remove_obsolete(prompt)
+        self._make_room(state_size_new)
 
-        # :1750 make room before allocating the new vectors to avoid breaching the limit
-        if self.limit_size > 0:
-            while self.states and self.size() + state_size_new > self.limit_size:
-                self.log.append(f"making room, removing oldest entry (size = {self.states[0].size()})")
-                self._pop_front()
-
-        if self.sem.wide_try:
-            # PR #27451: the whole construction, states.push_back included, inside the try
-            tgt: Payload | None = None
-            dft: Payload | None = None
-            try:
-                tgt = self.host.alloc_payload("alloc.state_tgt", state_size_tgt, "state_main")
-                dft = self.host.alloc_payload("alloc.state_dft", state_size_dft, "state_drft")
-                return self._push_back(prompt, tgt, dft)
-            except BadAlloc as e:
-                for p in (tgt, dft):
-                    if p is not None:
-                        p.release()
-                self._recover(e)
-                return None
-
-        # :1762 master: only the two resize calls are protected
-        tgt = dft = None
+        # :1762 allocate the new state buffers inside the try (both semantics)
+        tgt: Payload | None = None
+        dft: Payload | None = None
         try:
             tgt = self.host.alloc_payload("alloc.state_tgt", state_size_tgt, "state_main")
             dft = self.host.alloc_payload("alloc.state_dft", state_size_dft, "state_drft")
@@ -267,23 +243,50 @@ class ServerPromptCache:
             self._recover(e)
             return None
 
-        # :1779 outside the try: a BadAlloc here propagates out of the cache (process terminates)
+        if not self.sem.wide_try:
+            # :1779 master: outside the try, a BadAlloc propagates out of the cache (the process terminates)
+            return self._push_back(prompt, tgt, dft)
+
+        # PR #27451: the whole construction, states.push_back included, inside the try
         try:
             return self._push_back(prompt, tgt, dft)
+        except BadAlloc as e:
+            self._recover(e)
+            return None
+
+    def _remove_obsolete(self, prompt: ServerPrompt) -> None:
+        """:1737 remove any cached prompts that are fully contained in the current prompt."""
+        for state in list(self.states):
+            n = get_common_prefix(state.prompt.tokens, prompt.tokens)
+            if n == len(state.prompt.tokens):
+                self.log.append(f"removing obsolete cached prompt with length {n}")
+                self._erase(state)
+
+    def _make_room(self, state_size_new: int) -> None:
+        """:1750 make room before allocating the new vectors to avoid breaching the limit."""
+        if self.limit_size > 0:
+            while self.states and self.size() + state_size_new > self.limit_size:
+                self.log.append(f"making room, removing oldest entry (size = {self.states[0].size()})")
+                self._pop_front()
+
+    def _push_back(self, prompt: ServerPrompt, tgt: Payload | None, dft: Payload | None) -> ServerPromptCacheState:
+        """``states.push_back({{prompt.tokens.clone(), prompt.checkpoints}, {move(tgt), move(dft)}})``.
+
+        Takes ownership of ``tgt``/``dft``: if an allocation fails, the temporaries (the buffers, the
+        token clone, the checkpoint copies) are released before ``BadAlloc`` propagates, as stack
+        unwinding would.
+        """
+        checkpoints: CheckpointList | None = None
+        try:
+            tokens = clone_tokens(self.host, prompt.tokens)
+            checkpoints = prompt.checkpoints.copy()
+            self.host.allocate("alloc.states_push_back", LIST_NODE_BYTES + ENTRY_HEADER_BYTES)
         except BadAlloc:
+            if checkpoints is not None:
+                checkpoints.clear()
             for p in (tgt, dft):
                 if p is not None:
                     p.release()
-            raise
-
-    def _push_back(self, prompt: ServerPrompt, tgt: Payload | None, dft: Payload | None) -> ServerPromptCacheState:
-        """``states.push_back({{prompt.tokens.clone(), prompt.checkpoints}, {move(tgt), move(dft)}})``."""
-        tokens = clone_tokens(self.host, prompt.tokens)
-        checkpoints = prompt.checkpoints.copy()
-        try:
-            self.host.allocate("alloc.states_push_back", LIST_NODE_BYTES + ENTRY_HEADER_BYTES)
-        except BadAlloc:
-            checkpoints.clear()
             raise
         entry = ServerPromptCacheState(ServerPrompt(tokens, checkpoints), ServerPromptData(tgt, dft))
         self.states.append(entry)

@@ -356,15 +356,20 @@ class ServerContext:
                 child.state = SlotState.WAIT_OTHER
         self.launch_slot_with_task(slot, task)
 
-        # :2417 idle-slot caching
-        if self.params.cache_idle_slots and self.prompt_cache is not None:
-            for s in self.slots:
-                if not s.is_processing():
-                    if s.prompt_save(self.prompt_cache):
-                        self.prompt_cache.update()
-                    if self.params.kv_unified:
-                        s.prompt_clear()
+        if self.params.cache_idle_slots:
+            self._cache_idle_slots()
         return LaunchResult("launched", slot.id, task.id)
+
+    def _cache_idle_slots(self) -> None:
+        """:2417 save every idle slot to the cache; with kv_unified also clear it (even if not saved)."""
+        if self.prompt_cache is None:
+            return
+        for s in self.slots:
+            if not s.is_processing():
+                if s.prompt_save(self.prompt_cache):
+                    self.prompt_cache.update()
+                if self.params.kv_unified:
+                    s.prompt_clear()
 
     def launch_slot_with_task(self, slot: ServerSlot, task: Task) -> None:
         slot.task = task
@@ -444,10 +449,7 @@ class ServerContext:
                     pos_next = 0
                     n_past = 0
 
-        # :3369 erase any checkpoints with pos_max > pos_next
-        for cur in list(slot.prompt.checkpoints):
-            if cur.pos_max > pos_next:
-                slot.prompt.checkpoints.erase(cur)
+        self._invalidate_checkpoints(slot, pos_next)
         slot.pos_next = pos_next
 
         # :3385 [TAG_PROMPT_LOGITS]
@@ -459,6 +461,12 @@ class ServerContext:
         # :3424 truncate any tokens that are beyond n_past for this slot
         slot.mem_seq_rm(n_past, -1)
         slot.state = SlotState.PROCESSING_PROMPT
+
+    def _invalidate_checkpoints(self, slot: ServerSlot, pos_next: int) -> None:
+        """:3369 erase any checkpoints with pos_max > pos_next."""
+        for cur in list(slot.prompt.checkpoints):
+            if cur.pos_max > pos_next:
+                slot.prompt.checkpoints.erase(cur)
 
     def _do_checkpoint_base(self) -> bool:
         """:3441 checkpoints only where memory cannot be rolled back (FULL, RS) or with SWA."""
@@ -589,6 +597,15 @@ class ServerContext:
         slot.sampled = sample(slot.prompt.tokens)
         self._finish_token(slot)
 
+    def _restore_draft(self, slot: ServerSlot, use_ckpt_dft: bool) -> None:
+        """:3040 restore the draft context to the state before drafting (spec_ckpt, then seq_rm)."""
+        assert self.ctx_dft is not None
+        ckpt = slot.spec_ckpt
+        if use_ckpt_dft:
+            ckpt.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        if not self.ctx_dft.memory_seq_rm(slot.id, ckpt.pos_max + 1, -1):
+            raise GgmlAbort(f"failed to remove sequence {slot.id}")
+
     # server-context.cpp:2980-3060 (draft, spec_ckpt) and :3890-3960 (acceptance)
     def _speculative_round(self, slot: ServerSlot) -> None:
         assert slot.sampled is not None and self.ctx_dft is not None and slot.task is not None
@@ -613,11 +630,7 @@ class ServerContext:
                 if i + 1 < k and dft.decode(slot.id, [d], n + 1 + i) != 0:
                     break
 
-        # restore the draft context to the state before drafting
-        if use_ckpt_dft:
-            ckpt.load_dft(dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
-        if not dft.memory_seq_rm(slot.id, ckpt.pos_max + 1, -1):
-            raise GgmlAbort(f"failed to remove sequence {slot.id}")
+        self._restore_draft(slot, use_ckpt_dft)
         if draft and use_ckpt_tgt:
             ckpt.update_tgt(tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
 

@@ -19,6 +19,7 @@ payload bytes, digests are taken from the bytes themselves, ratios are exact fra
 from __future__ import annotations
 
 import hashlib
+import time
 from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -305,6 +306,17 @@ def _short(t: Any) -> str:
     return repr(t) if len(t) <= 8 else f"({len(t)} tokens ending {t[-4:]})"
 
 
+# which property each wrapped method's post-condition belongs to (for the timing report)
+_WRAPPED_CHECK = {
+    "alloc": "no_partial_entries",
+    "load": "load_transfer",
+    "update": "limit",
+    "prompt_save": "transient_peak",
+    "_start_prompt": "checkpoint_lists",
+    "handle_completion": "busy_slot_untouched",
+}
+
+
 class Tracer:
     """Wraps one server instance's cache and slot operations with their post-conditions.
 
@@ -318,6 +330,7 @@ class Tracer:
         self.shadow = shadow
         self.peaks: list[tuple[int, int, int]] = []  # (peak excess, bound, S) per save
         self.checked: Counter[str] = Counter()
+        self.seconds: Counter[str] = Counter()
         cache = server.prompt_cache
         if cache is not None:
             self._wrap(cache, "alloc", self._alloc)
@@ -328,9 +341,31 @@ class Tracer:
         self._wrap(server, "_start_prompt", self._start_prompt)
         self._wrap(server, "handle_completion", self._handle)
 
-    @staticmethod
-    def _wrap(obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        setattr(obj, name, make(getattr(obj, name)))
+    def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
+        """Replace ``obj.name`` by ``make(original)``; time spent outside the original is charged
+        to the post-condition that the wrapper checks (``seconds``)."""
+        original = getattr(obj, name)
+        inner_time = [0.0]
+
+        def timed_inner(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return original(*a, **kw)
+            finally:
+                inner_time[0] += time.perf_counter() - t0
+
+        wrapped = make(timed_inner)
+        label = _WRAPPED_CHECK[name]
+
+        def outer(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            before = inner_time[0]
+            try:
+                return wrapped(*a, **kw)
+            finally:
+                self.seconds[label] += (time.perf_counter() - t0) - (inner_time[0] - before)
+
+        setattr(obj, name, outer)
 
     # limit + no_prefix_entries + no_partial_entries
     def _alloc(self, inner: Callable[..., Any]) -> Callable[..., Any]:
@@ -371,11 +406,9 @@ class Tracer:
                         _fail("no_partial_entries", f"entry {_short(v.tokens)} changed during a failed allocation")
                 if idx != sorted(idx):
                     _fail("no_partial_entries", "entries were reordered by a failed allocation")
-                if cache.limit_size != limit_before and cache.limit_size > max(1, int(0.4 * size_before)):
-                    _fail(
-                        "no_partial_entries",
-                        f"limit_size became {cache.limit_size}, above max(1, 0.4*size) = {max(1, int(0.4 * size_before))}",
-                    )
+                cap = max(1, int(0.4 * size_before))
+                if cache.limit_size != limit_before and cache.limit_size > cap:
+                    _fail("no_partial_entries", f"limit_size became {cache.limit_size}, above max(1, 0.4*size) = {cap}")
             return res
 
         return alloc

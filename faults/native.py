@@ -1,0 +1,189 @@
+"""Native allocation faults: an LD_PRELOAD shim that fails the Nth malloc, calloc or realloc.
+
+``shim.c`` (beside this file) interposes the three allocation functions; when call ``nth`` after
+arming returns NULL, C++ ``operator new`` throws ``std::bad_alloc`` inside native code.
+``new_demo.cpp`` is a small C++ program that allocates through ``new`` and, depending on a flag,
+catches the ``bad_alloc`` or lets it terminate the process (SIGABRT), the way an exception escaping
+llama-server's task loop would.
+
+What this module promises:
+
+* :func:`build_shim` and :func:`build_new_demo` compile with the system ``gcc``/``g++`` on first
+  use and cache the result under the user cache dir (``$PROMPT_CACHE_HARNESS_CACHE``, else
+  ``$XDG_CACHE_HOME/prompt-cache-harness``, else ``~/.cache/prompt-cache-harness``), keyed by a
+  hash of the source, so an edited source is rebuilt. A missing compiler raises
+  :class:`NativeUnavailable` with one line.
+* :func:`run_native` runs any command under the shim in a child (:func:`faults.child.run_child`):
+  armed from the start through ``FAULTSHIM_NTH``, or left for the child to arm at run time with
+  ``faultshim_arm`` (``ctypes`` in Python, ``dlsym`` in C/C++; see :class:`ShimControl`). A
+  SIGABRT or SIGSEGV of the child comes back as a :class:`~faults.child.ChildResult` with
+  ``crashed`` set and the C stack (and, for Python children, the Python stack) in ``stacks``.
+* :func:`run_new_demo` classifies the demo's run: ``caught`` (it printed the ``bad_alloc``),
+  ``aborted`` (SIGABRT with a stack), ``completed`` (the fault did not fire) or ``error``.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import os
+import re
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+from .child import ChildResult, run_child
+
+__all__ = [
+    "DemoResult",
+    "NativeUnavailable",
+    "ShimControl",
+    "build_new_demo",
+    "build_shim",
+    "cache_dir",
+    "run_native",
+    "run_new_demo",
+]
+
+_HERE = Path(__file__).resolve().parent
+
+
+class NativeUnavailable(RuntimeError):
+    """The native layer cannot run here (no compiler, or compilation failed): one line."""
+
+
+def cache_dir() -> Path:
+    explicit = os.environ.get("PROMPT_CACHE_HARNESS_CACHE")
+    if explicit:
+        return Path(explicit)
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "prompt-cache-harness"
+
+
+def _build(source: str, compiler: str, flags: Sequence[str], suffix: str) -> Path:
+    src = _HERE / source
+    cc = shutil.which(compiler)
+    if cc is None:
+        raise NativeUnavailable(f"{compiler} not found: the native fault layer needs it to build {source}")
+    digest = hashlib.sha256(src.read_bytes() + " ".join(flags).encode()).hexdigest()[:12]
+    out = cache_dir() / f"{src.stem}-{digest}{suffix}"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{src.stem}-", suffix=suffix, dir=out.parent)
+    os.close(fd)
+    try:
+        proc = subprocess.run(
+            [cc, *flags, "-o", tmp, str(src), "-ldl"], capture_output=True, text=True, timeout=120, check=False
+        )
+        if proc.returncode != 0:
+            first = (proc.stderr.strip().splitlines() or ["no output"])[0]
+            raise NativeUnavailable(f"{compiler} failed to build {source}: {first}")
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, out)  # atomic: a concurrent build of the same source is harmless
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def build_shim() -> Path:
+    """The shared object of ``shim.c`` (built on first use, then cached)."""
+    return _build("shim.c", "gcc", ["-O2", "-Wall", "-shared", "-fPIC"], ".so")
+
+
+def build_new_demo() -> Path:
+    """The executable of ``new_demo.cpp`` (built on first use, then cached)."""
+    return _build("new_demo.cpp", "g++", ["-O0", "-g", "-rdynamic", "-Wall"], "")
+
+
+class ShimControl:
+    """Arm and disarm the preloaded shim from inside a Python process that runs under it."""
+
+    def __init__(self) -> None:
+        lib = ctypes.CDLL(None)
+        try:
+            self._arm = lib.faultshim_arm
+            self._disarm = lib.faultshim_disarm
+            self._count = lib.faultshim_count
+        except AttributeError:
+            raise NativeUnavailable("the fault shim is not preloaded in this process (LD_PRELOAD)") from None
+        self._arm.argtypes = [ctypes.c_long, ctypes.c_int]
+        self._arm.restype = None
+        self._disarm.restype = ctypes.c_long
+        self._count.restype = ctypes.c_long
+
+    def arm(self, nth: int, *, persistent: bool = False) -> None:
+        self._arm(nth, int(persistent))
+
+    def disarm(self) -> int:
+        return int(self._disarm())
+
+    def count(self) -> int:
+        return int(self._count())
+
+
+def run_native(
+    argv: Sequence[str],
+    *,
+    nth: int | None = None,
+    persistent: bool = False,
+    timeout: float = 30.0,
+    env: Mapping[str, str] | None = None,
+) -> ChildResult:
+    """Run ``argv`` under the shim; with ``nth``, armed from load time (else the child arms it)."""
+    child_env = dict(os.environ if env is None else env)
+    child_env.pop("FAULTSHIM_NTH", None)
+    if nth is not None:
+        child_env["FAULTSHIM_NTH"] = str(nth)
+        child_env["FAULTSHIM_PERSISTENT"] = "1" if persistent else "0"
+    return run_child(argv, env=child_env, timeout=timeout, preload=str(build_shim()))
+
+
+@dataclass
+class DemoResult:
+    """What :func:`run_new_demo` saw: ``outcome`` and, when caught, the allocation that failed."""
+
+    outcome: str  # "caught" | "aborted" | "completed" | "error"
+    failed_at: int | None
+    child: ChildResult
+
+    def describe(self) -> str:
+        if self.outcome == "caught":
+            return f"caught std::bad_alloc at allocation #{self.failed_at}"
+        if self.outcome == "aborted":
+            return f"terminated by {self.child.signal} (std::bad_alloc had no handler); stack captured"
+        if self.outcome == "completed":
+            return "completed: the fault did not fire"
+        return f"unexpected: {self.child.describe()}: {self.child.stderr.strip()[:200]}"
+
+
+def run_new_demo(nth: int, *, catch: bool, count: int = 16, timeout: float = 30.0) -> DemoResult:
+    """Run ``new_demo`` under the shim with allocation ``nth`` failing; classify how it ended."""
+    child = run_native(
+        [str(build_new_demo()), "--catch" if catch else "--no-catch", str(nth), str(count)], timeout=timeout
+    )
+    m = re.search(r"caught std::bad_alloc: .* at allocation #(\d+)", child.stdout)
+    if child.status == "exited" and child.returncode == 0 and m:
+        return DemoResult("caught", int(m.group(1)), child)
+    if child.status == "signalled" and child.signal == "SIGABRT":
+        return DemoResult("aborted", None, child)
+    if child.status == "exited" and child.returncode == 0 and "completed" in child.stdout:
+        return DemoResult("completed", None, child)
+    return DemoResult("error", None, child)
+
+
+def _main() -> int:
+    for catch in (True, False):
+        r = run_new_demo(3, catch=catch)
+        print(f"new_demo {'--catch' if catch else '--no-catch'} 3: {r.describe()}")
+        if r.child.stacks:
+            print("  " + r.child.stacks.strip().replace("\n", "\n  "))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,106 @@
+/* LD_PRELOAD allocation-fault shim for the prompt-cache harness (faults/native.py builds it).
+ *
+ * Interposes malloc, calloc and realloc. While armed, call number NTH (counted from arming) returns
+ * NULL with errno = ENOMEM, and in persistent mode so does every later call; C++ operator new then
+ * throws std::bad_alloc. free() is not interposed: every pointer still comes from glibc.
+ *
+ * Arming: faultshim_arm(nth, persistent) at run time (ctypes, or dlsym(RTLD_DEFAULT) from C/C++), or
+ * FAULTSHIM_NTH / FAULTSHIM_PERSISTENT in the environment, counted from load time.
+ * Disarming: faultshim_disarm() returns the number of faults that fired.
+ * On SIGABRT, SIGSEGV, SIGBUS or SIGFPE the shim disarms itself, appends the C stack (backtrace) to
+ * the file named by FAULTS_STACKS, restores the default action and re-raises the signal.
+ */
+#define _GNU_SOURCE
+#include <errno.h>
+#include <execinfo.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stddef.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+extern void *__libc_malloc(size_t);
+extern void *__libc_calloc(size_t, size_t);
+extern void *__libc_realloc(void *, size_t);
+
+static long fs_nth;        /* 0: disarmed */
+static int fs_persistent;
+static long fs_count;
+static long fs_fired;
+static int fs_stacks_fd = -1;
+
+void faultshim_arm(long nth, int persistent) {
+    __atomic_store_n(&fs_nth, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&fs_count, 0, __ATOMIC_SEQ_CST);
+    __atomic_store_n(&fs_fired, 0, __ATOMIC_SEQ_CST);
+    fs_persistent = persistent;
+    __atomic_store_n(&fs_nth, nth, __ATOMIC_SEQ_CST);
+}
+
+long faultshim_disarm(void) {
+    __atomic_store_n(&fs_nth, 0, __ATOMIC_SEQ_CST);
+    return __atomic_load_n(&fs_fired, __ATOMIC_SEQ_CST);
+}
+
+long faultshim_count(void) { return __atomic_load_n(&fs_count, __ATOMIC_SEQ_CST); }
+long faultshim_fired(void) { return __atomic_load_n(&fs_fired, __ATOMIC_SEQ_CST); }
+
+static int fs_fail(void) {
+    long nth = __atomic_load_n(&fs_nth, __ATOMIC_SEQ_CST);
+    if (nth <= 0) return 0;
+    long c = __atomic_add_fetch(&fs_count, 1, __ATOMIC_SEQ_CST);
+    if (c == nth || (fs_persistent && c > nth)) {
+        __atomic_add_fetch(&fs_fired, 1, __ATOMIC_SEQ_CST);
+        errno = ENOMEM;
+        return 1;
+    }
+    return 0;
+}
+
+void *malloc(size_t n) { return fs_fail() ? NULL : __libc_malloc(n); }
+
+void *calloc(size_t n, size_t size) { return fs_fail() ? NULL : __libc_calloc(n, size); }
+
+void *realloc(void *p, size_t n) {
+    if (n != 0 && fs_fail()) return NULL; /* realloc(p, 0) frees: never fails */
+    return __libc_realloc(p, n);
+}
+
+static void fs_write(const char *s) {
+    if (fs_stacks_fd >= 0 && write(fs_stacks_fd, s, strlen(s)) < 0) { /* nothing to do */ }
+}
+
+static void fs_on_fatal(int sig) {
+    void *frames[64];
+    __atomic_store_n(&fs_nth, 0, __ATOMIC_SEQ_CST);
+    fs_write("\nnative stack (faultshim, signal ");
+    fs_write(sig == SIGABRT ? "SIGABRT" : sig == SIGSEGV ? "SIGSEGV" : sig == SIGBUS ? "SIGBUS" : "SIGFPE");
+    fs_write("):\n");
+    if (fs_stacks_fd >= 0) backtrace_symbols_fd(frames, backtrace(frames, 64), fs_stacks_fd);
+    signal(sig, SIG_DFL);
+    raise(sig);
+}
+
+__attribute__((constructor)) static void fs_init(void) {
+    const char *path = getenv("FAULTS_STACKS");
+    if (path && *path) {
+        void *frames[2];
+        fs_stacks_fd = open(path, O_WRONLY | O_APPEND | O_CREAT | O_CLOEXEC, 0600);
+        backtrace(frames, 2); /* load libgcc's unwinder now, not inside a signal handler */
+        struct sigaction sa;
+        memset(&sa, 0, sizeof sa);
+        sa.sa_handler = fs_on_fatal;
+        sigemptyset(&sa.sa_mask);
+        sa.sa_flags = SA_NODEFER;
+        sigaction(SIGABRT, &sa, NULL);
+        sigaction(SIGSEGV, &sa, NULL);
+        sigaction(SIGBUS, &sa, NULL);
+        sigaction(SIGFPE, &sa, NULL);
+    }
+    const char *nth = getenv("FAULTSHIM_NTH");
+    if (nth && *nth) {
+        const char *pers = getenv("FAULTSHIM_PERSISTENT");
+        faultshim_arm(strtol(nth, NULL, 10), pers && *pers == '1');
+    }
+}

@@ -1,0 +1,399 @@
+"""``python -m harness gate``: the stateful properties as a CI gate.
+
+A run prints every parameter it derived from its seed first (variant, backend, profile, seed,
+commit, machines and their budgets), then one line per machine, then one line per property, then
+the known findings, and ends with ``PASS``/``FAIL``. A failure prints the property, the shrunk
+program (faults included as steps) ready to paste into ``python``, and one line that replays it.
+
+The ``ci`` profile is deterministic for a seed (Hypothesis' seed is forced, the example database
+is off). The ``fuzz`` profile runs more machines and many more examples, and keeps Hypothesis'
+example database in ``.hypothesis/gate`` (or ``--db``) so a failure found once is replayed first.
+
+Exit codes: 0 all properties pass, 1 a property failed, 2 usage or environment error, 3 the
+target crashed (an exception escaped the modelled server).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import hypothesis.core
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.stateful import run_state_machine_as_test
+
+from harness.cli import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+
+from .invariants import INVARIANTS, Violation
+from .machine import MachineConfig, TargetCrash, machine_class
+
+__all__ = ["KNOWN_FINDINGS", "GateReport", "add_arguments", "machines_for", "run", "run_gate"]
+
+PROFILES: dict[str, dict[str, int]] = {
+    "ci": {"max_examples": 300, "steps": 30},
+    "fuzz": {"max_examples": 1500, "steps": 60},
+}
+
+
+def machines_for(variant: str, profile: str) -> list[MachineConfig]:
+    """The machine configurations one gate run covers."""
+    base = [
+        MachineConfig(variant, "hybrid"),
+        MachineConfig(variant, "hybrid", draft=True),
+        MachineConfig(variant, "recurrent", kv_unified=True),
+        MachineConfig(variant, "iswa"),
+        MachineConfig(variant, "transformer", draft=True, kv_unified=True),
+    ]
+    if profile == "fuzz":
+        base += [
+            MachineConfig(variant, kind, draft=d, kv_unified=k, n_slots=n)
+            for kind in ("transformer", "recurrent", "hybrid", "iswa")
+            for d in (False, True)
+            for k in (False, True)
+            for n in (2, 3)
+            if MachineConfig(variant, kind, draft=d, kv_unified=k, n_slots=n) not in base
+        ]
+    return base
+
+
+@dataclass(frozen=True)
+class KnownFinding:
+    """A suspected upstream bug, modelled as upstream has it and run apart from the gate."""
+
+    id: str
+    title: str
+    config: Callable[[str], MachineConfig]
+    expects: frozenset[str]
+
+
+KNOWN_FINDINGS: list[KnownFinding] = [
+    KnownFinding(
+        "busy-slot-by-id",
+        "get_available_slot saves/loads the cache into a slot that is processing when the request names "
+        "that slot by id (server-context.cpp:1532-1633, with slot_prompt_similarity != 0)",
+        lambda v: MachineConfig(v, "hybrid", known=frozenset({"busy-slot-by-id"})),
+        frozenset({"busy_slot_untouched"}),
+    ),
+    KnownFinding(
+        "draft-kv-exhaustion",
+        "a draft context with less KV room than the target: a cache load whose draft restore fails after the "
+        "target restore succeeded leaves the entry without its main state (server-task.cpp:1842-1856), and a "
+        "draft decode failure aborts every slot without clearing it, leaving target and draft out of step "
+        "(server-context.cpp:3731, 2735)",
+        lambda v: MachineConfig(v, "hybrid", draft=True, known=frozenset({"small-draft-ctx"})),
+        frozenset({"load_transfer", "draft_in_step"}),
+    ),
+]
+
+
+@dataclass
+class Failure:
+    property: str
+    kind: str  # "violation" | "crash" | "error"
+    message: str
+    program: str
+    replay: str
+    machine: str
+    steps: int
+
+
+@dataclass
+class MachineResult:
+    config: MachineConfig
+    seconds: float
+    failure: Failure | None
+    checked: Counter[str]
+    check_seconds: Counter[str]
+    peaks: list[tuple[int, int, int]]
+
+
+@dataclass
+class GateReport:
+    variant: str
+    backend: str
+    profile: str
+    seed: int
+    commit: str
+    machines: list[MachineResult] = field(default_factory=list)
+    known: list[dict[str, Any]] = field(default_factory=list)
+
+    @property
+    def failures(self) -> list[Failure]:
+        return [m.failure for m in self.machines if m.failure is not None]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def properties(self) -> list[dict[str, Any]]:
+        out = []
+        failed = {f.property for f in self.failures}
+        for name in INVARIANTS:
+            examples = sum(m.checked[name] for m in self.machines)
+            seconds = sum(m.check_seconds[name] for m in self.machines)
+            status = "failed" if name in failed else ("passed" if examples else "not-checked")
+            out.append({"name": name, "status": status, "examples": examples, "seconds": round(seconds, 3)})
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        peaks = [p for m in self.machines for p in m.peaks]
+        worst = max(peaks, key=lambda p: p[0] - p[1], default=None)
+        return {
+            "passed": self.passed,
+            "variant": self.variant,
+            "backend": self.backend,
+            "profile": self.profile,
+            "seed": self.seed,
+            "commit": self.commit,
+            "properties": self.properties(),
+            "failures": [
+                {
+                    "property": f.property,
+                    "kind": f.kind,
+                    "message": f.message,
+                    "machine": f.machine,
+                    "program": f.program,
+                    "replay": f.replay,
+                }
+                for f in self.failures
+            ],
+            "known_findings": self.known,
+            "transient_peak": {
+                "saves": len(peaks),
+                "worst_excess_over_bound": 0 if worst is None else max(0, worst[0] - worst[1]),
+            },
+        }
+
+
+def _commit() -> str:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    sha = out.stdout.strip() or "unknown"
+    return sha + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _program(cfg: MachineConfig, notes: Iterable[str]) -> tuple[str, int]:
+    lines = [n for n in notes if n.startswith("state")]
+    head = [
+        "from properties.machine import MachineConfig, machine_class",
+        f"{cfg.class_name} = machine_class({replace(cfg, resolve=None)!r})"
+        if cfg.resolve is None
+        else f"{cfg.class_name} = machine_class(properties.mutants.config({cfg.semantics!r}, {cfg.kind!r}))",
+    ]
+    if cfg.resolve is not None:
+        head.insert(0, "import properties.mutants")
+    steps = sum(1 for n in lines if n.startswith("state.") and not n.startswith("state.teardown"))
+    return "\n".join(head + lines), steps
+
+
+def run_machine(cfg: MachineConfig, cfg_settings: settings, seed: int, replay: str) -> MachineResult:
+    cls = machine_class(cfg)
+    cls.stats_checked.clear()
+    cls.stats_seconds.clear()
+    cls.peaks.clear()
+    t0 = time.perf_counter()
+    failure: Failure | None = None
+    hypothesis.core.global_force_seed = seed  # type: ignore[attr-defined]
+    try:
+        run_state_machine_as_test(cls, settings=cfg_settings)
+    except (Violation, TargetCrash) as e:
+        program, steps = _program(cfg, getattr(e, "__notes__", []))
+        failure = Failure(
+            e.name,
+            "crash" if isinstance(e, TargetCrash) else "violation",
+            e.message,
+            program,
+            replay,
+            cfg.class_name,
+            steps,
+        )
+    except Exception as e:  # a bug of the harness or the model itself: still a reproducible failure
+        program, steps = _program(cfg, getattr(e, "__notes__", []))
+        failure = Failure("crash", "error", f"{type(e).__name__}: {e}", program, replay, cfg.class_name, steps)
+    finally:
+        hypothesis.core.global_force_seed = None  # type: ignore[attr-defined]
+    return MachineResult(
+        cfg, time.perf_counter() - t0, failure, Counter(cls.stats_checked), Counter(cls.stats_seconds), list(cls.peaks)
+    )
+
+
+def make_settings(profile: str, db: str | None, max_examples: int | None = None) -> settings:
+    p = PROFILES[profile]
+    database = None
+    if profile == "fuzz":
+        path = db or os.path.join(".hypothesis", "gate")
+        try:
+            os.makedirs(path, exist_ok=True)
+            probe = os.path.join(path, ".probe")
+            with open(probe, "w") as f:
+                f.write("")
+            os.unlink(probe)
+        except OSError as e:
+            raise UsageError(f"example database {path!r} is not usable: {e.strerror or e}") from None
+        database = DirectoryBasedExampleDatabase(path)
+    return settings(
+        max_examples=max_examples or p["max_examples"],
+        stateful_step_count=p["steps"],
+        deadline=None,
+        database=database,
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
+        if database
+        else [Phase.explicit, Phase.generate, Phase.shrink],
+        print_blob=False,
+    )
+
+
+def run_gate(
+    variant: str,
+    *,
+    profile: str = "ci",
+    seed: int = 0,
+    db: str | None = None,
+    machines: list[MachineConfig] | None = None,
+    max_examples: int | None = None,
+    known: bool = True,
+    out: Callable[[str], None] = print,
+) -> GateReport:
+    """Run the gate and return its report; ``out`` receives the human-readable lines."""
+    cfg_settings = make_settings(profile, db, max_examples)
+    report = GateReport(variant, "synthetic", profile, seed, _commit())
+    configs = machines if machines is not None else machines_for(variant, profile)
+    replay = f"python -m harness gate --variant {variant} --profile {profile} --seed {seed}"
+    out(
+        f"gate: variant={variant} backend=synthetic profile={profile} seed={seed} commit={report.commit} "
+        f"machines={len(configs)} max_examples={cfg_settings.max_examples} steps={cfg_settings.stateful_step_count}"
+    )
+    for cfg in configs:
+        r = run_machine(cfg, cfg_settings, seed, replay)
+        report.machines.append(r)
+        status = "ok  " if r.failure is None else "FAIL"
+        out(f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks {r.seconds:6.1f}s")
+    if known:
+        for k in KNOWN_FINDINGS:
+            kcfg = k.config(variant)
+            r = run_machine(kcfg, cfg_settings, seed, replay)
+            entry: dict[str, Any] = {"id": k.id, "title": k.title, "machine": kcfg.class_name}
+            if r.failure is None:
+                entry.update(status="not-reproduced")
+            elif r.failure.property in k.expects:
+                entry.update(
+                    status="reproduced",
+                    property=r.failure.property,
+                    message=r.failure.message,
+                    program=r.failure.program,
+                    steps=r.failure.steps,
+                )
+            else:
+                # a failure the known-finding run did not expect is a new failure of the gate
+                report.machines.append(r)
+                entry.update(status="unexpected", property=r.failure.property, message=r.failure.message)
+            report.known.append(entry)
+    _print_report(report, out)
+    return report
+
+
+def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
+    out("properties:")
+    for p in report.properties():
+        out(f"  {p['name']:<20} {p['status']:<12} {p['examples']:>8} checks {p['seconds']:8.3f}s")
+    peaks = [p for m in report.machines for p in m.peaks]
+    if peaks:
+        worst = max(peaks, key=lambda p: p[0] - p[1])
+        out(
+            f"transient peak: {len(peaks)} saves; worst peak excess {worst[0]} B against bound {worst[1]} B "
+            f"(S = {worst[2]} B)"
+        )
+    if report.known:
+        out("known findings (reported, not failing the gate):")
+        for k in report.known:
+            out(f"  {k['id']}: {k['status']}" + (f" ({k['property']}: {k['message']})" if "property" in k else ""))
+            if k.get("program"):
+                out("    " + k["program"].replace("\n", "\n    "))
+    for f in report.failures:
+        out("")
+        out(f"FAILED {f.property} ({f.kind}) in {f.machine}: {f.message}")
+        out("--- shrunk program (paste into python from the repository root) ---")
+        out(f.program)
+        out("--- replay ---")
+        out(f"{f.replay}    # commit {report.commit}")
+    out("PASS" if report.passed else "FAIL")
+
+
+def _write_junit(report: GateReport, path: str) -> None:
+    props = report.properties()
+    suite = ET.Element(
+        "testsuite",
+        name=f"gate-{report.variant}",
+        tests=str(len(props)),
+        failures=str(sum(p["status"] == "failed" for p in props)),
+    )
+    for p in props:
+        case = ET.SubElement(
+            suite, "testcase", classname=f"gate.{report.variant}", name=p["name"], time=str(p["seconds"])
+        )
+        for f in report.failures:
+            if f.property == p["name"]:
+                el = ET.SubElement(case, "failure", message=f.message)
+                el.text = f"{f.program}\n\n{f.replay}"
+    ET.ElementTree(suite).write(path, encoding="unicode", xml_declaration=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--variant", default="shared", choices=["shared", "master"])
+    parser.add_argument("--backend", default="synthetic", choices=["synthetic"])
+    parser.add_argument("--profile", default="ci", choices=sorted(PROFILES))
+    parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
+    parser.add_argument("--db", metavar="DIR", help="example database directory (fuzz profile)")
+    parser.add_argument("--max-examples", type=int, help="override the profile's examples per machine")
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
+
+
+def _writable(path: str | None) -> None:
+    if path is None:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise UsageError(f"cannot write {path!r}: directory {d!r} does not exist or is not writable")
+
+
+def run(args: argparse.Namespace) -> int:
+    _writable(args.json)
+    _writable(args.junit)
+    if args.max_examples is not None and args.max_examples < 1:
+        raise UsageError("--max-examples must be >= 1")
+    report = run_gate(args.variant, profile=args.profile, seed=args.seed, db=args.db, max_examples=args.max_examples)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+    if args.junit:
+        _write_junit(report, args.junit)
+    sys.stdout.flush()
+    if report.passed:
+        return EXIT_OK
+    if any(f.kind == "crash" for f in report.failures):
+        return EXIT_CRASH
+    return EXIT_FAILED if report.failures else EXIT_USAGE

@@ -1,0 +1,282 @@
+"""Stateful Hypothesis models that drive the reference model the way a server is driven.
+
+A :class:`PromptCacheMachine` owns one modelled server (``harness.make_server``) and sends it
+completion requests whose prompts share, extend and diverge from what the slots and the cache
+hold; it steps prompt processing (which creates checkpoints), finishes tasks, changes the cache
+limit, asks for child tasks and speculative rounds, re-captures a checkpoint, and arms allocation
+faults as ordinary steps (``state.arm_fault(kind='oom-transient', nth=3)``), so that Hypothesis
+shrinks and prints faults with the rest of the program.
+
+After every step all state invariants run (:func:`properties.invariants.check_state`); the
+per-operation post-conditions run inside the operations (:class:`properties.invariants.Tracer`).
+An exception that escapes the server (``BadAlloc``, ``GgmlAbort``) is a :class:`TargetCrash`.
+
+Each configuration is a concrete subclass registered in this module under a stable name
+(``Shared_hybrid_draft`` ...), so a printed failing program runs as pasted after
+``from properties.machine import *``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from dataclasses import dataclass, field, replace
+from typing import Any, ClassVar
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
+
+from harness.build import make_server
+from harness.errors import BadAlloc, GgmlAbort
+from harness.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
+from harness.semantics import Semantics
+from harness.server import ServerParams
+
+from . import invariants as inv
+
+__all__ = ["MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
+
+MAX_PROMPT = 40
+
+
+class TargetCrash(AssertionError):
+    """The modelled server would have died: an exception escaped it. ``name`` is the property."""
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(f"[{name}] target crashed: {message}")
+        self.name = name
+        self.message = message
+
+
+@dataclass(frozen=True)
+class MachineConfig:
+    """One state-machine configuration.
+
+    ``known`` enables request patterns that reach suspected upstream bugs (kept out of the main
+    gate run, exercised by the known-findings runs): ``"busy-slot-by-id"`` lets a request name a
+    slot that is processing; ``"small-draft-ctx"`` gives the draft context far fewer KV cells than
+    the target.
+    """
+
+    semantics: str
+    kind: str = "hybrid"
+    draft: bool = False
+    kv_unified: bool = False
+    n_slots: int = 2
+    cache_ram: int = 6  # KiB
+    known: frozenset[str] = frozenset()
+    resolve: Any = field(default=None, compare=False, repr=False)  # name -> Semantics, for mutants
+
+    @property
+    def class_name(self) -> str:
+        parts = [_ident(self.semantics), self.kind]
+        if self.draft:
+            parts.append("draft")
+        if self.kv_unified:
+            parts.append("kvu")
+        parts += sorted(_ident(k) for k in self.known)
+        name = "_".join(parts)
+        return name[0].upper() + name[1:]
+
+
+def _ident(s: str) -> str:
+    return "".join(c if c.isalnum() else "_" for c in s)
+
+
+class PromptCacheMachine(RuleBasedStateMachine):
+    """The generic machine; concrete configurations are made by :func:`machine_class`."""
+
+    config: ClassVar[MachineConfig]
+    # per-invariant check counts and seconds, summed over every instance of this class
+    stats_checked: ClassVar[Counter[str]]
+    stats_seconds: ClassVar[Counter[str]]
+    peaks: ClassVar[list[tuple[int, int, int]]]
+
+    def __init__(self) -> None:
+        super().__init__()
+        cfg = self.config
+        sem: Semantics = cfg.resolve(cfg.semantics) if cfg.resolve else _semantics(cfg.semantics)
+        self.params = ServerParams(
+            n_slots=cfg.n_slots,
+            cache_ram=cfg.cache_ram,
+            cache_ram_unit=1024,
+            n_ctx_checkpoints=3,
+            checkpoint_min_step=4,
+            cache_idle_slots=True,
+            kv_unified=cfg.kv_unified,
+            n_batch=8,
+            n_ubatch=4,
+            n_draft_max=2 if cfg.draft else 0,
+        )
+        small = "small-draft-ctx" in cfg.known
+        self.server = make_server(
+            sem, cfg.kind, draft=cfg.draft, params=self.params, n_ctx=256, n_ctx_dft=60 if small else None
+        )
+        self.shadow = inv.Shadow()
+        self.tracer = inv.Tracer(self.server, strict_peak=True, shadow=self.shadow)
+        self.crashed = False
+
+    # ---- helpers ---------------------------------------------------------------------------
+
+    def _guard(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
+        """Run a server operation; an escaping exception is a crash of the target."""
+        try:
+            return fn(*args, **kw)
+        except BadAlloc as e:
+            self.crashed = True
+            raise TargetCrash("no_partial_entries", f"std::bad_alloc escaped {what}: {e}") from e
+        except GgmlAbort as e:
+            self.crashed = True
+            raise TargetCrash("crash", f"GGML_ABORT in {what}: {e}") from e
+
+    def _base(self, source: int) -> tuple[int, ...]:
+        n = self.params.n_slots
+        if source < n:
+            return self.server.slots[source].prompt.tokens
+        cache = self.server.prompt_cache
+        entries = cache.states if cache is not None else []
+        if source - n < len(entries):
+            return entries[source - n].prompt.tokens
+        return ()
+
+    def _busy(self) -> bool:
+        return any(s.is_processing() for s in self.server.slots)
+
+    # ---- rules -----------------------------------------------------------------------------
+
+    @rule(
+        source=st.integers(0, 5),
+        keep=st.integers(0, MAX_PROMPT),
+        suffix=st.lists(st.integers(1, 24), max_size=16),
+        id_slot=st.integers(-1, 1),
+        n_cmpl=st.integers(1, 2),
+        n_predict=st.integers(1, 4),
+    )
+    def request(self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int) -> None:
+        """A completion request: a prefix of a slot's or a cache entry's prompt, then new tokens."""
+        tokens = (self._base(source)[:keep] + tuple(suffix))[-MAX_PROMPT:] or (1,)
+        if id_slot >= self.params.n_slots:
+            id_slot = -1
+        if id_slot >= 0 and self.server.slots[id_slot].is_processing() and "busy-slot-by-id" not in self.config.known:
+            id_slot = -1  # upstream saves/loads a busy slot named by id: a known finding, run apart
+        self.server.events.clear()
+        self._guard(
+            "handle_completion",
+            self.server.handle_completion,
+            tokens,
+            id_slot=id_slot,
+            n_cmpl=n_cmpl,
+            n_predict=n_predict,
+        )
+
+    @precondition(lambda self: self._busy())
+    @rule()
+    def step(self) -> None:
+        """One iteration of update_slots: a prompt batch per slot, child activation, generation."""
+        self._guard("update_slots", self.server.update_slots)
+
+    @precondition(lambda self: self._busy())
+    @rule()
+    def finish(self) -> None:
+        """Run every processing slot to completion."""
+        self._guard("update_slots", self.server.run_until_idle)
+
+    @rule(kind=st.sampled_from(["oom-transient", "oom-persistent"]), nth=st.integers(1, 8))
+    def arm_fault(self, kind: str, nth: int) -> None:
+        """Fail the nth allocation of the next prompt save (and, if persistent, every later one)."""
+        self.server.host.seam.arm(nth, persistent=kind == "oom-persistent", scope="save")
+
+    @precondition(lambda self: self.server.prompt_cache is not None)
+    @rule(cache_ram=st.integers(1, 12))
+    def set_limit(self, cache_ram: int) -> None:
+        """Change --cache-ram (KiB here) and let update() enforce it, as the bad_alloc recovery does."""
+        cache = self.server.prompt_cache
+        assert cache is not None
+        cache.limit_size = cache_ram * 1024
+        self._guard("update", cache.update)
+
+    @rule(slot=st.integers(0, 1))
+    def refresh_checkpoint(self, slot: int) -> None:
+        """Re-capture an idle slot's newest checkpoint at its current position.
+
+        The vendored server updates only ``spec_ckpt`` in place; this rule uses the same
+        ``common_prompt_checkpoint::update_*`` API on a list checkpoint that a cache entry may
+        share, which is the copy-on-write contract PR #27451 states.
+        """
+        if slot >= self.params.n_slots:
+            return
+        s = self.server.slots[slot]
+        if s.is_processing() or s.prompt.checkpoints.empty():
+            return
+        c = s.prompt.checkpoints.back()
+        ctx_tgt, ctx_dft = self.server.ctx_tgt, self.server.ctx_dft
+        pos_min = ctx_tgt.memory_seq_pos_min(s.id)
+        if pos_min < 0:
+            return
+        self.shadow.expect_update(c)
+        c.update_pos(s.prompt.n_tokens(), pos_min, ctx_tgt.memory_seq_pos_max(s.id))
+        self._guard("update_tgt", c.update_tgt, ctx_tgt, s.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        self._guard("update_dft", c.update_dft, ctx_dft, s.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+
+    # ---- checks ----------------------------------------------------------------------------
+
+    @invariant()
+    def state_invariants(self) -> None:
+        if self.crashed:
+            return
+        t = type(self)
+        for name, check in (
+            ("accounting", inv.check_accounting),
+            ("refcount", inv.check_refcount),
+            ("checkpoint_lists", inv.check_checkpoint_lists),
+            ("draft_in_step", inv.check_draft_in_step),
+            ("immutability", self.shadow.check),
+        ):
+            t0 = time.perf_counter()
+            check(self.server)
+            t.stats_seconds[name] += time.perf_counter() - t0
+            t.stats_checked[name] += 1
+
+    def teardown(self) -> None:
+        t = type(self)
+        for k, v in self.tracer.checked.items():
+            t.stats_checked[k] += v
+        for k, v in self.tracer.seconds.items():
+            t.stats_seconds[k] += v
+        t.peaks.extend(self.tracer.peaks)
+        if not self.crashed:
+            self.server.host.seam.disarm()
+            t0 = time.perf_counter()
+            inv.clear_all(self.server)
+            t.stats_seconds["refcount"] += time.perf_counter() - t0
+            t.stats_checked["refcount"] += 1
+
+
+def _semantics(name: str) -> Semantics:
+    from harness.semantics import get_semantics
+
+    return get_semantics(name)
+
+
+_CLASSES: dict[MachineConfig, type[PromptCacheMachine]] = {}
+
+
+def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
+    """The concrete machine for ``config``, registered in this module under ``config.class_name``."""
+    key = replace(config, resolve=None)
+    cls = _CLASSES.get(key)
+    if cls is None:
+        cls = type(
+            config.class_name,
+            (PromptCacheMachine,),
+            {
+                "config": config,
+                "stats_checked": Counter(),
+                "stats_seconds": Counter(),
+                "peaks": [],
+                "__module__": __name__,
+            },
+        )
+        _CLASSES[key] = cls
+        globals()[config.class_name] = cls
+    return cls

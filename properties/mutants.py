@@ -1,0 +1,190 @@
+"""Deliberately broken caches: each one must be killed by the property it names.
+
+A mutant is a :class:`~harness.semantics.Semantics` whose ``cache_cls``, ``checkpoint_cls`` or
+``server_cls`` is a subclass of the model with one rule broken, plus ``master`` itself (killed by
+``transient_peak`` and, once a fault is armed, by ``no_partial_entries``). :data:`MUTANTS` maps
+the name to ``(semantics, the property expected to kill it, what is broken)``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from harness.cache import ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData, clone_tokens
+from harness.checkpoint import CheckpointList, CommonPromptCheckpoint
+from harness.memory import Payload
+from harness.semantics import MASTER, SHARED, Semantics
+from harness.server import ServerContext, ServerSlot
+
+from .machine import MachineConfig
+
+__all__ = ["MUTANTS", "Mutant", "config", "resolve"]
+
+
+class _UpdateIgnoresLimitSize(ServerPromptCache):
+    """limit: update() skips its byte-limit pass (and computes the token limit without it)."""
+
+    def update(self) -> int:
+        saved, self.limit_size = self.limit_size, 0
+        try:
+            return super().update()
+        finally:
+            self.limit_size = saved
+
+
+class _SizeOmitsCheckpoints(ServerPromptCache):
+    """accounting: size() counts the state buffers but not the checkpoints (pre-#25070)."""
+
+    def size(self) -> int:
+        return sum(e.data.size() for e in self.states)
+
+
+class _UpdateInPlace(CommonPromptCheckpoint):
+    """immutability: update_tgt/dft write into the existing payload even when it is shared."""
+
+    def _write(self, old: Payload | None, data: bytes, site: str, kind: str) -> Payload | None:
+        if old is not None:
+            old.rewrite(data, site)
+            return old
+        return super()._write(old, data, site, kind)
+
+
+class _EvictForgetsRelease(ServerPromptCache):
+    """refcount: evicting the oldest entry unlinks it without destroying it."""
+
+    def _pop_front(self) -> None:
+        self.states.pop(0)
+
+
+class _HalfBuiltEntry(ServerPromptCache):
+    """no_partial_entries: the entry is appended before its checkpoints are copied."""
+
+    def _push_back(self, prompt: ServerPrompt, tgt: Payload | None, dft: Payload | None) -> ServerPromptCacheState:
+        entry = ServerPromptCacheState(
+            ServerPrompt(clone_tokens(self.host, prompt.tokens), CheckpointList(self.host)),
+            ServerPromptData(tgt, dft),
+        )
+        self.states.append(entry)
+        entry.prompt.checkpoints = prompt.checkpoints.copy()
+        return entry
+
+
+class _LoadKeepsEntry(ServerPromptCache):
+    """load_transfer: a successful load leaves the (emptied) entry in the cache instead of erasing it."""
+
+    _keep = False
+
+    def load(self, *args: Any) -> bool:
+        self._keep = True
+        try:
+            return super().load(*args)
+        finally:
+            self._keep = False
+
+    def _erase(self, entry: ServerPromptCacheState) -> None:
+        if not self._keep:
+            super()._erase(entry)
+
+
+class _KeepsPrefixes(ServerPromptCache):
+    """no_prefix_entries: alloc does not remove entries that are prefixes of the new prompt."""
+
+    def _remove_obsolete(self, prompt: ServerPrompt) -> None:
+        return None
+
+
+class _NoCheckpointCap(ServerContext):
+    """checkpoint_lists: create_checkpoint ignores n_ctx_checkpoints."""
+
+    def create_checkpoint(self, slot: ServerSlot, n_tokens_cur: int, pos_min: int, pos_max: int) -> None:
+        saved = self.params.n_ctx_checkpoints
+        self.params.n_ctx_checkpoints = 1 << 30
+        try:
+            super().create_checkpoint(slot, n_tokens_cur, pos_min, pos_max)
+        finally:
+            self.params.n_ctx_checkpoints = saved
+
+
+class _NoInvalidation(ServerContext):
+    """checkpoint_lists: checkpoints beyond the resume position are kept."""
+
+    def _invalidate_checkpoints(self, slot: ServerSlot, pos_next: int) -> None:
+        return None
+
+
+class _IdleCachingSavesBusy(ServerContext):
+    """busy_slot_untouched: idle-slot caching also saves slots that are processing."""
+
+    def _cache_idle_slots(self) -> None:
+        if self.prompt_cache is None:
+            return
+        for s in self.slots:
+            if s.prompt_save(self.prompt_cache):
+                self.prompt_cache.update()
+
+
+class _DraftNotRestored(ServerContext):
+    """draft_in_step: after drafting, the draft context is not rolled back to the checkpoint."""
+
+    def _restore_draft(self, slot: ServerSlot, use_ckpt_dft: bool) -> None:
+        return None
+
+
+@dataclass(frozen=True)
+class Mutant:
+    semantics: Semantics
+    kills: str  # the property expected to kill it
+    what: str
+    kind: str = "hybrid"
+    draft: bool = False
+
+
+def _m(name: str, kills: str, cls: type, *, draft: bool = False) -> Mutant:
+    """A mutant of ``shared`` whose one broken class is ``cls`` (its docstring says what is broken)."""
+    slot = {ServerPromptCache: "cache_cls", CommonPromptCheckpoint: "checkpoint_cls", ServerContext: "server_cls"}
+    field_name = next(v for k, v in slot.items() if issubclass(cls, k))
+    sem = Semantics(name, shared_payloads=True, wide_try=True, **{field_name: cls})
+    return Mutant(sem, kills, (cls.__doc__ or "").strip(), draft=draft)
+
+
+MUTANTS: dict[str, Mutant] = {
+    m.semantics.name: m
+    for m in [
+        Mutant(MASTER, "transient_peak", "upstream as vendored: deep copy on insert, narrow try"),
+        Mutant(
+            Semantics("deep-copy-on-insert", shared_payloads=False, wide_try=True),
+            "transient_peak",
+            "the PR's wide handler, but checkpoint payloads still deep-copied",
+        ),
+        Mutant(
+            Semantics("narrow-try", shared_payloads=True, wide_try=False),
+            "no_partial_entries",
+            "shared payloads, but bad_alloc caught only around the state resize",
+        ),
+        _m("update-ignores-limit-size", "limit", _UpdateIgnoresLimitSize),
+        _m("size-omits-checkpoints", "accounting", _SizeOmitsCheckpoints),
+        _m("update-in-place", "immutability", _UpdateInPlace),
+        _m("evict-forgets-release", "refcount", _EvictForgetsRelease),
+        _m("half-built-entry", "no_partial_entries", _HalfBuiltEntry),
+        _m("load-keeps-entry", "load_transfer", _LoadKeepsEntry),
+        _m("keeps-prefixes", "no_prefix_entries", _KeepsPrefixes),
+        _m("no-checkpoint-cap", "checkpoint_lists", _NoCheckpointCap),
+        _m("no-invalidation", "checkpoint_lists", _NoInvalidation),
+        _m("idle-caching-saves-busy", "busy_slot_untouched", _IdleCachingSavesBusy),
+        _m("draft-not-restored", "draft_in_step", _DraftNotRestored, draft=True),
+    ]
+}
+
+
+def resolve(name: str) -> Semantics:
+    """The semantics of mutant ``name`` (or of ``shared``/``master``)."""
+    if name == "shared":
+        return SHARED
+    return MUTANTS[name].semantics
+
+
+def config(name: str, kind: str | None = None, *, draft: bool | None = None) -> MachineConfig:
+    """The machine configuration that runs mutant ``name`` (its own kind and draft by default)."""
+    m = MUTANTS[name]
+    return MachineConfig(name, kind or m.kind, draft=m.draft if draft is None else draft, resolve=resolve)

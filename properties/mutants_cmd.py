@@ -1,0 +1,95 @@
+"""``python -m harness mutants``: the gate against every mutant; each one must be killed.
+
+For each mutant the machine of its own configuration runs first, then the gate's other machines
+until one fails. A mutant is killed when any property fails on it; the report names the property
+(``by``), the time, and the number of steps of the shrunk program. Exit 0 only if every mutant is
+killed; a surviving mutant is a property that does not guard what it claims (exit 1).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from typing import Any
+
+from harness.cli import EXIT_FAILED, EXIT_OK, UsageError
+
+from .gate import machines_for, make_settings, run_machine
+from .mutants import MUTANTS, config, resolve
+
+__all__ = ["add_arguments", "kill", "run"]
+
+
+def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]:
+    """Run the gate's machines against mutant ``name`` until one fails; return the JSON row."""
+    m = MUTANTS[name]
+    cfg_settings = make_settings("ci", None, max_examples)
+    t0 = time.perf_counter()
+    own = config(name)
+    configs = [own] + [
+        c.__class__(name, c.kind, draft=c.draft, kv_unified=c.kv_unified, n_slots=c.n_slots, resolve=resolve)
+        for c in machines_for("shared", "ci")
+    ]
+    replay = f"python -m harness mutants --only {name} --seed {seed}"
+    for cfg in configs:
+        r = run_machine(cfg, cfg_settings, seed, replay)
+        if r.failure is not None:
+            f = r.failure
+            return {
+                "name": name,
+                "killed": True,
+                "by": f.property,
+                "expected": m.kills,
+                "machine": f.machine,
+                "message": f.message,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "steps": f.steps,
+                "program": f.program,
+            }
+    return {
+        "name": name,
+        "killed": False,
+        "by": None,
+        "expected": m.kills,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "steps": 0,
+    }
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--only", action="append", metavar="NAME", help="run only this mutant (repeatable)")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--max-examples", type=int, default=300)
+    parser.add_argument("--json", metavar="PATH", help="write {'mutants': [...]} as JSON")
+    parser.add_argument("--list", action="store_true", help="list the mutants and exit")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.list:
+        for name, m in MUTANTS.items():
+            print(f"{name:<28} kills: {m.kills:<20} {m.what}")
+        return EXIT_OK
+    names = args.only or list(MUTANTS)
+    unknown = [n for n in names if n not in MUTANTS]
+    if unknown:
+        raise UsageError(f"unknown mutant(s) {', '.join(unknown)}; see --list")
+    print(f"mutants: {len(names)} seed={args.seed} max_examples={args.max_examples}")
+    rows = []
+    for name in names:
+        row = kill(name, seed=args.seed, max_examples=args.max_examples)
+        rows.append(row)
+        if row["killed"]:
+            note = "" if row["by"] == row["expected"] else f" (expected {row['expected']})"
+            print(f"  [killed  ] {name:<28} by {row['by']:<20} {row['steps']:>3} steps {row['seconds']:6.1f}s{note}")
+        else:
+            print(f"  [SURVIVED] {name:<28} expected {row['expected']}  {row['seconds']:6.1f}s")
+    survivors = [r["name"] for r in rows if not r["killed"]]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"mutants": rows}, f, indent=2)
+    print(
+        f"{len(rows) - len(survivors)}/{len(rows)} killed"
+        + (f"; survived: {', '.join(survivors)}" if survivors else "")
+    )
+    return EXIT_OK if not survivors else EXIT_FAILED

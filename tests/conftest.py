@@ -1,0 +1,116 @@
+"""Shared builders for the unit tests: hand-made checkpoints, prompts, cache entries, and a ledger check."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import pytest
+
+from harness import (
+    CheckpointList,
+    CommonPromptCheckpoint,
+    Host,
+    Payload,
+    ServerPrompt,
+    ServerPromptCache,
+    ServerPromptCacheState,
+    get_semantics,
+)
+
+
+def pattern(n: int, seed: int) -> bytes:
+    """``n`` deterministic bytes that differ between seeds."""
+    return bytes((seed * 31 + i * 7) % 251 for i in range(n))
+
+
+class Kit:
+    """Builds model objects by hand on one host with one semantics (no server involved)."""
+
+    def __init__(self, sem_name: str) -> None:
+        self.host = Host()
+        self.sem = get_semantics(sem_name)
+        self._seed = 0
+
+    def payload(self, nbytes: int, kind: str = "test") -> Payload | None:
+        self._seed += 1
+        p = self.host.alloc_payload("test.setup", nbytes, kind)
+        if p is not None:
+            p.fill(pattern(nbytes, self._seed))
+        return p
+
+    def ckpt(
+        self,
+        n_tokens: int,
+        tgt: int = 0,
+        dft: int = 0,
+        spec: int = 0,
+        *,
+        pos_min: int | None = None,
+        pos_max: int | None = None,
+        id_task: int = -1,
+    ) -> CommonPromptCheckpoint:
+        c = CommonPromptCheckpoint(
+            self.host,
+            self.sem,
+            n_tokens=n_tokens,
+            id_task=id_task,
+            pos_min=n_tokens - 1 if pos_min is None else pos_min,
+            pos_max=n_tokens - 1 if pos_max is None else pos_max,
+        )
+        c.data_tgt = self.payload(tgt, "ckpt_tgt")
+        c.data_dft = self.payload(dft, "ckpt_dft")
+        c.data_spec = self.payload(spec, "ckpt_spec")
+        return c
+
+    def prompt(self, tokens: Iterable[int], ckpts: Iterable[CommonPromptCheckpoint] = ()) -> ServerPrompt:
+        return ServerPrompt(tuple(tokens), CheckpointList(self.host, list(ckpts)))
+
+    def cache(self, limit_bytes: int = 0, limit_tokens: int = 0) -> ServerPromptCache:
+        """A cache whose ``limit_size`` is ``limit_bytes`` bytes (unit = 1 byte)."""
+        return ServerPromptCache(self.host, self.sem, limit_bytes, limit_tokens, unit=1)
+
+    def entry(
+        self,
+        cache: ServerPromptCache,
+        tokens: Iterable[int],
+        main: int,
+        drft: int = 0,
+        ckpts: Iterable[CommonPromptCheckpoint] = (),
+    ) -> ServerPromptCacheState:
+        """Append an entry through ``alloc`` (the source prompt is destroyed afterwards)."""
+        prompt = self.prompt(tokens, ckpts)
+        e = cache.alloc(prompt, main, drft)
+        assert e is not None, "setup entry was not admitted"
+        if e.data.main is not None:
+            e.data.main.fill(pattern(main, 1000 + len(cache)))
+        if e.data.drft is not None:
+            e.data.drft.fill(pattern(drft, 2000 + len(cache)))
+        prompt.checkpoints.clear()
+        return e
+
+    def referenced(self, cache: ServerPromptCache | None = None, *prompts: ServerPrompt) -> dict[int, int]:
+        """ident -> number of references, over the cache entries and the given prompts."""
+        refs: dict[int, int] = {}
+        payloads: list[Payload] = []
+        if cache is not None:
+            for e in cache.states:
+                payloads.extend(e.payloads())
+        for pr in prompts:
+            for c in pr.checkpoints:
+                payloads.extend(c.payloads())
+        for p in payloads:
+            refs[p.ident] = refs.get(p.ident, 0) + 1
+        return refs
+
+    def assert_no_leak(self, cache: ServerPromptCache | None = None, *prompts: ServerPrompt) -> None:
+        """Live payloads are exactly the referenced ones, each with as many holders as references."""
+        refs = self.referenced(cache, *prompts)
+        live = self.host.ledger.live
+        assert set(live) == set(refs)
+        assert {i: live[i].holders for i in live} == refs
+        assert self.host.ledger.live_bytes == sum(live[i].nbytes for i in refs)
+
+
+@pytest.fixture
+def kit() -> Callable[[str], Kit]:
+    return Kit
