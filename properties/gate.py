@@ -203,7 +203,7 @@ def _program(cfg: MachineConfig, notes: Iterable[str]) -> tuple[str, int]:
     ]
     if cfg.resolve is not None:
         head.insert(0, "import properties.mutants")
-    steps = sum(1 for n in lines if n.startswith("state.") and not n.startswith("state.teardown"))
+    steps = sum(1 for n in lines if n.startswith("state.") and not n.startswith(("state.teardown", "state.state_inv")))
     return "\n".join(head + lines), steps
 
 

@@ -13,6 +13,7 @@ from typing import Any
 
 from harness.cache import ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData, clone_tokens
 from harness.checkpoint import CheckpointList, CommonPromptCheckpoint
+from harness.errors import BadAlloc
 from harness.memory import Payload
 from harness.semantics import MASTER, SHARED, Semantics
 from harness.server import ServerContext, ServerSlot
@@ -61,12 +62,16 @@ class _HalfBuiltEntry(ServerPromptCache):
     """no_partial_entries: the entry is appended before its checkpoints are copied."""
 
     def _push_back(self, prompt: ServerPrompt, tgt: Payload | None, dft: Payload | None) -> ServerPromptCacheState:
-        entry = ServerPromptCacheState(
-            ServerPrompt(clone_tokens(self.host, prompt.tokens), CheckpointList(self.host)),
-            ServerPromptData(tgt, dft),
-        )
+        try:
+            tokens = clone_tokens(self.host, prompt.tokens)
+        except BadAlloc:
+            for p in (tgt, dft):
+                if p is not None:
+                    p.release()
+            raise
+        entry = ServerPromptCacheState(ServerPrompt(tokens, CheckpointList(self.host)), ServerPromptData(tgt, dft))
         self.states.append(entry)
-        entry.prompt.checkpoints = prompt.checkpoints.copy()
+        entry.prompt.checkpoints = prompt.checkpoints.copy()  # a BadAlloc here leaves the entry half-built
         return entry
 
 

@@ -130,9 +130,7 @@ E_B = (*N20[:12], *range(300, 328))  # lcp 12, len 40: f_keep 0.30, f_sim 0.60
 
 
 @pytest.mark.parametrize(("order", "winner"), [((E_A, E_B), E_A), ((E_B, E_A), E_B)])
-def test_choice_depends_on_list_order(
-    kit: KitF, order: tuple[tuple[int, ...], ...], winner: tuple[int, ...]
-) -> None:
+def test_choice_depends_on_list_order(kit: KitF, order: tuple[tuple[int, ...], ...], winner: tuple[int, ...]) -> None:
     """The best-so-far is updated while scanning front to back: whichever qualifies first blocks the other."""
     k = kit("shared")
     tgt = _ctx()

@@ -20,8 +20,8 @@ HDR, COMP, CELL, RS = 8, 25, 32, 1024
 FULL, PART = STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 
-def _prov(kind: MemoryKind, n: int = 0, **kw: int) -> SyntheticProvider:
-    p = SyntheticProvider(kind, n_seq=2, **kw)
+def _prov(kind: MemoryKind, n: int = 0) -> SyntheticProvider:
+    p = SyntheticProvider(kind, n_seq=2)
     if n:
         assert p.decode(0, list(range(1, n + 1)), 0) == 0
     return p

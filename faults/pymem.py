@@ -1,0 +1,242 @@
+"""Python-allocator faults: ``_testcapi.set_nomemory`` fails any CPython allocation.
+
+The model's seam fails only the allocations the C++ makes; this layer fails the interpreter's own
+(object headers, dicts, tuples, digests), and so tests whether the model and the invariant checks
+stay consistent when Python itself runs out of memory at any point of an act. Its findings are
+about the model's exception safety: a Python ``MemoryError`` has no upstream counterpart at most
+of these points, so nothing here is counted against either semantics.
+
+What it promises:
+
+* Hooks only ever run in a **child process** (``python -m faults.pymem --child``) under a watchdog
+  (:func:`faults.child.run_child`): a hook left on can hang or abort the interpreter. The hook is
+  installed right before the act and removed in ``finally``; the checks run with it removed.
+* Trial ``nth`` fails allocation ``nth`` counted from the hook's installation (transient), or
+  every allocation from ``nth`` on (persistent). After a transient act that returned normally, a
+  probe allocation under the still-installed hook tells whether allocation ``nth`` was reached:
+  when the probe fails, the act made fewer than ``nth`` allocations and the transient sweep ends
+  there. The persistent sweep covers the same points.
+* A child that dies (SIGABRT from "Cannot recover from MemoryErrors", SIGSEGV) or hangs is a
+  ``fatal`` trial with the stacks the child wrote; the runner starts a new child at the next point.
+* :func:`pymem_unavailable` says, in one line, why the layer cannot run (no ``_testcapi``, as in
+  some distribution builds of CPython); :func:`sweep_pymem` then raises :class:`PymemUnavailable`.
+
+Trial outcomes: ``ok`` (the failure was not reached), ``absorbed`` (reached, the act still gave
+the right result), ``memory-error`` (``MemoryError`` escaped, every invariant holds afterwards),
+``inconsistent`` (``MemoryError`` escaped and an invariant broke: the model is not exception-safe
+there), ``violation`` (no error escaped, yet a wrong result or a broken invariant), ``crash``
+(another exception escaped), ``fatal`` (the child died or hung).
+"""
+
+from __future__ import annotations
+
+import gc
+import importlib
+import json
+import os
+import sys
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import ModuleType
+
+from .child import child_setup, run_child
+from .scenarios import SCENARIOS
+
+__all__ = ["PymemTrial", "PymemUnavailable", "pymem_unavailable", "sweep_pymem"]
+
+_ROOT = str(Path(__file__).resolve().parent.parent)
+FINDINGS = ("inconsistent", "violation", "crash", "fatal")
+
+
+class PymemUnavailable(RuntimeError):
+    """This interpreter cannot fail its own allocations on demand."""
+
+
+def _testcapi() -> ModuleType | None:
+    try:
+        mod = importlib.import_module("_testcapi")
+    except ImportError:
+        return None
+    return mod if hasattr(mod, "set_nomemory") and hasattr(mod, "remove_mem_hooks") else None
+
+
+def pymem_unavailable() -> str | None:
+    """``None`` when the layer can run, else the reason in one line."""
+    if _testcapi() is None:
+        return (
+            f"the pymem fault layer needs CPython's _testcapi.set_nomemory, which {sys.executable} does not "
+            "provide (install the interpreter's test module, e.g. Debian's libpython3.X-testsuite)"
+        )
+    return None
+
+
+@dataclass
+class PymemTrial:
+    nth: int
+    mode: str
+    outcome: str
+    detail: str = ""
+    stacks: str = ""
+    reached: bool = True
+
+    def row(self) -> dict[str, object]:
+        return {"nth": self.nth, "mode": self.mode, "outcome": self.outcome, "detail": self.detail}
+
+
+@dataclass
+class PymemReport:
+    scenario: str
+    variant: str
+    trials: list[PymemTrial] = field(default_factory=list)
+
+    @property
+    def findings(self) -> list[PymemTrial]:
+        return [t for t in self.trials if t.outcome in FINDINGS]
+
+
+def sweep_pymem(
+    scenario: str,
+    variant: str = "shared",
+    *,
+    modes: tuple[str, ...] = ("transient", "persistent"),
+    max_points: int = 5000,
+    first: int = 1,
+    timeout: float = 60.0,
+) -> PymemReport:
+    """Fail Python allocation ``first, first+1, ...`` of ``scenario``'s act, in children.
+
+    The transient sweep stops at the first point the act does not reach (or at ``max_points``);
+    the persistent sweep covers the same points.
+    """
+    reason = pymem_unavailable()
+    if reason is not None:
+        raise PymemUnavailable(reason)
+    if scenario not in SCENARIOS:
+        raise KeyError(f"unknown scenario {scenario!r}")
+    report = PymemReport(scenario, variant)
+    last = first + max_points - 1
+    for mode in modes:
+        nth = first
+        while nth <= last:
+            spec = {"scenario": scenario, "variant": variant, "mode": mode, "first": nth, "last": last}
+            env = dict(os.environ)
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+            child = run_child([sys.executable, "-m", "faults.pymem", "--child", json.dumps(spec)], env=env,
+                              timeout=timeout)
+            got = [PymemTrial(**json.loads(line)) for line in child.stdout.splitlines() if line.startswith("{")]
+            report.trials.extend(got)
+            if got and not got[-1].reached:
+                last = got[-1].nth - 1  # the act makes fewer allocations: the persistent sweep stops here too
+                break
+            done = got[-1].nth if got else nth - 1
+            if child.crashed or child.returncode != 0:
+                report.trials.append(
+                    PymemTrial(done + 1, mode, "fatal", f"child {child.describe()}: {child.stderr.strip()[-300:]}",
+                               child.stacks)
+                )
+                nth = done + 2
+            else:
+                nth = done + 1
+    return report
+
+
+# ---- child side ---------------------------------------------------------------------------------
+
+
+def _child_trial(capi: ModuleType, scenario: str, variant: str, mode: str, nth: int) -> PymemTrial:
+    from properties.invariants import Shadow, Violation, check_state, clear_all
+
+    prepared = SCENARIOS[scenario].build(variant)
+    server = prepared.server
+    shadow = Shadow()
+    check_state(server, shadow)
+    set_nomemory, remove = capi.set_nomemory, capi.remove_mem_hooks
+    escaped: BaseException | None = None
+    value: object = None
+    reached = True
+    gc.collect()
+    gc.disable()
+    set_nomemory(nth - 1, 0 if mode == "persistent" else nth)
+    try:
+        try:
+            value = prepared.act()
+        except BaseException as e:
+            escaped = e
+        if escaped is None and mode == "transient":
+            try:
+                bytearray(64)  # the probe: fails only if allocation nth is still pending
+            except MemoryError:
+                reached = False
+    finally:
+        remove()
+        gc.enable()
+    if not reached:
+        return PymemTrial(nth, mode, "ok", "allocation not reached", reached=False)
+    integrity = ""
+    try:
+        if escaped is None and (err := prepared.check(value, False)) is not None:
+            integrity = err
+        check_state(server, shadow)
+        clear_all(server)
+    except Violation as v:
+        integrity = integrity or str(v)
+    if escaped is None:
+        if integrity:
+            return PymemTrial(nth, mode, "violation", integrity)
+        return PymemTrial(nth, mode, "absorbed", "reached; the act completed with the right result")
+    where = _where(escaped)
+    if not isinstance(escaped, MemoryError):
+        return PymemTrial(nth, mode, "crash", f"{type(escaped).__name__}: {escaped} at {where}")
+    if integrity:
+        return PymemTrial(nth, mode, "inconsistent", f"MemoryError at {where}, then {integrity}")
+    return PymemTrial(nth, mode, "memory-error", f"MemoryError at {where}; invariants hold")
+
+
+def _where(e: BaseException) -> str:
+    tb = e.__traceback__
+    last = None
+    while tb is not None:
+        last = tb
+        tb = tb.tb_next
+    if last is None:
+        return "?"
+    code = last.tb_frame.f_code
+    return f"{Path(code.co_filename).name}:{last.tb_lineno} ({code.co_name})"
+
+
+def _child_main(spec_text: str) -> int:
+    child_setup()
+    capi = _testcapi()
+    if capi is None:
+        print(pymem_unavailable(), file=sys.stderr)
+        return 2
+    spec = json.loads(spec_text)
+    for nth in range(spec["first"], spec["last"] + 1):
+        t = _child_trial(capi, spec["scenario"], spec["variant"], spec["mode"], nth)
+        print(json.dumps({**t.row(), "reached": t.reached}), flush=True)
+        if not t.reached:
+            break
+    return 0
+
+
+def _main(argv: list[str]) -> int:
+    if len(argv) == 2 and argv[0] == "--child":
+        return _child_main(argv[1])
+    scenario = argv[0] if argv else "save-with-checkpoints"
+    variant = argv[1] if len(argv) > 1 else "shared"
+    reason = pymem_unavailable()
+    if reason is not None:
+        print(f"error: {reason}", file=sys.stderr)
+        return 2
+    r = sweep_pymem(scenario, variant)
+    tally: dict[str, int] = {}
+    for t in r.trials:
+        tally[t.outcome] = tally.get(t.outcome, 0) + 1
+    print(f"pymem {scenario} ({variant}): {len(r.trials)} trials: {tally}")
+    for t in r.findings[:10]:
+        print(f"  {t.mode} #{t.nth}: {t.outcome}: {t.detail}")
+    return 1 if r.findings else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main(sys.argv[1:]))

@@ -1,0 +1,124 @@
+"""The properties themselves: each is shown to fail on the mutant that breaks it (Hypothesis'
+own ``bad_machines`` pattern), the gate passes on ``shared``, fails on ``master`` with a shrunk,
+pasteable program, and the CLI keeps its exit codes and JSON schema."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from properties.gate import KNOWN_FINDINGS, machines_for, make_settings, run_gate, run_machine
+from properties.invariants import INVARIANTS, Violation
+from properties.machine import MachineConfig, TargetCrash
+from properties.mutants import MUTANTS
+from properties.mutants_cmd import kill
+
+
+def test_every_invariant_has_a_mutant() -> None:
+    assert {m.kills for m in MUTANTS.values()} == set(INVARIANTS)
+
+
+@pytest.mark.parametrize("name", list(MUTANTS))
+def test_mutant_is_killed_by_its_property(name: str) -> None:
+    row = kill(name)
+    assert row["killed"], f"mutant {name} survived the gate"
+    assert row["by"] == MUTANTS[name].kills, row.get("message")
+    assert 0 < row["steps"] <= 40
+
+
+def test_gate_shared_passes_and_checks_every_property() -> None:
+    lines: list[str] = []
+    report = run_gate("shared", max_examples=60, known=False, out=lines.append)
+    assert report.passed, "\n".join(lines)
+    props = {p["name"]: p for p in report.to_json()["properties"]}
+    assert set(props) == set(INVARIANTS)
+    for name, p in props.items():
+        assert p["status"] == "passed", name
+        assert p["examples"] > 0, f"{name} was never checked"
+    assert lines[0].startswith("gate: variant=shared backend=synthetic profile=ci seed=0 commit=")
+    assert lines[-1] == "PASS"
+
+
+def test_gate_master_fails_on_transient_peak_with_a_short_program() -> None:
+    cfg = MachineConfig("master", "hybrid")
+    r = run_machine(cfg, make_settings("ci", None, 300), 0, "replay-line")
+    assert r.failure is not None
+    assert r.failure.property == "transient_peak"
+    assert r.failure.steps <= 12
+    # the printed program is itself a reproducer
+    with pytest.raises(Violation, match="transient_peak"):
+        exec(r.failure.program.replace("state.teardown()", ""), {})
+
+
+def test_gate_master_crashes_when_a_fault_hits_the_checkpoint_copy() -> None:
+    # a transformer takes no checkpoints, so master's peak is S and only the fault can fail it
+    cfg = MachineConfig("master", "transformer")
+    r = run_machine(cfg, make_settings("ci", None, 300), 0, "replay-line")
+    assert r.failure is not None
+    assert r.failure.property == "no_partial_entries" and r.failure.kind == "crash"
+    assert "arm_fault(kind=" in r.failure.program
+    with pytest.raises(TargetCrash):
+        exec(r.failure.program.replace("state.teardown()", ""), {})
+
+
+def test_gate_is_deterministic_for_a_seed() -> None:
+    cfgs = [MachineConfig("master", "hybrid")]
+    a = run_gate("master", max_examples=100, machines=cfgs, known=False, seed=7, out=lambda _: None)
+    b = run_gate("master", max_examples=100, machines=cfgs, known=False, seed=7, out=lambda _: None)
+    assert [f.program for f in a.failures] == [f.program for f in b.failures]
+    assert a.failures
+
+
+def test_known_findings_are_reported_not_failing() -> None:
+    report = run_gate("shared", max_examples=200, machines=[], out=lambda _: None)
+    assert report.passed
+    ids = {k["id"]: k for k in report.known}
+    assert set(ids) == {k.id for k in KNOWN_FINDINGS}
+    busy = ids["busy-slot-by-id"]
+    assert busy["status"] == "reproduced" and busy["property"] == "busy_slot_untouched"
+    assert "id_slot=" in busy["program"]
+
+
+def test_ci_machines_cover_draft_kv_unified_and_every_kind() -> None:
+    cfgs = machines_for("shared", "ci")
+    assert {c.kind for c in cfgs} == {"transformer", "recurrent", "hybrid", "iswa"}
+    assert any(c.draft for c in cfgs) and any(c.kv_unified for c in cfgs)
+
+
+def _cli(*args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "harness", *args], capture_output=True, text=True, timeout=600)
+
+
+def test_cli_help_lists_commands() -> None:
+    r = _cli("--help")
+    assert r.returncode == 0
+    for cmd in ("gate", "mutants", "sweep", "rlimit", "demo"):
+        assert cmd in r.stdout
+
+
+def test_cli_bad_flag_is_one_line_and_exit_2() -> None:
+    r = _cli("gate", "--variant", "nope")
+    assert r.returncode == 2
+    assert "Traceback" not in r.stderr
+    r = _cli("gate", "--json", "/nonexistent-dir/x.json")
+    assert r.returncode == 2 and r.stderr.count("\n") == 1 and "cannot write" in r.stderr
+
+
+def test_cli_gate_json_schema(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "gate.json"
+    junit = tmp_path / "gate.xml"
+    r = _cli("gate", "--variant", "master", "--max-examples", "60", "--json", str(out), "--junit", str(junit))
+    assert r.returncode in (1, 3), r.stdout[-2000:]
+    data = json.loads(out.read_text())
+    assert {"passed", "variant", "backend", "seed", "properties", "failures", "known_findings"} <= set(data)
+    assert data["passed"] is False and data["variant"] == "master" and data["backend"] == "synthetic"
+    assert [p["name"] for p in data["properties"]] == list(INVARIANTS)
+    assert all({"name", "status", "examples", "seconds"} <= set(p) for p in data["properties"])
+    f = data["failures"][0]
+    assert {"property", "program", "replay"} <= set(f)
+    assert f["replay"].startswith("python -m harness gate --variant master")
+    assert "<testsuite" in junit.read_text()
+    assert "--- replay ---" in r.stdout
