@@ -93,6 +93,14 @@ KNOWN_FINDINGS: list[KnownFinding] = [
         lambda v: MachineConfig(v, "hybrid", draft=True, known=frozenset({"small-draft-ctx"})),
         frozenset({"load_transfer", "draft_in_step"}),
     ),
+    KnownFinding(
+        "swa-checkpoint-order",
+        "after an SWA checkpoint restore the slot resumes at pos_max = n_tokens - 1 but the restored checkpoint "
+        "is kept (invalidation erases only pos_max > pos_next), so the next checkpoint is created below it and "
+        "the list is no longer ascending in n_tokens (server-context.cpp:3338-3380, 2290-2345)",
+        lambda v: MachineConfig(v, "iswa", known=frozenset({"strict-swa-order"})),
+        frozenset({"checkpoint_lists"}),
+    ),
 ]
 
 
