@@ -191,6 +191,8 @@ class ServerSlot:
                 ctx.memory_seq_cp(self.id, other.id, -1, -1)
         other.prompt.assign(self.prompt.clone())
         other.sampled = self.sampled
+        other.n_decoded = self.n_decoded
+        other.result = list(self.result)
 
     def reset(self) -> None:
         """``server_slot::reset`` (:313): clears the speculative checkpoint among per-task state."""
@@ -279,7 +281,8 @@ class ServerContext:
                     ret = slot
             if ret is not None:
                 n_ret = ret.prompt.n_tokens()
-                f_keep = f32(f_sim_best * len(task.tokens) / n_ret) if n_ret else float("nan")
+                # float arithmetic as upstream: (f_sim_best * n_task) / n_ret, each step in binary32
+                f_keep = f32(f32(f_sim_best * len(task.tokens)) / n_ret) if n_ret else float("nan")
                 # if we are about to lose a large portion of the existing context - save it
                 if f_keep < 0.5:
                     update_cache = True
@@ -405,6 +408,7 @@ class ServerContext:
         for slot in self.slots:
             if slot.state is SlotState.DONE_PROMPT:
                 slot.state = SlotState.GENERATING
+                self._finish_token(slot)
             elif slot.state is SlotState.GENERATING:
                 self._generate(slot)
 
@@ -509,7 +513,10 @@ class ServerContext:
             return
         if slot.prompt.n_tokens() == n_task:
             slot.state = SlotState.DONE_PROMPT
+            # the first generated token: counted now, decoded only with the next batch (:475-511)
             slot.sampled = sample(slot.prompt.tokens)
+            slot.result = [slot.sampled]
+            slot.n_decoded = 1
 
     # server-context.cpp:2290
     def create_checkpoint(self, slot: ServerSlot, n_tokens_cur: int, pos_min: int, pos_max: int) -> None:
@@ -592,9 +599,9 @@ class ServerContext:
         slot.prompt.tokens = (*slot.prompt.tokens, tok)
         if not self._decode(slot, [tok], n):
             return
-        slot.result.append(tok)
-        slot.n_decoded += 1
         slot.sampled = sample(slot.prompt.tokens)
+        slot.result.append(slot.sampled)
+        slot.n_decoded += 1
         self._finish_token(slot)
 
     def _restore_draft(self, slot: ServerSlot, use_ckpt_dft: bool) -> None:
@@ -666,8 +673,9 @@ class ServerContext:
                 keep = n + len(confirmed)
                 slot.mem_seq_rm(keep, -1)
                 slot.prompt.tokens = slot.prompt.tokens[:keep]
-        slot.result.extend(confirmed)
-        slot.n_decoded += len(confirmed)
+        # every accepted token is generated; the last one is sampled but not yet decoded
+        slot.result.extend(accepted)
+        slot.n_decoded += len(accepted)
         slot.sampled = accepted[-1]
         self._finish_token(slot)
 

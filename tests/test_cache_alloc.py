@@ -120,6 +120,18 @@ def test_evict_oldest_first_before_allocating(kit: KitF, sem: str) -> None:
     assert cache.log.count("making room, removing oldest entry (size = 300)") == 2
 
 
+@pytest.mark.parametrize("sem", SEMS)
+def test_make_room_boundary(kit: KitF, sem: str) -> None:
+    k = kit(sem)
+    cache = k.cache(1000)
+    k.entry(cache, (1,), 300)
+    k.entry(cache, (2,), 300)
+    assert cache.alloc(k.prompt((3,)), 400, 0) is not None  # 600 + 400 == 1000: nothing evicted
+    assert _tokens(cache) == [(1,), (2,), (3,)]
+    assert cache.alloc(k.prompt((4,)), 1, 0) is not None  # 1000 + 1 > 1000: the oldest goes
+    assert _tokens(cache) == [(2,), (3,), (4,)] and cache.size() == 701
+
+
 def test_new_entry_state_buffers_zeroed_and_sized(kit: KitF) -> None:
     k = kit("master")
     cache = k.cache(0)

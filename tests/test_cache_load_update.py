@@ -99,7 +99,7 @@ def test_slot_with_full_prefix_is_never_replaced(kit: KitF) -> None:
     k = kit("shared")
     tgt = _ctx()
     cache = k.cache(0)
-    e = _save(k, cache, tgt, (1, 2, 3, 4, 5, 6, 7, 8, 70))  # lcp 8: f_keep 8/9, f_sim 8/9
+    e = _save(k, cache, tgt, (1, 2, 3, 4, 5, 6, 7, 8))  # lcp 8: f_keep 1.0 (a tie), f_sim 8/9 (better)
     slot = _slot(k, tgt, (1, 2, 3, 4, 5, 6))  # lcp 6: f_keep 1.0, f_sim 6/9
     assert cache.load(slot, (1, 2, 3, 4, 5, 6, 7, 8, 60), tgt, None, SLOT)
     assert slot.tokens == (1, 2, 3, 4, 5, 6) and cache.states == [e]
@@ -305,3 +305,11 @@ def test_update_float_truncation_can_evict_under_the_byte_limit(kit: KitF) -> No
     cache = _filled(k, [(3, 4), (4, 4)], 8, 1)
     assert cache.update() == 6
     assert _firsts(cache) == [1]
+
+
+def test_update_float_division_can_round_up_to_keep_everything(kit: KitF) -> None:
+    """4 B over 3 tokens: spt = 1.3333334f, float(4) / spt = 2.9999999 -> 3.0f -> 3 tokens (a double gives 2)."""
+    k = kit("shared")
+    cache = _filled(k, [(1, 2), (2, 2)], 4, 1)
+    assert cache.update() == 3
+    assert _firsts(cache) == [0, 1]

@@ -302,9 +302,10 @@ def test_superseding_checkpoint_at_same_n_tokens() -> None:
     assert new.data_tgt is not None and new.data_tgt.nbytes == 1057
 
 
-# cap 3: creating 84 finds the list full ([36, 44] + 1 >= 3): 44 <= 36 + 8 is thinned, so [36, 84];
-# creating 92: 84 is the current task's, nothing to thin or pop -> [36, 84, 92]
-@pytest.mark.parametrize(("cap", "expect"), [(32, [36, 44, 84, 92]), (3, [36, 84, 92]), (2, [84, 92])])
+# the second prompt has 49 + 46 = 95 tokens: checkpoints 4 + n_ubatch = 12 and 4 before its end (83, 91).
+# cap 3: creating 83 finds the list full ([36, 44] + 1 >= 3): 44 <= 36 + 8 is thinned, so [36, 83];
+# creating 91: 83 is the current task's, nothing to thin or pop -> [36, 83, 91]
+@pytest.mark.parametrize(("cap", "expect"), [(32, [36, 44, 83, 91]), (3, [36, 83, 91]), (2, [83, 91])])
 def test_server_checkpoints_ascending_and_capped(cap: int, expect: list[int]) -> None:
     params = ServerParams(n_slots=1, cache_ram=0, n_ctx_checkpoints=cap)
     s = make_server("shared", "recurrent", params=params)
@@ -312,7 +313,8 @@ def test_server_checkpoints_ascending_and_capped(cap: int, expect: list[int]) ->
     s.handle_completion(p1, n_predict=2)
     s.run_until_idle()
     assert _ns(s.slots[0]) == [36, 44]
-    # extend the conversation: same 50 tokens plus 46 new ones
+    # extend the conversation: the slot's 49 tokens (48 + the one decoded reply token) plus 46 new ones
+    assert s.slots[0].prompt.n_tokens() == 49
     p2 = s.slots[0].prompt.tokens + tuple(1 + (i * 5) % 19 for i in range(46))
     s.handle_completion(p2, n_predict=1)
     s.run_until_idle()

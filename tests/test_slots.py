@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 
 from harness import (
+    CommonPromptCheckpoint,
     ServerContext,
     ServerParams,
     ServerSlot,
@@ -157,6 +158,35 @@ def test_invalidation_with_cache_prompt_false(kind: str) -> None:
     s._start_prompt(slot)
     assert slot.n_prompt_cached == 0 and len(slot.prompt.checkpoints) == 0
     assert s.ctx_tgt.seq_tokens(0) == ()
+
+
+def test_checkpoint_beyond_pos_next_never_used_even_with_pos_min_zero() -> None:
+    """The search skips pos_max > pos_next before looking at pos_min (the pos_min == 0 escape)."""
+    s, slot = _after_p("hybrid")
+    fake = CommonPromptCheckpoint(s.host, s.sem, n_tokens=42, pos_min=0, pos_max=41)
+    old = slot.prompt.checkpoints.take()
+    items = [old[0], fake, old[1]]
+    for c in items:  # (36, 35, 35), (42, 0, 41), (44, 43, 43)
+        slot.prompt.checkpoints.emplace_back(c)
+    _start(s, (*P[:40], X, X))
+    assert slot.n_prompt_cached == 36 and slot.pos_next == 36
+    assert list(slot.prompt.checkpoints) == [items[0]]
+
+
+def test_invalidation_boundary_pos_max_equal_to_pos_next_survives() -> None:
+    """Transformer memory needs no restore (pos_min 0 < thold); the rule alone: erase pos_max > pos_next."""
+    s = make_server("shared", "transformer", params=ServerParams(n_slots=1, cache_ram=0))
+    slot = s.slots[0]
+    tokens = tuple(range(1, 21))
+    assert s.ctx_tgt.decode(0, list(tokens), 0) == 0
+    slot.prompt.tokens = tokens
+    for n in (9, 10, 11, 12):
+        slot.prompt.checkpoints.emplace_back(
+            CommonPromptCheckpoint(s.host, s.sem, n_tokens=n + 1, pos_min=0, pos_max=n)
+        )
+    _start(s, (*tokens[:10], X, X))
+    assert slot.n_prompt_cached == 10 and slot.pos_next == 10
+    assert [c.pos_max for c in slot.prompt.checkpoints] == [9, 10]
 
 
 # ---- idle-slot caching --------------------------------------------------------------------------
