@@ -281,7 +281,7 @@ class ServerPromptCache:
             tokens = clone_tokens(self.host, prompt.tokens)
             checkpoints = prompt.checkpoints.copy()
             self.host.allocate("alloc.states_push_back", LIST_NODE_BYTES + ENTRY_HEADER_BYTES)
-        except BadAlloc:
+        except BaseException:  # stack unwinding frees the temporaries, whatever is thrown
             if checkpoints is not None:
                 checkpoints.clear()
             for p in (tgt, dft):

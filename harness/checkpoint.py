@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .errors import BadAlloc, GgmlAbort
+from .errors import GgmlAbort
 from .memory import CHECKPOINT_HEADER_BYTES, LIST_NODE_BYTES, Host, Payload
 from .provider import StateProvider
 from .semantics import Semantics
@@ -179,7 +179,7 @@ class CommonPromptCheckpoint:
                 c.data_tgt = self.host.copy_payload("ckpt_copy.tgt", self.data_tgt)
                 c.data_dft = self.host.copy_payload("ckpt_copy.dft", self.data_dft)
             c.data_spec = self.host.copy_payload("ckpt_copy.spec", self.data_spec)
-        except BadAlloc:
+        except BaseException:  # unwinding: release what was already copied
             c.destroy()
             raise
         return c
@@ -229,7 +229,7 @@ class CheckpointList:
         """Allocate a node (may fail, then ``ckpt`` is destroyed) and append ``ckpt``."""
         try:
             self.host.allocate("ckpt_list.node", LIST_NODE_BYTES + CHECKPOINT_HEADER_BYTES)
-        except BadAlloc:
+        except BaseException:
             ckpt.destroy()
             raise
         self._items.append(ckpt)
@@ -259,7 +259,7 @@ class CheckpointList:
             for c in self._items:
                 self.host.allocate("ckpt_copy.node", LIST_NODE_BYTES + CHECKPOINT_HEADER_BYTES)
                 out._items.append(c.copy())
-        except BadAlloc:
+        except BaseException:
             out.clear()
             raise
         return out

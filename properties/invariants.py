@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import hashlib
 import time
-from collections import Counter
+from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from fractions import Fraction
@@ -106,10 +106,10 @@ def _references(server: ServerContext) -> tuple[Counter[int], dict[int, Payload]
             objs[p.ident] = p
     if server.prompt_cache is not None:
         for e in server.prompt_cache.states:
-            for p in (e.data.main, e.data.drft):
-                if p is not None:
-                    refs[p.ident] += 1
-                    objs[p.ident] = p
+            for q in (e.data.main, e.data.drft):
+                if q is not None:
+                    refs[q.ident] += 1
+                    objs[q.ident] = q
     return refs, objs
 
 
@@ -337,7 +337,7 @@ class Tracer:
         self.shadow = shadow
         self.peaks: list[tuple[int, int, int]] = []  # (peak excess, bound, S) per save
         self.checked: Counter[str] = Counter()
-        self.seconds: Counter[str] = Counter()
+        self.seconds: defaultdict[str, float] = defaultdict(float)
         cache = server.prompt_cache
         if cache is not None:
             self._wrap(cache, "alloc", self._alloc)
