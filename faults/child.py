@@ -28,7 +28,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO
 
-__all__ = ["STACKS_ENV", "WATCHDOG_ENV", "ChildResult", "child_setup", "run_child"]
+__all__ = ["STACKS_ENV", "WATCHDOG_ENV", "ChildResult", "child_setup", "child_stacks_file", "run_child"]
 
 STACKS_ENV = "FAULTS_STACKS"
 WATCHDOG_ENV = "FAULTS_WATCHDOG"
@@ -122,13 +122,18 @@ def _kill_group(proc: subprocess.Popen[str]) -> None:
         os.killpg(proc.pid, signal.SIGKILL)
 
 
-def child_setup() -> None:
-    """In a Python child: faulthandler on the stacks file, and the watchdog from the parent."""
+def child_stacks_file() -> IO[str]:
+    """The stream faulthandler writes to in this child (the stacks file, else stderr)."""
+    return _stacks_file or sys.stderr
+
+
+def child_setup(*, watchdog: bool = True) -> None:
+    """In a Python child: faulthandler on the stacks file, and (``watchdog``) the parent's watchdog."""
     global _stacks_file
     path = os.environ.get(STACKS_ENV)
     if path and _stacks_file is None:
         _stacks_file = open(path, "a")  # noqa: SIM115 - must stay open for faulthandler
         faulthandler.enable(_stacks_file, all_threads=True)
-    watchdog = os.environ.get(WATCHDOG_ENV)
-    if watchdog:
-        faulthandler.dump_traceback_later(float(watchdog), exit=True, file=_stacks_file or sys.stderr)
+    seconds = os.environ.get(WATCHDOG_ENV)
+    if watchdog and seconds:
+        faulthandler.dump_traceback_later(float(seconds), exit=True, file=child_stacks_file())

@@ -12,7 +12,9 @@ What it promises:
   (:func:`faults.child.run_child`): a hook left on can hang or abort the interpreter. The hook is
   installed right before the act and removed in ``finally``; the checks run with it removed.
 * Trial ``nth`` fails allocation ``nth`` counted from the hook's installation (transient), or
-  every allocation from ``nth`` on (persistent). After a transient act that returned normally, a
+  every allocation from ``nth`` on (persistent). Each trial has its own watchdog
+  (``trial_timeout``): CPython under persistent failure mostly hangs, so the persistent pass
+  samples a few points of the transient range. After a transient act that returned normally, a
   probe allocation under the still-installed hook tells whether allocation ``nth`` was reached:
   when the probe fails, the act made fewer than ``nth`` allocations and the transient sweep ends
   there. The persistent sweep covers the same points.
@@ -30,6 +32,7 @@ there), ``violation`` (no error escaped, yet a wrong result or a broken invarian
 
 from __future__ import annotations
 
+import faulthandler
 import gc
 import importlib
 import json
@@ -39,7 +42,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from .child import child_setup, run_child
+from .child import child_setup, child_stacks_file, run_child
 from .scenarios import SCENARIOS
 
 __all__ = ["PymemTrial", "PymemUnavailable", "pymem_unavailable", "sweep_pymem"]
@@ -98,15 +101,18 @@ def sweep_pymem(
     scenario: str,
     variant: str = "shared",
     *,
-    modes: tuple[str, ...] = ("transient", "persistent"),
     max_points: int = 5000,
     first: int = 1,
-    timeout: float = 60.0,
+    persistent_samples: int = 8,
+    trial_timeout: float = 2.0,
+    timeout: float = 120.0,
 ) -> PymemReport:
     """Fail Python allocation ``first, first+1, ...`` of ``scenario``'s act, in children.
 
-    The transient sweep stops at the first point the act does not reach (or at ``max_points``);
-    the persistent sweep covers the same points.
+    The transient sweep stops at the first point the act does not reach (or after ``max_points``).
+    Persistent failure makes CPython itself hang or abort at most points, and each hang costs
+    ``trial_timeout``; so the persistent pass runs ``persistent_samples`` points spread evenly over
+    the transient range (0: none).
     """
     reason = pymem_unavailable()
     if reason is not None:
@@ -114,30 +120,45 @@ def sweep_pymem(
     if scenario not in SCENARIOS:
         raise KeyError(f"unknown scenario {scenario!r}")
     report = PymemReport(scenario, variant)
-    last = first + max_points - 1
-    for mode in modes:
-        nth = first
-        while nth <= last:
-            spec = {"scenario": scenario, "variant": variant, "mode": mode, "first": nth, "last": last}
-            env = dict(os.environ)
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
-            child = run_child([sys.executable, "-m", "faults.pymem", "--child", json.dumps(spec)], env=env,
-                              timeout=timeout)
-            got = [PymemTrial(**json.loads(line)) for line in child.stdout.splitlines() if line.startswith("{")]
-            report.trials.extend(got)
-            if got and not got[-1].reached:
-                last = got[-1].nth - 1  # the act makes fewer allocations: the persistent sweep stops here too
-                break
-            done = got[-1].nth if got else nth - 1
-            if child.crashed or child.returncode != 0:
-                report.trials.append(
-                    PymemTrial(done + 1, mode, "fatal", f"child {child.describe()}: {child.stderr.strip()[-300:]}",
-                               child.stacks)
-                )
-                nth = done + 2
-            else:
-                nth = done + 1
+    transient = _run_points(report, "transient", list(range(first, first + max_points)), trial_timeout, timeout)
+    reached = [t.nth for t in transient if t.reached]
+    if persistent_samples > 0 and reached:
+        step = max(1, len(reached) // persistent_samples)
+        _run_points(report, "persistent", reached[::step][:persistent_samples], trial_timeout, timeout)
     return report
+
+
+def _run_points(
+    report: PymemReport, mode: str, points: list[int], trial_timeout: float, timeout: float
+) -> list[PymemTrial]:
+    """Run ``points`` in as many children as it takes; a dead child's point becomes ``fatal``."""
+    out: list[PymemTrial] = []
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    while points:
+        spec = {
+            "scenario": report.scenario,
+            "variant": report.variant,
+            "mode": mode,
+            "points": points,
+            "trial_timeout": trial_timeout,
+        }
+        argv = [sys.executable, "-m", "faults.pymem", "--child", json.dumps(spec)]
+        child = run_child(argv, env=env, timeout=timeout)
+        got = [PymemTrial(**json.loads(line)) for line in child.stdout.splitlines() if line.startswith("{")]
+        out.extend(got)
+        if got and not got[-1].reached:
+            break
+        points = points[len(got) :]
+        if not points:
+            break
+        if child.crashed or child.returncode != 0:
+            hung = "Timeout (" in child.stacks
+            what = f"hung (watchdog after {trial_timeout}s)" if hung else f"child {child.describe()}"
+            out.append(PymemTrial(points[0], mode, "fatal", f"{what}: {child.stderr.strip()[-200:]}", child.stacks))
+            points = points[1:]
+    report.trials.extend(out)
+    return out
 
 
 # ---- child side ---------------------------------------------------------------------------------
@@ -205,14 +226,17 @@ def _where(e: BaseException) -> str:
 
 
 def _child_main(spec_text: str) -> int:
-    child_setup()
+    child_setup(watchdog=False)
     capi = _testcapi()
     if capi is None:
         print(pymem_unavailable(), file=sys.stderr)
         return 2
     spec = json.loads(spec_text)
-    for nth in range(spec["first"], spec["last"] + 1):
+    for nth in spec["points"]:
+        # a per-trial watchdog: a hook that hangs the interpreter ends the child with the stacks
+        faulthandler.dump_traceback_later(spec["trial_timeout"], exit=True, file=child_stacks_file())
         t = _child_trial(capi, spec["scenario"], spec["variant"], spec["mode"], nth)
+        faulthandler.cancel_dump_traceback_later()
         print(json.dumps({**t.row(), "reached": t.reached}), flush=True)
         if not t.reached:
             break

@@ -25,11 +25,13 @@ from dataclasses import dataclass
 from harness.build import make_server
 from harness.cache import ServerPromptCache
 from harness.provider import STATE_SEQ_FLAGS_NONE
+from harness.semantics import Semantics
 from harness.server import LaunchResult, ServerContext, ServerParams, ServerSlot, SlotState, Task
 
-__all__ = ["SCENARIOS", "Prepared", "Scenario", "get_scenario"]
+__all__ = ["SCENARIOS", "Prepared", "Scenario", "Variant", "get_scenario"]
 
 Check = Callable[[object, bool], str | None]
+Variant = str | Semantics  # "shared", "master", or any Semantics (a mutant)
 
 
 @dataclass
@@ -47,7 +49,7 @@ class Scenario:
     summary: str
     scope: str | None
     in_pr_scope: bool
-    build: Callable[[str], Prepared]
+    build: Callable[[Variant], Prepared]
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -64,8 +66,8 @@ def _params(**kw: object) -> ServerParams:
     return ServerParams(**base)  # type: ignore[arg-type]
 
 
-def _process(server: ServerContext, tokens: tuple[int, ...], **kw: int) -> LaunchResult:
-    res = server.handle_completion(tokens, n_predict=2, **kw)
+def _process(server: ServerContext, tokens: tuple[int, ...]) -> LaunchResult:
+    res = server.handle_completion(tokens, n_predict=2)
     server.run_until_idle()
     return res
 
@@ -103,8 +105,8 @@ def _save_check(server: ServerContext, slot: ServerSlot, before: list[tuple[int,
 # ---- the scenarios -------------------------------------------------------------------------
 
 
-def _save(kind: str, draft: bool = False) -> Callable[[str], Prepared]:
-    def build(variant: str) -> Prepared:
+def _save(kind: str, draft: bool = False) -> Callable[[Variant], Prepared]:
+    def build(variant: Variant) -> Prepared:
         server = make_server(variant, kind, draft=draft, params=_params())
         _process(server, prompt(40, 1))
         slot = server.slots[0]
@@ -114,7 +116,7 @@ def _save(kind: str, draft: bool = False) -> Callable[[str], Prepared]:
     return build
 
 
-def _save_over_limit(variant: str) -> Prepared:
+def _save_over_limit(variant: Variant) -> Prepared:
     # a 1 KiB cache: a short transformer prompt fits, a long one is over the limit and skipped
     server = make_server(variant, "transformer", params=_params(cache_ram=1))
     slot = server.slots[0]
@@ -135,7 +137,7 @@ def _save_over_limit(variant: str) -> Prepared:
     return Prepared(server, lambda: slot.prompt_save(cache), check)
 
 
-def _save_evicts(variant: str) -> Prepared:
+def _save_evicts(variant: Variant) -> Prepared:
     server = make_server(variant, "hybrid", params=_params())
     slot = server.slots[0]
     cache = _cache(server)
@@ -160,8 +162,8 @@ def _save_evicts(variant: str) -> Prepared:
     return Prepared(server, lambda: slot.prompt_save(cache), check)
 
 
-def _load(draft: bool) -> Callable[[str], Prepared]:
-    def build(variant: str) -> Prepared:
+def _load(draft: bool) -> Callable[[Variant], Prepared]:
+    def build(variant: Variant) -> Prepared:
         server = make_server(variant, "hybrid", draft=draft, params=_params(n_draft_max=2 if draft else 0))
         slot = server.slots[0]
         cache = _cache(server)
@@ -194,7 +196,7 @@ def _load(draft: bool) -> Callable[[str], Prepared]:
     return build
 
 
-def _update(variant: str) -> Prepared:
+def _update(variant: Variant) -> Prepared:
     server = make_server(variant, "hybrid", params=_params())
     slot = server.slots[0]
     cache = _cache(server)
@@ -213,7 +215,7 @@ def _update(variant: str) -> Prepared:
     return Prepared(server, cache.update, check)
 
 
-def _create_checkpoint_at_cap(variant: str) -> Prepared:
+def _create_checkpoint_at_cap(variant: Variant) -> Prepared:
     server = make_server(variant, "hybrid", draft=True, params=_params(n_ctx_checkpoints=2))
     slot = server.slots[0]
     _process(server, prompt(40, 1))
@@ -235,7 +237,7 @@ def _create_checkpoint_at_cap(variant: str) -> Prepared:
     return Prepared(server, act, check)
 
 
-def _child_task_clone(variant: str) -> Prepared:
+def _child_task_clone(variant: Variant) -> Prepared:
     server = make_server(variant, "hybrid", draft=True, params=_params(n_slots=2))
     server.handle_completion(prompt(40, 1), n_cmpl=2, n_predict=2)
     parent = next(s for s in server.slots if s.task is not None and s.task.is_parent())
@@ -261,7 +263,7 @@ def _child_task_clone(variant: str) -> Prepared:
     return Prepared(server, act, check)
 
 
-def _checkpoint_update(variant: str) -> Prepared:
+def _checkpoint_update(variant: Variant) -> Prepared:
     server = make_server(variant, "hybrid", draft=True, params=_params(n_draft_max=3))
     slot = server.slots[0]
     server.handle_completion(prompt(30, 1), n_predict=6)
@@ -281,7 +283,7 @@ def _checkpoint_update(variant: str) -> Prepared:
     return Prepared(server, act, check)
 
 
-def _idle_slot_caching(variant: str) -> Prepared:
+def _idle_slot_caching(variant: Variant) -> Prepared:
     server = make_server(variant, "hybrid", params=_params(n_slots=2, cache_idle_slots=True))
     _process(server, prompt(36, 1))
     idle = next(s for s in server.slots if s.prompt.tokens)
@@ -300,30 +302,23 @@ def _idle_slot_caching(variant: str) -> Prepared:
     return Prepared(server, lambda: server.handle_completion(prompt(30, 2), n_predict=2), check)
 
 
-SCENARIOS: dict[str, Scenario] = {
-    s.name: s
-    for s in (
-        Scenario("save-no-checkpoints", "prompt_save of a transformer prompt", "save", True, _save("transformer")),
-        Scenario("save-with-checkpoints", "prompt_save of a hybrid prompt with checkpoints", "save", True,
-                 _save("hybrid")),
-        Scenario("save-with-draft", "prompt_save with a draft context (state_dft, ckpt dft/spec)", "save", True,
-                 _save("hybrid", draft=True)),
-        Scenario("save-over-limit", "prompt_save of an entry larger than --cache-ram (skipped)", "save", True,
-                 _save_over_limit),
-        Scenario("save-evicts", "prompt_save that evicts the oldest entry first", "save", True, _save_evicts),
-        Scenario("load-hit", "slot selection: save the slot, load a cached hit, update", "save", True,
-                 _load(False)),
-        Scenario("load-with-draft", "load-hit with a draft context", "save", True, _load(True)),
-        Scenario("update", "server_prompt_cache::update() over the byte limit", None, True, _update),
-        Scenario("idle-slot-caching", "a launch that caches the other, idle slot", "save", True, _idle_slot_caching),
-        Scenario("create-checkpoint-at-cap", "create_checkpoint with n_ctx_checkpoints reached", None, False,
-                 _create_checkpoint_at_cap),
-        Scenario("child-task-clone", "copy_state_to: a child task clones the parent's prompt", None, False,
-                 _child_task_clone),
-        Scenario("checkpoint-update", "speculative round: spec_ckpt update_dft/update_tgt", None, False,
-                 _checkpoint_update),
-    )
-}
+# name, fault scope, inside the PR's contract, builder, summary
+_TABLE: list[tuple[str, str | None, bool, Callable[[Variant], Prepared], str]] = [
+    ("save-no-checkpoints", "save", True, _save("transformer"), "prompt_save of a transformer prompt"),
+    ("save-with-checkpoints", "save", True, _save("hybrid"), "prompt_save of a hybrid prompt with checkpoints"),
+    ("save-with-draft", "save", True, _save("hybrid", True), "prompt_save with a draft (state_dft, ckpt dft/spec)"),
+    ("save-over-limit", "save", True, _save_over_limit, "prompt_save of an entry over --cache-ram (skipped)"),
+    ("save-evicts", "save", True, _save_evicts, "prompt_save that evicts the oldest entry first"),
+    ("load-hit", "save", True, _load(False), "slot selection: save the slot, load a cached hit, update"),
+    ("load-with-draft", "save", True, _load(True), "load-hit with a draft context"),
+    ("update", None, True, _update, "server_prompt_cache::update() over the byte limit"),
+    ("idle-slot-caching", "save", True, _idle_slot_caching, "a launch that caches the other, idle slot"),
+    ("create-checkpoint-at-cap", None, False, _create_checkpoint_at_cap, "create_checkpoint at n_ctx_checkpoints"),
+    ("child-task-clone", None, False, _child_task_clone, "copy_state_to: a child task clones the parent's prompt"),
+    ("checkpoint-update", None, False, _checkpoint_update, "speculative round: spec_ckpt update_dft/update_tgt"),
+]
+
+SCENARIOS: dict[str, Scenario] = {n: Scenario(n, summary, scope, pr, b) for n, scope, pr, b, summary in _TABLE}
 
 
 def get_scenario(name: str) -> Scenario:

@@ -17,9 +17,9 @@ Each trial is judged in this order, and the first failure decides its outcome:
 5. :func:`properties.invariants.clear_all`: with every slot and the cache cleared no payload may be
    alive (no leak).
 
-After a crash, steps 3-4 describe a state upstream could not observe (the process is gone): a
-violation there is noted in the detail only. Step 5 still counts, since the model must unwind its
-temporaries as C++ stack unwinding would.
+After a crash there is no result (step 3 is skipped) and step 4 describes a state upstream could
+not observe (the process is gone): a violation there is noted in the detail only. Step 5 still
+counts, since the model must unwind its temporaries as C++ stack unwinding would.
 
 A case id ``SCENARIO.KIND.NTH`` (``save-with-checkpoints.oom-transient.7``) is a reproducer:
 ``python -m harness sweep --variant V --case ID`` replays exactly that trial and prints its detail.
@@ -43,7 +43,7 @@ from harness.errors import BadAlloc
 from properties.invariants import Shadow, Tracer, Violation, check_state, clear_all
 
 from .kinds import ACCEPTED, CRASH, CRASH_OUT_OF_SCOPE, OK, VIOLATION, Outcome
-from .scenarios import SCENARIOS, Scenario
+from .scenarios import SCENARIOS, Scenario, Variant
 
 __all__ = [
     "MODES",
@@ -99,7 +99,7 @@ def parse_case_id(text: str) -> tuple[Scenario, str, int]:
     return SCENARIOS[parts[0]], kinds[parts[1]], int(parts[2])
 
 
-def run_trial(scenario: Scenario, variant: str, mode: str, nth: int) -> TrialResult:
+def run_trial(scenario: Scenario, variant: Variant, mode: str, nth: int) -> TrialResult:
     """Build ``scenario`` for ``variant``, fail allocation ``nth`` (``mode``), judge the trial."""
     prepared = scenario.build(variant)
     server = prepared.server
@@ -111,8 +111,9 @@ def run_trial(scenario: Scenario, variant: str, mode: str, nth: int) -> TrialRes
 
     def result(outcome: Outcome, detail: str, invariant: str | None = None, trace: str = "") -> TrialResult:
         fired = seam.fired > 0
-        return TrialResult(cid, scenario.name, mode, nth, fired, outcome, detail, list(seam.fired_sites), invariant,
-                           trace)
+        return TrialResult(
+            cid, scenario.name, mode, nth, fired, outcome, detail, list(seam.fired_sites), invariant, trace
+        )
 
     escaped: BaseException | None = None
     value: object = None
@@ -159,7 +160,7 @@ def run_trial(scenario: Scenario, variant: str, mode: str, nth: int) -> TrialRes
     return result(OK, f"completed; {seam.count} allocation(s) counted")
 
 
-def sweep_scenario(scenario: Scenario, variant: str, mode: str) -> list[TrialResult]:
+def sweep_scenario(scenario: Scenario, variant: Variant, mode: str) -> list[TrialResult]:
     """Trials ``nth = 1, 2, ...`` until one completes with no fault fired (that one included)."""
     out: list[TrialResult] = []
     for nth in range(1, _MAX_NTH + 1):
@@ -199,7 +200,7 @@ class SweepReport:
 
 
 def run_sweep(
-    variant: str,
+    variant: Variant,
     modes: Iterable[str] = ("transient", "persistent"),
     scenarios: Iterable[Scenario] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -214,11 +215,12 @@ def run_sweep(
         if progress is not None:
             pts = ", ".join(f"{m} {sum(t.fired for t in ts)}" for m, ts in per_mode.items())
             tally = Counter(t.outcome for ts in per_mode.values() for t in ts)
-            outcomes = ", ".join(f"{tally[o]} {o}" for o in (OK, ACCEPTED, VIOLATION, CRASH, CRASH_OUT_OF_SCOPE)
-                                 if tally[o])
+            outcomes = ", ".join(
+                f"{tally[o]} {o}" for o in (OK, ACCEPTED, VIOLATION, CRASH, CRASH_OUT_OF_SCOPE) if tally[o]
+            )
             scope = f"scope={sc.scope or 'act'}{'' if sc.in_pr_scope else ', outside the PR'}"
             progress(f"  {sc.name:<26} points: {pts:<28} {outcomes}  [{scope}]")
-    return SweepReport(variant, cases)
+    return SweepReport(str(variant), cases)
 
 
 # ---- command line ------------------------------------------------------------------------------

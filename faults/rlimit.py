@@ -1,0 +1,316 @@
+"""``python -m harness rlimit``: the seed's save under a real address-space limit, both semantics.
+
+The seed's case: a slot of a hybrid model holds a checkpoint of C bytes and saves its prompt with a
+new state of S bytes. The entry (S + C logical bytes) satisfies ``--cache-ram``, but ``master``
+deep-copies the checkpoint while the slot still owns it, so the save needs S + C more bytes of
+address space, while ``shared`` (PR #27451) needs S. Under ``RLIMIT_AS`` set just above what
+``shared`` needs, ``shared`` completes and ``master`` fails.
+
+How it runs, and what it promises:
+
+* Every measurement is made in a child (``python -m faults.rlimit --child``) that builds the
+  server, then **forks**: the forked process starts with ``VmPeak`` equal to its current size, sets
+  the limit on itself only, saves, and reports ``VmPeak``. The runner is never limited.
+* The budget is measured, not guessed: a first pass saves without a limit in both semantics and
+  reads each save's peak above the baseline; the budget is ``shared``'s peak plus a quarter of
+  the gap to ``master``'s. It is printed and written with ``--json`` as ``budget_bytes`` (headroom
+  above the baseline at the save), with both outcomes.
+* A real ``ENOMEM`` inside a modelled allocation becomes the model's ``BadAlloc`` at that site
+  (the Python ``MemoryError`` is translated at the seam), so each semantics' own handler decides:
+  ``completed``, ``handled`` (caught by ``alloc``: the save returned False), ``crash`` (the
+  ``bad_alloc`` escaped: upstream terminates), ``memory-error`` (the failure hit the interpreter
+  outside a modelled allocation) or ``killed`` (the child died).
+
+Two properties of the Python model shape the scenario, and are deliberate:
+
+* The synthetic provider builds state bytes in a Python buffer before the model copies them in;
+  libllama writes straight into the destination. :class:`ServedProvider` serves the bytes it
+  already holds, so the save's footprint is the model's buffers only.
+* The model's deep copy allocates a zeroed buffer of the checkpoint's size, then adopts the source's
+  immutable bytes object (``Payload.fill``), so only one copied checkpoint is resident at a time in
+  Python. The scenario keeps one checkpoint (``--ctx-checkpoints 1``) so that C is exactly what the
+  copy needs, as in C++.
+
+Exit: 0 when ``shared`` completes and ``master`` does not; 1 when that does not hold; 2 when the
+environment cannot separate the two (no fork, no ``/proc``); 3 when a child died unexpectedly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import resource
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from harness.cli import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from harness.errors import BadAlloc
+from harness.memory import Host, Payload
+from harness.provider import STATE_SEQ_FLAGS_NONE, MemoryKind, SyntheticProvider
+from harness.semantics import get_semantics
+from harness.server import ServerContext, ServerParams
+
+from .child import child_setup, run_child
+from .scenarios import prompt
+
+__all__ = ["RlimitResult", "ServedProvider", "add_arguments", "measure", "run", "run_seed"]
+
+MiB = 1024 * 1024
+_ROOT = str(Path(__file__).resolve().parent.parent)
+
+
+class ServedProvider(SyntheticProvider):
+    """A synthetic provider that serves the last state bytes it built for the same sequence state."""
+
+    def __init__(self, *a: Any, **kw: Any) -> None:
+        super().__init__(*a, **kw)
+        self._served: dict[tuple[int, int], tuple[object, bytes]] = {}
+
+    def state_seq_get_data_ext(self, seq: int, flags: int) -> bytes:
+        key = tuple((c.cid, c.hist, c.lo) for c in self._selected(seq, flags))
+        hit = self._served.get((seq, flags))
+        if hit is not None and hit[0] == key:
+            return hit[1]
+        self._served.pop((seq, flags), None)  # drop the old bytes before building new ones
+        data = super().state_seq_get_data_ext(seq, flags)
+        self._served[(seq, flags)] = (key, data)
+        return data
+
+
+@dataclass
+class RlimitResult:
+    variant: str
+    outcome: str  # completed | handled | crash | memory-error | killed
+    peak_bytes: int  # VmPeak of the saving process
+    baseline_bytes: int  # its VmSize when the save began
+    limit_bytes: int | None  # RLIMIT_AS it ran under (None: unlimited probe)
+    state_bytes: int  # S
+    checkpoint_bytes: int  # C
+    cache_ram_bytes: int  # --cache-ram of the scenario
+    detail: str
+
+    @property
+    def peak_excess(self) -> int:
+        return self.peak_bytes - self.baseline_bytes
+
+
+# ---- child side ---------------------------------------------------------------------------------
+
+
+def _vm() -> dict[str, int]:
+    out = {}
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(("VmPeak:", "VmSize:", "VmData:")):
+                key, value = line.split(":", 1)
+                out[key] = int(value.split()[0]) * 1024
+    return out
+
+
+def _build(variant: str, rs_bytes: int) -> tuple[ServerContext, int, int, int]:
+    """The seed's server, its prompt processed: (server, S, C, cache_ram_bytes)."""
+    tgt = ServedProvider(MemoryKind.HYBRID, name="tgt", n_seq=1, n_ctx=256, kv_bytes_per_token=64, rs_bytes=rs_bytes)
+    # the entry S + C fits --cache-ram with a MiB to spare: the limit is not what stops master
+    cache_ram_mib = math.ceil(2 * (rs_bytes + 64 * 64) / MiB) + 1
+    params = ServerParams(
+        n_slots=1, cache_ram=cache_ram_mib, cache_ram_unit=MiB, cache_idle_slots=False, n_ctx_checkpoints=1
+    )
+    server = ServerContext(params, Host(), get_semantics(variant), tgt, None)
+    server.handle_completion(prompt(24, 1), n_predict=1)
+    server.run_until_idle()
+    slot = server.slots[0]
+    s = tgt.state_seq_get_size_ext(slot.id, STATE_SEQ_FLAGS_NONE)
+    c = sum(ck.size() for ck in slot.prompt.checkpoints)
+    tgt.state_seq_get_data_ext(slot.id, STATE_SEQ_FLAGS_NONE)  # what the save will be served
+    return server, s, c, cache_ram_mib * MiB
+
+
+def _real_oom_is_bad_alloc(host: Host) -> None:
+    """Translate a real ``MemoryError`` in a modelled allocation into ``BadAlloc`` at that site."""
+    inner = host.alloc_payload
+
+    def alloc_payload(site: str, nbytes: int, kind: str) -> Payload | None:
+        try:
+            return inner(site, nbytes, kind)
+        except BadAlloc:
+            raise
+        except MemoryError:
+            raise BadAlloc(site, host.seam.count, nbytes) from None
+
+    setattr(host, "alloc_payload", alloc_payload)  # noqa: B010 - instance attribute, like the Tracer
+
+
+def _save_under_limit(server: ServerContext, headroom: int | None) -> dict[str, Any]:
+    """In the forked process: limit, save, classify, measure."""
+    vm = _vm()
+    limit = None
+    if headroom is not None:
+        limit = vm["VmSize"] + headroom
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (limit, hard))
+    _real_oom_is_bad_alloc(server.host)
+    slot = server.slots[0]
+    cache = server.prompt_cache
+    assert cache is not None
+    try:
+        ok = slot.prompt_save(cache)
+        outcome, detail = ("completed", "the entry is cached") if ok else ("handled", "; ".join(cache.log[-2:]))
+    except BadAlloc as e:
+        outcome, detail = "crash", f"{e} escaped prompt_save: upstream terminates"
+    except MemoryError:
+        outcome, detail = "memory-error", "MemoryError outside a modelled allocation"
+    return {"outcome": outcome, "detail": detail, "peak": _vm()["VmPeak"], "baseline": vm["VmSize"], "limit": limit}
+
+
+def _child_main(spec_text: str) -> int:
+    # no watchdog thread: a second thread gets a glibc arena whose reserved address space would
+    # silently absorb an allocation that the limit refuses in the main arena (the runner's timeout
+    # and the process group kill still apply)
+    child_setup(watchdog=False)
+    spec = json.loads(spec_text)
+    server, s, c, cram = _build(spec["variant"], spec["rs_bytes"])
+    gc.collect()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the saving process
+        os.close(r)
+        try:
+            res = _save_under_limit(server, spec["headroom"])
+            os.write(w, json.dumps(res).encode())
+        finally:
+            os._exit(0)
+    os.close(w)
+    with os.fdopen(r) as f:
+        text = f.read()
+    _, status = os.waitpid(pid, 0)
+    if os.WIFSIGNALED(status) or not text:
+        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+        res = {
+            "outcome": "killed",
+            "detail": f"the saving process died (signal {sig})",
+            "peak": 0,
+            "baseline": 0,
+            "limit": None,
+        }
+    else:
+        res = json.loads(text)
+    out = RlimitResult(
+        spec["variant"], res["outcome"], res["peak"], res["baseline"], res["limit"], s, c, cram, res["detail"]
+    )
+    print(json.dumps(asdict(out)), flush=True)
+    return 0
+
+
+# ---- runner side --------------------------------------------------------------------------------
+
+
+def measure(variant: str, *, headroom: int | None, rs_bytes: int, timeout: float = 120.0) -> RlimitResult:
+    """One child: build the seed's server for ``variant``, fork, save with ``headroom`` (None: no limit)."""
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
+    env["MALLOC_ARENA_MAX"] = "1"  # one glibc arena: no reserved arena space to fall back on
+    spec = {"variant": variant, "headroom": headroom, "rs_bytes": rs_bytes}
+    child = run_child([sys.executable, "-m", "faults.rlimit", "--child", json.dumps(spec)], env=env, timeout=timeout)
+    line = next((ln for ln in child.stdout.splitlines() if ln.startswith("{")), None)
+    if child.crashed or line is None:
+        why = f"child {child.describe()}: {child.stderr.strip()[-300:]}"
+        if child.stacks:
+            why += f"\n{child.stacks.strip()}"
+        return RlimitResult(variant, "killed", 0, 0, None, 0, 0, 0, why)
+    return RlimitResult(**json.loads(line))
+
+
+@dataclass
+class SeedRun:
+    budget_bytes: int
+    probes: list[RlimitResult]
+    results: list[RlimitResult]
+
+    def exit_code(self) -> int:
+        by = {r.variant: r for r in self.results}
+        if any(r.outcome == "killed" for r in self.probes) or by["shared"].outcome == "killed":
+            return EXIT_CRASH
+        ok = by["shared"].outcome == "completed" and by["master"].outcome != "completed"
+        return EXIT_OK if ok else EXIT_FAILED
+
+    def to_json(self) -> dict[str, object]:
+        return {
+            "budget_bytes": self.budget_bytes,
+            "results": [{**asdict(r), "peak_excess_bytes": r.peak_excess} for r in self.results],
+            "probes": [{**asdict(r), "peak_excess_bytes": r.peak_excess} for r in self.probes],
+        }
+
+
+def run_seed(rs_mib: int = 40, timeout: float = 120.0) -> SeedRun:
+    """Probe both semantics without a limit, derive the budget, run both under it."""
+    if not hasattr(os, "fork") or not os.path.exists("/proc/self/status"):
+        raise UsageError("the rlimit layer needs fork() and /proc/self/status (Linux)")
+    rs = rs_mib * MiB
+    probes = [measure(v, headroom=None, rs_bytes=rs, timeout=timeout) for v in ("shared", "master")]
+    if any(p.outcome != "completed" for p in probes):
+        bad = next(p for p in probes if p.outcome != "completed")
+        return SeedRun(0, probes, [bad, *(p for p in probes if p is not bad)])
+    shared, master = probes
+    gap = master.peak_excess - shared.peak_excess
+    if gap < MiB:
+        raise UsageError(
+            f"cannot separate the semantics here: master's save peaks {gap} bytes above shared's (expected ~C)"
+        )
+    budget = shared.peak_excess + max(gap // 4, 256 * 1024)
+    results = [measure(v, headroom=budget, rs_bytes=rs, timeout=timeout) for v in ("shared", "master")]
+    return SeedRun(budget, probes, results)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--json", metavar="PATH", help="write the budget and both outcomes as JSON")
+    parser.add_argument("--ckpt-mib", type=int, default=40, help="checkpoint (recurrent state) size in MiB (40)")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.ckpt_mib < 2:
+        raise UsageError("--ckpt-mib must be at least 2")
+    seed = run_seed(args.ckpt_mib)
+    p = seed.probes[0]
+    print(
+        f"seed scenario: hybrid slot, 1 checkpoint of C = {p.checkpoint_bytes} bytes, new state S = {p.state_bytes} "
+        f"bytes; entry S + C = {p.state_bytes + p.checkpoint_bytes} <= --cache-ram {p.cache_ram_bytes}"
+    )
+    print("unlimited probe (peak of the save above its baseline):")
+    for r in seed.probes:
+        print(f"  {r.variant:<7} {r.outcome:<10} peak +{r.peak_excess:>11} bytes  {r.detail}")
+    if not seed.budget_bytes:
+        print(f"error: a probe did not complete: {seed.results[0].detail}", file=sys.stderr)
+        return EXIT_CRASH if seed.results[0].outcome == "killed" else EXIT_USAGE
+    print(f"budget: RLIMIT_AS = baseline + {seed.budget_bytes} bytes (shared's peak + a quarter of the gap)")
+    for r in seed.results:
+        print(
+            f"  {r.variant:<7} {r.outcome:<12} VmPeak {r.peak_bytes} (+{r.peak_excess}), limit {r.limit_bytes}: "
+            f"{r.detail}"
+        )
+    code = seed.exit_code()
+    verdict = {
+        EXIT_OK: "shared completes and master fails under the same budget",
+        EXIT_FAILED: "NOT shown: expected shared to complete and master to fail",
+        EXIT_CRASH: "a child died unexpectedly",
+    }[code]
+    print(verdict)
+    if args.json:
+        try:
+            with open(args.json, "w") as f:
+                json.dump(seed.to_json(), f, indent=2)
+                f.write("\n")
+        except OSError as e:
+            raise UsageError(f"cannot write {args.json}: {e.strerror}") from None
+    return code
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "--child":
+        raise SystemExit(_child_main(sys.argv[2]))
+    print("usage: python -m harness rlimit", file=sys.stderr)
+    raise SystemExit(EXIT_USAGE)
