@@ -266,6 +266,7 @@ def make_settings(profile: str, db: str | None, max_examples: int | None = None)
         deadline=None,
         database=database,
         report_multiple_bugs=False,
+        derandomize=False,  # Hypothesis' own "ci" profile (CI=true) derandomizes; the seed must rule
         suppress_health_check=list(HealthCheck),
         phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink]
         if database

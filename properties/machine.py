@@ -105,8 +105,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
             checkpoint_min_step=4,
             cache_idle_slots=True,
             kv_unified=cfg.kv_unified,
-            n_batch=8,
-            n_ubatch=4,
+            n_batch=16,
+            n_ubatch=8,
             n_draft_max=2 if cfg.draft else 0,
         )
         small = "small-draft-ctx" in cfg.known
