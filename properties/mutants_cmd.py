@@ -1,7 +1,8 @@
 """``python -m harness mutants``: the gate against every mutant; each one must be killed.
 
 For each mutant the machine of its own configuration runs first, then the gate's other machines
-until one fails. A mutant is killed when any property fails on it; the report names the property
+until one fails; if none does, the same machines run again with the next two seeds. A mutant is
+killed when any property fails on it; the report names the property
 (``by``), the time, and the number of steps of the shrunk program. Exit 0 only if every mutant is
 killed; a surviving mutant is a property that does not guard what it claims (exit 1).
 """
@@ -31,9 +32,10 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
         c.__class__(name, c.kind, draft=c.draft, kv_unified=c.kv_unified, n_slots=c.n_slots, resolve=resolve)
         for c in machines_for("shared", "ci")
     ]
-    replay = f"python -m harness mutants --only {name} --seed {seed}"
-    for cfg in configs:
-        r = run_machine(cfg, cfg_settings, seed, replay)
+    # a mutant that survives one seed gets two more before it counts as surviving
+    for cfg, s in ((c, s) for s in (seed, seed + 1, seed + 2) for c in configs):
+        replay = f"python -m harness mutants --only {name} --seed {s}"
+        r = run_machine(cfg, cfg_settings, s, replay)
         if r.failure is not None:
             f = r.failure
             return {
