@@ -41,6 +41,7 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
             return {
                 "name": name,
                 "killed": True,
+                "seed": s,
                 "by": f.property,
                 "expected": m.kills,
                 "machine": f.machine,
