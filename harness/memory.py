@@ -43,7 +43,6 @@ TOKEN_BYTES = 4  # llama_token
 LIST_NODE_BYTES = 16  # std::list node links
 CHECKPOINT_HEADER_BYTES = 112  # common_prompt_checkpoint without its buffers' contents
 ENTRY_HEADER_BYTES = 144  # server_prompt_cache_state without its buffers' contents
-SHARED_CONTROL_BLOCK_BYTES = 24  # shared_ptr control block of a shared payload (PR)
 
 
 class AllocationSeam:
@@ -233,8 +232,6 @@ class Host:
         self._ids = itertools.count(1)
         self._ops: list[OperationStats] = []
         self.last_op: OperationStats | None = None
-        # every finished operation, oldest first; a driver clears it between steps
-        self.ops_log: list[OperationStats] = []
 
     def _check(self, site: str, nbytes: int) -> None:
         scope = self.seam.scope
@@ -287,6 +284,5 @@ class Host:
             op.live_after = self.ledger.live_bytes
             op.peak = max(op.peak, op.live_after)
             self.last_op = op
-            self.ops_log.append(op)
             if self.seam.scope == name and self.seam.fired:
                 self.seam.disarm()

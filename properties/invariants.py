@@ -427,13 +427,13 @@ class Tracer:
             def prompt_save(cache: ServerPromptCache) -> Any:
                 before = _slot_view(slot)
                 fired_before = server.host.seam.fired
-                n_ops = len(server.host.ops_log)
+                last_before = server.host.last_op
                 res = inner(cache)
                 if server.host.seam.fired > fired_before and _slot_view(slot) != before:
                     _fail("no_partial_entries", f"slot{slot.id} changed during a save that failed to allocate")
-                for op in server.host.ops_log[n_ops:]:
-                    if op.name == "save":
-                        self._check_peak(op)
+                op = server.host.last_op  # the save's own operation (an empty prompt opens none)
+                if op is not None and op is not last_before and op.name == "save":
+                    self._check_peak(op)
                 return res
 
             return prompt_save

@@ -29,7 +29,7 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, 
 from harness.build import make_server
 from harness.errors import BadAlloc, GgmlAbort
 from harness.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
-from harness.semantics import Semantics
+from harness.semantics import Semantics, get_semantics
 from harness.server import ServerParams
 
 from . import invariants as inv
@@ -96,7 +96,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     def __init__(self) -> None:
         super().__init__()
         cfg = self.config
-        sem: Semantics = cfg.resolve(cfg.semantics) if cfg.resolve else _semantics(cfg.semantics)
+        sem: Semantics = cfg.resolve(cfg.semantics) if cfg.resolve else get_semantics(cfg.semantics)
         self.params = ServerParams(
             n_slots=cfg.n_slots,
             cache_ram=cfg.cache_ram,
@@ -160,7 +160,6 @@ class PromptCacheMachine(RuleBasedStateMachine):
             id_slot = -1
         if id_slot >= 0 and self.server.slots[id_slot].is_processing() and "busy-slot-by-id" not in self.config.known:
             id_slot = -1  # upstream saves/loads a busy slot named by id: a known finding, run apart
-        self.server.events.clear()
         self._guard(
             "handle_completion",
             self.server.handle_completion,
@@ -254,12 +253,6 @@ class PromptCacheMachine(RuleBasedStateMachine):
             inv.clear_all(self.server)
             t.stats_seconds["refcount"] += time.perf_counter() - t0
             t.stats_checked["refcount"] += 1
-
-
-def _semantics(name: str) -> Semantics:
-    from harness.semantics import get_semantics
-
-    return get_semantics(name)
 
 
 _CLASSES: dict[MachineConfig, type[PromptCacheMachine]] = {}
