@@ -24,7 +24,7 @@ import time
 import xml.etree.ElementTree as ET
 from collections import Counter
 from collections.abc import Callable, Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from typing import Any
 
 import hypothesis.core
@@ -203,14 +203,12 @@ def _commit() -> str:
 
 def _program(cfg: MachineConfig, notes: Iterable[str]) -> tuple[str, int]:
     lines = [n for n in notes if n.startswith("state")]
-    head = [
-        "from properties.machine import MachineConfig, machine_class",
-        f"{cfg.class_name} = machine_class({replace(cfg, resolve=None)!r})"
-        if cfg.resolve is None
-        else f"{cfg.class_name} = machine_class(properties.mutants.config({cfg.semantics!r}, {cfg.kind!r}))",
-    ]
+    head = ["from properties.machine import MachineConfig, machine_class"]
+    config = repr(cfg)  # resolve is not part of the repr
     if cfg.resolve is not None:
         head.insert(0, "import properties.mutants")
+        config = config[:-1] + ", resolve=properties.mutants.resolve)"
+    head.append(f"{cfg.class_name} = machine_class({config})")
     steps = sum(1 for n in lines if n.startswith("state.") and not n.startswith(("state.teardown", "state.state_inv")))
     return "\n".join(head + lines), steps
 

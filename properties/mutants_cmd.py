@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from dataclasses import replace
 from typing import Any
 
 from harness.cli import EXIT_FAILED, EXIT_OK, UsageError
@@ -28,10 +29,7 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
     cfg_settings = make_settings("ci", None, max_examples)
     t0 = time.perf_counter()
     own = config(name)
-    configs = [own] + [
-        c.__class__(name, c.kind, draft=c.draft, kv_unified=c.kv_unified, n_slots=c.n_slots, resolve=resolve)
-        for c in machines_for("shared", "ci")
-    ]
+    configs = [own] + [replace(c, semantics=name, resolve=resolve) for c in machines_for("shared", "ci")]
     # a mutant that survives one seed gets two more before it counts as surviving
     for cfg, s in ((c, s) for s in (seed, seed + 1, seed + 2) for c in configs):
         replay = f"python -m harness mutants --only {name} --seed {s}"

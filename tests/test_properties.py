@@ -7,13 +7,15 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+from dataclasses import replace
 
 import pytest
 
-from properties.gate import KNOWN_FINDINGS, machines_for, make_settings, run_gate, run_machine
+from properties.gate import KNOWN_FINDINGS, _program, machines_for, make_settings, run_gate, run_machine
 from properties.invariants import INVARIANTS, Violation
 from properties.machine import MachineConfig, TargetCrash
 from properties.mutants import MUTANTS
+from properties.mutants import config as mutant_config
 from properties.mutants_cmd import kill
 
 
@@ -27,6 +29,18 @@ def test_mutant_is_killed_by_its_property(name: str) -> None:
     assert row["killed"], f"mutant {name} survived the gate"
     assert row["by"] in {MUTANTS[name].kills} | MUTANTS[name].also, row.get("message")
     assert 0 < row["steps"] <= 40
+
+
+def test_a_mutant_program_rebuilds_the_machine_that_killed_it() -> None:
+    # a mutant may die on one of the gate's machines rather than its own configuration
+    cfg = replace(mutant_config("update-in-place"), kind="transformer", draft=True, kv_unified=True, n_slots=3)
+    program, _ = _program(cfg, ["state = X()"])
+    scope: dict[str, object] = {}
+    exec(program.rsplit("\n", 1)[0], scope)
+    assert scope[cfg.class_name].config == cfg  # type: ignore[attr-defined]
+    row = kill("draft-not-restored")
+    with pytest.raises(Violation, match="draft_in_step"):
+        exec(row["program"].replace("state.teardown()", ""), {})
 
 
 def test_gate_shared_passes_and_checks_every_property() -> None:
