@@ -9,12 +9,14 @@ of a few KiB already forces evictions.
 
 from __future__ import annotations
 
+import os
+
 from .memory import Host
 from .provider import MemoryKind, SyntheticProvider
 from .semantics import Semantics, get_semantics
 from .server import ServerContext, ServerParams
 
-__all__ = ["make_server"]
+__all__ = ["close_server", "make_llama_server", "make_server"]
 
 
 def make_server(
@@ -47,3 +49,51 @@ def make_server(
         )
     server_cls: type[ServerContext] = sem.server_cls or ServerContext
     return server_cls(params, Host(), sem, tgt, dft)
+
+
+def make_llama_server(
+    semantics: str | Semantics,
+    model: str | os.PathLike[str],
+    *,
+    draft_model: str | os.PathLike[str] | None = None,
+    params: ServerParams | None = None,
+    n_ctx: int = 512,
+    n_ctx_dft: int | None = None,
+    check_restores: bool = True,
+) -> ServerContext:
+    """The same modelled server on real libllama contexts (:class:`~harness.llama_provider.LlamaProvider`).
+
+    The contexts are made as llama-server makes them where it matters: ``n_seq_max`` = slots,
+    ``kv_unified``, ``n_batch`` and ``n_ubatch`` from ``params``, ``swa_full`` false, one thread.
+    Close the server's providers with :func:`close_server` when done.
+    """
+    from .llama_provider import LlamaProvider, load_model
+
+    sem = get_semantics(semantics) if isinstance(semantics, str) else semantics
+    params = params or ServerParams(cache_ram_unit=1024)
+    common = {
+        "n_seq": params.n_slots,
+        "n_batch": params.n_batch,
+        "n_ubatch": params.n_ubatch,
+        "kv_unified": params.kv_unified,
+        "check_restores": check_restores,
+    }
+    tgt = LlamaProvider(load_model(model), name="tgt", n_ctx=n_ctx, **common)  # type: ignore[arg-type]
+    dft = None
+    if draft_model is not None:
+        dft = LlamaProvider(
+            load_model(draft_model),
+            name="dft",
+            n_ctx=n_ctx if n_ctx_dft is None else n_ctx_dft,
+            **common,  # type: ignore[arg-type]
+        )
+    server_cls: type[ServerContext] = sem.server_cls or ServerContext
+    return server_cls(params, Host(), sem, tgt, dft)
+
+
+def close_server(server: ServerContext) -> None:
+    """Free the native contexts of a server made by :func:`make_llama_server` (no-op for synthetic ones)."""
+    for ctx in (server.ctx_tgt, server.ctx_dft):
+        close = getattr(ctx, "close", None)
+        if close is not None:
+            close()

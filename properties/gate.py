@@ -23,7 +23,7 @@ import sys
 import time
 import xml.etree.ElementTree as ET
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -38,6 +38,8 @@ from .invariants import INVARIANTS, Violation
 from .machine import MachineConfig, TargetCrash, machine_class
 
 __all__ = ["KNOWN_FINDINGS", "GateReport", "add_arguments", "machines_for", "run", "run_gate"]
+
+BACKENDS = ["synthetic", "llama"]
 
 PROFILES: dict[str, dict[str, int]] = {
     "ci": {"max_examples": 300, "steps": 30},
@@ -134,6 +136,7 @@ class GateReport:
     commit: str
     machines: list[MachineResult] = field(default_factory=list)
     known: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # per-backend sections: "llama", "server", ...
 
     @property
     def failures(self) -> list[Failure]:
@@ -180,6 +183,7 @@ class GateReport:
                 "saves": len(peaks),
                 "worst_excess_over_bound": 0 if worst is None else max(0, worst[0] - worst[1]),
             },
+            **self.extra,
         }
 
 
@@ -218,6 +222,8 @@ def run_machine(cfg: MachineConfig, cfg_settings: settings, seed: int, replay: s
     cls.stats_checked.clear()
     cls.stats_seconds.clear()
     cls.peaks.clear()
+    cls.llama_stats.clear()
+    cls.layout_example.clear()
     t0 = time.perf_counter()
     failure: Failure | None = None
     hypothesis.core.global_force_seed = seed  # type: ignore[attr-defined]
@@ -282,44 +288,143 @@ def run_gate(
     machines: list[MachineConfig] | None = None,
     max_examples: int | None = None,
     known: bool = True,
+    backends: Sequence[str] = ("synthetic",),
+    archs: Sequence[str] | None = None,
     out: Callable[[str], None] = print,
 ) -> GateReport:
-    """Run the gate and return its report; ``out`` receives the human-readable lines."""
+    """Run the gate on ``backends`` and return its report; ``out`` receives the human-readable lines."""
     cfg_settings = make_settings(profile, db, max_examples)
-    report = GateReport(variant, "synthetic", profile, seed, _commit())
-    configs = machines if machines is not None else machines_for(variant, profile)
+    report = GateReport(variant, "+".join(backends), profile, seed, _commit())
     replay = f"python -m harness gate --variant {variant} --profile {profile} --seed {seed}"
-    out(
-        f"gate: variant={variant} backend=synthetic profile={profile} seed={seed} commit={report.commit} "
-        f"machines={len(configs)} max_examples={cfg_settings.max_examples} steps={cfg_settings.stateful_step_count}"
-    )
-    for cfg in configs:
-        r = run_machine(cfg, cfg_settings, seed, replay)
-        report.machines.append(r)
-        status = "ok  " if r.failure is None else "FAIL"
-        out(f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks {r.seconds:6.1f}s")
-    if known:
-        for k in KNOWN_FINDINGS:
-            kcfg = k.config(variant)
-            r = run_machine(kcfg, cfg_settings, seed, replay)
-            entry: dict[str, Any] = {"id": k.id, "title": k.title, "machine": kcfg.class_name}
-            if r.failure is None:
-                entry.update(status="not-reproduced")
-            elif r.failure.property in k.expects:
-                entry.update(
-                    status="reproduced",
-                    property=r.failure.property,
-                    message=r.failure.message,
-                    program=r.failure.program,
-                    steps=r.failure.steps,
-                )
-            else:
-                # a failure the known-finding run did not expect is a new failure of the gate
-                report.machines.append(r)
-                entry.update(status="unexpected", property=r.failure.property, message=r.failure.message)
-            report.known.append(entry)
+    if "synthetic" in backends:
+        configs = machines if machines is not None else machines_for(variant, profile)
+        out(
+            f"gate: variant={variant} backend=synthetic profile={profile} seed={seed} commit={report.commit} "
+            f"machines={len(configs)} max_examples={cfg_settings.max_examples} "
+            f"steps={cfg_settings.stateful_step_count}"
+        )
+        for cfg in configs:
+            r = run_machine(cfg, cfg_settings, seed, replay + " --backend synthetic")
+            report.machines.append(r)
+            status = "ok  " if r.failure is None else "FAIL"
+            out(f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks {r.seconds:6.1f}s")
+        if known:
+            _run_known(report, variant, cfg_settings, seed, replay + " --backend synthetic")
+    if "llama" in backends:
+        _run_llama(report, variant, profile, seed, db, max_examples, archs, replay, out)
     _print_report(report, out)
     return report
+
+
+def _run_known(report: GateReport, variant: str, cfg_settings: settings, seed: int, replay: str) -> None:
+    for k in KNOWN_FINDINGS:
+        kcfg = k.config(variant)
+        r = run_machine(kcfg, cfg_settings, seed, replay)
+        entry: dict[str, Any] = {"id": k.id, "title": k.title, "machine": kcfg.class_name}
+        if r.failure is None:
+            entry.update(status="not-reproduced")
+        elif r.failure.property in k.expects:
+            entry.update(
+                status="reproduced",
+                property=r.failure.property,
+                message=r.failure.message,
+                program=r.failure.program,
+                steps=r.failure.steps,
+            )
+        else:
+            # a failure the known-finding run did not expect is a new failure of the gate
+            report.machines.append(r)
+            entry.update(status="unexpected", property=r.failure.property, message=r.failure.message)
+        report.known.append(entry)
+
+
+def _run_llama(
+    report: GateReport,
+    variant: str,
+    profile: str,
+    seed: int,
+    db: str | None,
+    max_examples: int | None,
+    archs: Sequence[str] | None,
+    replay: str,
+    out: Callable[[str], None],
+) -> None:
+    from fixtures.models import ARCHS
+
+    from .llama_gate import LAYOUT_FINDING, LLAMA_PROFILES, full_context_run, llama_machines, model_rows
+
+    archs = list(archs or ARCHS)
+    lp = LLAMA_PROFILES[profile]
+    cfg_settings = make_settings(profile, db, max_examples or lp["max_examples"])
+    cfg_settings = settings(cfg_settings, stateful_step_count=lp["steps"])
+    replay = replay + " --backend llama --arch " + " ".join(archs)
+    out(
+        f"gate: variant={variant} backend=llama archs={','.join(archs)} profile={profile} seed={seed} "
+        f"commit={report.commit} max_examples={cfg_settings.max_examples} steps={cfg_settings.stateful_step_count}"
+    )
+    stats: dict[str, dict[str, int]] = {}
+    full: dict[str, Any] = {}
+    layout_examples: list[str] = []
+    for cfg in llama_machines(variant, archs):
+        r = run_machine(cfg, cfg_settings, seed, replay)
+        report.machines.append(r)
+        mcls = machine_class(cfg)
+        st = dict(mcls.llama_stats)
+        layout_examples.extend(f"{cfg.class_name}: {x}" for x in mcls.layout_example)
+        st["mismatches"] = int(r.failure is not None and r.failure.property == "restore_equivalence")
+        stats[cfg.arch] = st
+        status = "ok  " if r.failure is None else "FAIL"
+        out(
+            f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks "
+            f"{st.get('restore_checks', 0):>5} restores {r.seconds:6.1f}s"
+        )
+    for arch in archs:
+        try:
+            fc = full_context_run(arch)
+        except RuntimeError as e:
+            f = Failure(
+                "restore_equivalence",
+                "error",
+                str(e),
+                "",
+                f"python -m harness gate --backend llama --arch {arch}",
+                f"full-context-{arch}",
+                0,
+            )
+            report.machines.append(MachineResult(MachineConfig(variant, arch=arch), 0.0, f, Counter(), Counter(), []))
+            continue
+        full[arch] = fc
+        status = "ok  " if not fc.mismatches else "FAIL"
+        out(
+            f"  [{status}] full context {arch:<8} n_ctx={fc.n_ctx} state={fc.state_bytes} B "
+            f"partial={fc.partial_bytes} B restores={fc.restore_checks} {fc.seconds:5.1f}s"
+        )
+        if fc.mismatches:
+            f = Failure(
+                "restore_equivalence",
+                "violation",
+                fc.mismatches[0],
+                "",
+                f"python -m harness gate --backend llama --arch {arch}",
+                f"full-context-{arch}",
+                0,
+            )
+            report.machines.append(
+                MachineResult(MachineConfig(variant, arch=arch), fc.seconds, f, Counter(), Counter(), [])
+            )
+    report.extra["llama"] = rows = model_rows(archs, stats, full)
+    n_layout = sum(r["layout_diffs"] for r in rows)
+    entry: dict[str, Any] = {
+        "id": LAYOUT_FINDING.id,
+        "title": LAYOUT_FINDING.title,
+        "machine": "llama backend",
+        "reproducer": LAYOUT_FINDING.reproducer,
+        "status": "reproduced" if n_layout else "not-reproduced",
+        "count": n_layout,
+    }
+    if layout_examples:
+        entry.update(property="restore_equivalence", message=layout_examples[0])
+    report.known.append(entry)
 
 
 def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
@@ -370,7 +475,14 @@ def _write_junit(report: GateReport, path: str) -> None:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--variant", default="shared", choices=["shared", "master"])
-    parser.add_argument("--backend", default="synthetic", choices=["synthetic"])
+    parser.add_argument(
+        "--backend",
+        choices=BACKENDS,
+        help="run one backend (default: synthetic and llama)",
+    )
+    parser.add_argument(
+        "--arch", nargs="+", metavar="NAME", help="llama backend: the fixtures models to run (default: all five)"
+    )
     parser.add_argument("--profile", default="ci", choices=sorted(PROFILES))
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
     parser.add_argument("--db", metavar="DIR", help="example database directory (fuzz profile)")
@@ -392,7 +504,24 @@ def run(args: argparse.Namespace) -> int:
     _writable(args.junit)
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError("--max-examples must be >= 1")
-    report = run_gate(args.variant, profile=args.profile, seed=args.seed, db=args.db, max_examples=args.max_examples)
+    backends = [args.backend] if args.backend else ["synthetic", "llama"]
+    if args.arch:
+        from fixtures.models import ARCHS
+
+        bad = [a for a in args.arch if a not in ARCHS]
+        if bad:
+            raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
+        if "llama" not in backends:
+            raise UsageError("--arch applies to the llama backend; add --backend llama")
+    report = run_gate(
+        args.variant,
+        profile=args.profile,
+        seed=args.seed,
+        db=args.db,
+        max_examples=args.max_examples,
+        backends=backends,
+        archs=args.arch,
+    )
     if args.json:
         with open(args.json, "w") as f:
             json.dump(report.to_json(), f, indent=2)

@@ -59,6 +59,8 @@ INVARIANTS: dict[str, str] = {
     "checkpoint_lists": "ascending n_tokens, at most n_ctx_checkpoints, pos_max <= resume position",
     "busy_slot_untouched": "cache operations never touch a slot that is processing",
     "draft_in_step": "a slot's target and draft memory describe exactly the slot's tokens",
+    "restore_equivalence": "after a cache load, checkpoint restore or rollback the next logits equal a fresh "
+    "evaluation's bit for bit (libllama backend)",
 }
 
 
@@ -220,6 +222,19 @@ def check_draft_in_step(server: ServerContext) -> None:
                     "draft_in_step",
                     f"slot{s.id}: {ctx.name} memory describes {_short(got)}, slot tokens are {_short(s.prompt.tokens)}",
                 )
+
+
+def check_restore_equivalence(server: ServerContext) -> None:
+    """No decode after a restore produced logits that differ from a fresh evaluation (real state only).
+
+    The libllama provider compares, at the first decode after every successful ``set_data`` or
+    truncating ``seq_rm``, the logits with those of the same token history decoded from scratch in
+    a fresh context; synthetic providers have no logits and nothing to report.
+    """
+    for ctx in (server.ctx_tgt, server.ctx_dft):
+        mismatches = getattr(ctx, "mismatches", None)
+        if mismatches:
+            _fail("restore_equivalence", mismatches[0].line())
 
 
 @dataclass

@@ -26,7 +26,8 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from harness.build import make_server
+from fixtures.models import draft_path, model_path
+from harness.build import close_server, make_llama_server, make_server
 from harness.errors import BadAlloc, GgmlAbort
 from harness.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
 from harness.semantics import Semantics, get_semantics
@@ -61,6 +62,7 @@ class MachineConfig:
 
     semantics: str
     kind: str = "hybrid"
+    arch: str = ""  # a fixtures model (llama, mamba, jamba, lfm2, gemma2): run on real libllama state
     draft: bool = False
     kv_unified: bool = False
     n_slots: int = 2
@@ -70,7 +72,7 @@ class MachineConfig:
 
     @property
     def class_name(self) -> str:
-        parts = [_ident(self.semantics), self.kind]
+        parts = [_ident(self.semantics), f"libllama_{self.arch}" if self.arch else self.kind]
         if self.draft:
             parts.append("draft")
         if self.kv_unified:
@@ -78,6 +80,26 @@ class MachineConfig:
         parts += sorted(_ident(k) for k in self.known)
         name = "_".join(parts)
         return name[0].upper() + name[1:]
+
+
+_UNITS: dict[str, int] = {}
+
+
+def _llama_unit(arch: str) -> int:
+    """Bytes per ``cache_ram`` unit on a real model: a third of a full state at ``MAX_PROMPT`` tokens.
+
+    The machine's ``cache_ram`` of 6 units then holds about two long entries and forces evictions,
+    as 6 KiB does on the synthetic backend.
+    """
+    unit = _UNITS.get(arch)
+    if unit is None:
+        from harness.llama_provider import LlamaProvider, load_model
+
+        with LlamaProvider(load_model(model_path(arch)), n_seq=1, n_ctx=256, check_restores=False) as p:
+            p.decode(0, [1 + i % 24 for i in range(MAX_PROMPT)], 0)
+            unit = max(1, p.state_seq_get_size_ext(0, 0) // 3)
+        _UNITS[arch] = unit
+    return unit
 
 
 def _ident(s: str) -> str:
@@ -92,6 +114,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
     stats_checked: ClassVar[Counter[str]]
     stats_seconds: ClassVar[Counter[str]]
     peaks: ClassVar[list[tuple[int, int, int]]]
+    llama_stats: ClassVar[Counter[str]]  # restore_checks (summed), state_bytes / partial_bytes (max)
+    layout_example: ClassVar[list[str]]  # the first kv-layout-dependent-logits difference seen
 
     def __init__(self) -> None:
         super().__init__()
@@ -110,9 +134,20 @@ class PromptCacheMachine(RuleBasedStateMachine):
             n_draft_max=2 if cfg.draft else 0,
         )
         small = "small-draft-ctx" in cfg.known
-        self.server = make_server(
-            sem, cfg.kind, draft=cfg.draft, params=self.params, n_ctx=256, n_ctx_dft=32 if small else None
-        )
+        if cfg.arch:
+            self.params.cache_ram_unit = _llama_unit(cfg.arch)
+            self.server = make_llama_server(
+                sem,
+                model_path(cfg.arch),
+                draft_model=draft_path() if cfg.draft else None,
+                params=self.params,
+                n_ctx=256,
+                n_ctx_dft=32 if small else None,
+            )
+        else:
+            self.server = make_server(
+                sem, cfg.kind, draft=cfg.draft, params=self.params, n_ctx=256, n_ctx_dft=32 if small else None
+            )
         self.shadow = inv.Shadow()
         self.tracer = inv.Tracer(self.server, strict_peak=True, shadow=self.shadow)
         self.crashed = False
@@ -231,6 +266,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             ("checkpoint_lists", self._check_lists),
             ("draft_in_step", inv.check_draft_in_step),
             ("immutability", self.shadow.check),
+            *((("restore_equivalence", inv.check_restore_equivalence),) if self.config.arch else ()),
         ):
             t0 = time.perf_counter()
             check(self.server)
@@ -253,6 +289,18 @@ class PromptCacheMachine(RuleBasedStateMachine):
             inv.clear_all(self.server)
             t.stats_seconds["refcount"] += time.perf_counter() - t0
             t.stats_checked["refcount"] += 1
+        stats = t.llama_stats
+        for ctx in (self.server.ctx_tgt, self.server.ctx_dft):
+            stats["restore_checks"] += getattr(ctx, "restore_checks", 0)
+            stats["layout_diffs"] += len(getattr(ctx, "layout_diffs", ()))
+            for k, v in getattr(ctx, "restores_by", {}).items():
+                stats["restores_by:" + k] += v
+            if getattr(ctx, "layout_diffs", None) and not t.layout_example:
+                t.layout_example.append(ctx.layout_diffs[0].line())  # type: ignore[union-attr]
+        tgt = self.server.ctx_tgt
+        stats["state_bytes"] = max(stats["state_bytes"], getattr(tgt, "max_state_bytes", 0))
+        stats["partial_bytes"] = max(stats["partial_bytes"], getattr(tgt, "max_partial_bytes", 0))
+        close_server(self.server)
 
 
 _CLASSES: dict[MachineConfig, type[PromptCacheMachine]] = {}
@@ -271,6 +319,8 @@ def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
                 "stats_checked": Counter(),
                 "stats_seconds": Counter(),
                 "peaks": [],
+                "llama_stats": Counter(),
+                "layout_example": [],
                 "__module__": __name__,
             },
         )

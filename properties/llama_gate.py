@@ -1,0 +1,165 @@
+"""The gate's ``llama`` backend: the same state machines on real libllama state, one model per arch.
+
+For each tiny fixtures model (``llama``, ``mamba``, ``jamba``, ``lfm2``, ``gemma2``) this runs
+
+* the stateful machine of :mod:`properties.machine` on :class:`~harness.llama_provider.LlamaProvider`
+  contexts (fewer examples than the synthetic backend; a draft model on the transformer and one
+  hybrid), with ``restore_equivalence`` checked at the first decode after every restore, and
+* one scenario at the model's full context (:func:`full_context_run`): the whole context decoded,
+  its full and partial state saved, restored into another sequence, and the next token's logits
+  compared bit for bit with a fresh evaluation; the state sizes at full context are reported.
+
+Every mismatch fails the gate. A difference that disappears when the very same state is decoded
+from a contiguous cell layout is not a mismatch but the known finding :data:`LAYOUT_FINDING`
+(counted per model as ``layout_diffs``, reproducer in ``fixtures/findings/``).
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from fixtures.models import ARCHS, model_path
+from harness.llama_provider import LlamaProvider, load_model
+from harness.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY
+
+from .machine import MachineConfig
+
+__all__ = ["LAYOUT_FINDING", "LLAMA_PROFILES", "full_context_run", "llama_machines"]
+
+@dataclass(frozen=True)
+class LlamaFinding:
+    id: str
+    title: str
+    reproducer: str
+
+
+LAYOUT_FINDING = LlamaFinding(
+    "kv-layout-dependent-logits",
+    "llama.cpp's logits depend on where a sequence's cells sit in the KV cache: after a seq_rm rollback "
+    "(new tokens go to cells past the hole) or beside other sequences in a unified KV, the same state gives "
+    "logits that differ in the last bits from a fresh evaluation, because attention (flash-attn or soft_max) "
+    "reduces over all n_kv cells in cell order; the restored state itself is bit-identical",
+    "fixtures/findings/kv_layout_logits.py",
+)
+
+# examples per machine and steps per example on real state
+LLAMA_PROFILES: dict[str, dict[str, int]] = {
+    "ci": {"max_examples": 150, "steps": 25},
+    "fuzz": {"max_examples": 300, "steps": 40},
+}
+
+
+def llama_machines(variant: str, archs: Sequence[str] | None = None) -> list[MachineConfig]:
+    """One machine per architecture; drafts on ``llama`` and ``jamba``, a unified KV on ``mamba``/``lfm2``."""
+    out = []
+    for arch in archs or ARCHS:
+        out.append(
+            MachineConfig(
+                variant,
+                kind="",
+                arch=arch,
+                draft=arch in ("llama", "jamba"),
+                kv_unified=arch in ("mamba", "lfm2"),
+            )
+        )
+    return out
+
+
+@dataclass
+class FullContextResult:
+    arch: str
+    n_ctx: int
+    state_bytes: int
+    partial_bytes: int
+    restore_checks: int
+    mismatches: list[str]
+    seconds: float
+    restores_by: dict[str, int]
+
+
+def full_context_run(arch: str, *, n_ctx: int | None = None) -> FullContextResult:
+    """Fill the whole context of ``arch``'s model, save full and partial state, restore, compare.
+
+    Two sequences in one context of ``n_ctx`` cells each (the model's training context by default):
+    sequence 0 is filled up to one token before the end (whose last chunk leaves a checkpoint-sized
+    partial state), its full state is restored into sequence 1 and the last token decoded on both
+    through the provider, which compares each with a fresh evaluation. Then the partial state is
+    restored over sequence 1 after truncating its KV where the memory allows it.
+    """
+    t0 = time.perf_counter()
+    model = load_model(model_path(arch))
+    n = n_ctx or model.n_ctx_train
+    with LlamaProvider(model, name="tgt", n_seq=2, n_ctx=2 * n, n_batch=256, n_ubatch=64) as p:
+        toks = [3 + (i * 7) % 256 for i in range(n)]
+        pos = 0
+        for i in range(0, n - 1, 256):
+            chunk = toks[i : min(i + 256, n - 1)]
+            if p.decode(0, chunk, pos) != 0:
+                raise RuntimeError(f"{arch}: decode failed at {pos} of {n}")
+            pos += len(chunk)
+        full = p.state_seq_get_data_ext(0, STATE_SEQ_FLAGS_NONE)
+        part = p.state_seq_get_data_ext(0, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        if p.state_seq_set_data_ext(1, full, STATE_SEQ_FLAGS_NONE) == 0:
+            raise RuntimeError(f"{arch}: restoring {len(full)} B of full state failed")
+        if p.decode(1, toks[n - 1 :], n - 1) != 0:
+            raise RuntimeError(f"{arch}: decode after restore failed")
+        # a checkpoint restore on the same sequence: drop the last token where the memory can,
+        # else everything, and put the partial state back (what server_slot does on a rollback)
+        if p.memory_seq_rm(1, n - 1, -1) or p.memory_seq_rm(1, 0, -1):
+            if p.memory_seq_pos_max(1) < 0:
+                p.state_seq_set_data_ext(1, full, STATE_SEQ_FLAGS_NONE)
+                p.memory_seq_rm(1, n - 1, -1)
+            if p.state_seq_set_data_ext(1, part, STATE_SEQ_FLAGS_PARTIAL_ONLY) != 0 and p.decode(
+                1, toks[n - 1 :], n - 1
+            ) not in (0,):
+                raise RuntimeError(f"{arch}: decode after a partial restore failed")
+        return FullContextResult(
+            arch=model.arch,
+            n_ctx=n,
+            state_bytes=len(full),
+            partial_bytes=len(part),
+            restore_checks=p.restore_checks,
+            mismatches=[m.line() for m in p.mismatches],
+            seconds=time.perf_counter() - t0,
+            restores_by=dict(p.restores_by),
+        )
+
+
+def model_rows(
+    archs: Sequence[str], machine_stats: dict[str, Any], full: dict[str, FullContextResult]
+) -> list[dict[str, Any]]:
+    """The ``"llama"`` list of the gate's JSON: one object per model."""
+    rows = []
+    for arch in archs:
+        st = machine_stats.get(arch, {})
+        fc = full.get(arch)
+        rows.append(
+            {
+                "arch": load_model(model_path(arch)).arch,
+                "state_bytes": max(st.get("state_bytes", 0), fc.state_bytes if fc else 0),
+                "partial_bytes": max(st.get("partial_bytes", 0), fc.partial_bytes if fc else 0),
+                "restore_checks": st.get("restore_checks", 0) + (fc.restore_checks if fc else 0),
+                "mismatches": st.get("mismatches", 0) + (len(fc.mismatches) if fc else 0),
+                "layout_diffs": st.get("layout_diffs", 0),
+                "restores_by": _merge(
+                    {k.split(":", 1)[1]: v for k, v in st.items() if k.startswith("restores_by:")},
+                    fc.restores_by if fc else {},
+                ),
+                "full_context": None
+                if fc is None
+                else {
+                    "n_ctx": fc.n_ctx,
+                    "state_bytes": fc.state_bytes,
+                    "partial_bytes": fc.partial_bytes,
+                    "seconds": round(fc.seconds, 3),
+                },
+            }
+        )
+    return rows
+
+
+def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}

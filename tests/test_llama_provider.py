@@ -1,0 +1,199 @@
+"""The libllama provider on the tiny fixtures models: state round trips, restore checks, their mutants."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.models import ARCHS, draft_path, model_path
+from harness.build import close_server, make_llama_server
+from harness.llama_provider import LlamaProvider, ModelLoadError, load_model
+from harness.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, SeqRmType, StateProvider
+from harness.server import ServerParams
+from properties import invariants as inv
+
+ROOT = Path(__file__).resolve().parents[1]
+
+EXPECT = {
+    "llama": (MemoryKind.TRANSFORMER, SeqRmType.PART),
+    "mamba": (MemoryKind.RECURRENT, SeqRmType.FULL),
+    "jamba": (MemoryKind.HYBRID, SeqRmType.FULL),
+    "lfm2": (MemoryKind.HYBRID, SeqRmType.FULL),
+    "gemma2": (MemoryKind.ISWA, SeqRmType.PART),
+}
+
+PROMPT = [1 + i % 24 for i in range(29)]
+
+
+def provider(arch: str, **kw: object) -> LlamaProvider:
+    cfg: dict[str, object] = {"n_seq": 2, "n_ctx": 256, "n_batch": 16, "n_ubatch": 8}
+    cfg.update(kw)
+    return LlamaProvider(load_model(model_path(arch)), **cfg)  # type: ignore[arg-type]
+
+
+def fill(p: LlamaProvider, seq: int = 0, toks: list[int] = PROMPT) -> None:
+    pos = 0
+    for i in range(0, len(toks), 16):
+        assert p.decode(seq, toks[i : i + 16], pos) == 0
+        pos += len(toks[i : i + 16])
+
+
+def test_missing_and_corrupt_models_are_one_line_errors(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="not found"):
+        load_model(tmp_path / "nope.gguf")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"GGUF" + b"\0" * 64)
+    with pytest.raises(ModelLoadError, match="could not load"):
+        load_model(bad)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_kind_and_seq_rm_type_as_common_context_can_seq_rm(arch: str) -> None:
+    with provider(arch) as p:
+        assert isinstance(p, StateProvider)
+        assert (p.kind, p.seq_rm_type()) == EXPECT[arch]
+        assert p.model.arch == arch
+        assert (p.n_swa > 0) == (arch == "gemma2")
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_full_state_round_trip_continues_like_a_fresh_evaluation(arch: str) -> None:
+    with provider(arch) as p:
+        fill(p)
+        data = p.state_seq_get_data_ext(0, STATE_SEQ_FLAGS_NONE)
+        assert len(data) == p.state_seq_get_size_ext(0, STATE_SEQ_FLAGS_NONE) > 0
+        assert p.state_seq_set_data_ext(1, data, STATE_SEQ_FLAGS_NONE) == len(data)
+        assert p.seq_tokens(1) == tuple(PROMPT)
+        assert p.memory_seq_pos_max(1) == len(PROMPT) - 1
+        assert p.decode(1, [7, 8], len(PROMPT)) == 0
+        assert p.restore_checks == 1
+        assert p.mismatches == [] and p.layout_diffs == []
+        assert p.restores_by == {"set_data": 1}
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_partial_state_restore_after_truncation(arch: str) -> None:
+    """A checkpoint restore as the server does it: partial state back, then the KV cut behind it."""
+    with provider(arch) as p:
+        fill(p, toks=PROMPT[:16])
+        ckpt = p.state_seq_get_data_ext(0, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        full_size = p.state_seq_get_size_ext(0, STATE_SEQ_FLAGS_NONE)
+        if arch in ("jamba", "lfm2", "gemma2"):
+            assert len(ckpt) < full_size  # only the recurrent / SWA part
+        assert p.decode(0, PROMPT[16:], 16) == 0
+        assert p.state_seq_set_data_ext(0, ckpt, STATE_SEQ_FLAGS_PARTIAL_ONLY) == len(ckpt)
+        assert p.memory_seq_rm(0, 16, -1)
+        assert p.seq_tokens(0) == tuple(PROMPT[:16])
+        assert p.decode(0, [9], 16) == 0
+        assert p.restore_checks == 1 and p.mismatches == []
+
+
+def test_rollback_of_part_of_a_batch_is_compared_with_the_same_batch_shapes() -> None:
+    """Logits depend on batch shape; the fresh evaluation decodes the rolled-back batch whole, then cuts it."""
+    with provider("llama", n_seq=1) as p:
+        assert p.decode(0, [22, 21], 0) == 0
+        assert p.decode(0, [14, 5, 23], 2) == 0
+        assert p.memory_seq_rm(0, 3, -1)
+        assert p.decode(0, [17, 20], 3) == 0
+        assert p.restore_checks == 1 and p.mismatches == [] and p.layout_diffs == []
+        assert p.restores_by == {"seq_rm": 1}
+
+
+def test_a_failed_restore_clears_the_sequence_as_libllama_does() -> None:
+    with provider("llama") as p:
+        fill(p)
+        assert p.state_seq_set_data_ext(1, b"\x01\x02\x03", STATE_SEQ_FLAGS_NONE) == 0
+        assert p.seq_tokens(1) == ()
+        assert p.memory_seq_pos_max(1) == -1
+
+
+def test_decode_checks_positions_and_vocabulary() -> None:
+    with provider("llama") as p:
+        assert p.decode(0, [1, 2], 0) == 0
+        assert p.decode(0, [3], 5) == -1  # positions must continue the sequence
+        with pytest.raises(ValueError, match="outside the vocabulary"):
+            p.decode(0, [100000], 2)
+
+
+class CorruptRestore(LlamaProvider):
+    """Mutant: a restore that lands slightly wrong bytes (one float of the payload flipped)."""
+
+    def _set_raw(self, ctx: object, seq: int, data: bytes, flags: int) -> int:
+        if ctx is self.ctx and len(data) > 64:
+            b = bytearray(data)
+            b[-9] ^= 0x40  # inside the last tensor's data, past every header
+            data = bytes(b)
+        return super()._set_raw(ctx, seq, data, flags)
+
+
+class StaleRestore(LlamaProvider):
+    """Mutant: a restore that silently keeps what the sequence had (the set call is dropped)."""
+
+    def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int:
+        known = self._registry.get(__import__("harness.llama_provider").llama_provider._digest(data, flags))
+        if known is not None:
+            for c in self._selected(flags):
+                self._hist[seq][c] = known[c]
+        self._pending[seq] = f"set_data(flags={flags})"
+        return len(data)
+
+
+@pytest.mark.parametrize("mutant", [CorruptRestore, StaleRestore])
+@pytest.mark.parametrize("arch", ["llama", "jamba"])
+def test_restore_equivalence_catches_a_wrong_restore(mutant: type[LlamaProvider], arch: str) -> None:
+    with mutant(load_model(model_path(arch)), n_seq=2, n_ctx=256, n_batch=16, n_ubatch=8) as p:
+        fill(p)
+        data = p.state_seq_get_data_ext(0, STATE_SEQ_FLAGS_NONE)
+        fill(p, seq=1, toks=[5] * len(PROMPT))  # same length, other tokens
+        assert p.state_seq_set_data_ext(1, data, STATE_SEQ_FLAGS_NONE)
+        p.decode(1, [7], len(PROMPT))
+        assert len(p.mismatches) == 1, "the property must fail on this mutant"
+        assert p.layout_diffs == []
+
+
+def test_cell_order_differences_are_the_layout_finding_not_a_mismatch() -> None:
+    """The shrunk program of fixtures/findings/kv_layout_logits.py, through the provider."""
+    with provider("lfm2", kv_unified=True) as p:
+        p.decode(1, [1], 0)
+        p.decode(0, [1], 0)
+        p.memory_seq_rm(1, -1, -1)
+        p.memory_seq_cp(0, 1, -1, -1)
+        p.decode(1, [6], 1)
+        assert p.restore_checks == 1
+        assert p.mismatches == []
+        assert len(p.layout_diffs) == 1
+
+
+def test_layout_finding_reproducer_exits_1_while_present() -> None:
+    r = subprocess.run(
+        [sys.executable, "fixtures/findings/kv_layout_logits.py", "llama"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "differ" in r.stdout and "identical to the fresh evaluation" in r.stdout
+
+
+def test_check_restore_equivalence_fails_the_invariant_with_the_mismatch_line() -> None:
+    params = ServerParams(n_slots=2, cache_ram=64, cache_ram_unit=1024, n_batch=16, n_ubatch=8)
+    server = make_llama_server("shared", model_path("llama"), draft_model=draft_path(), params=params, n_ctx=256)
+    try:
+        inv.check_restore_equivalence(server)  # nothing restored yet
+        server.handle_completion(tuple(PROMPT), id_slot=0, n_cmpl=1, n_predict=2)
+        server.run_until_idle()
+        inv.check_restore_equivalence(server)
+        tgt = server.ctx_tgt
+        assert isinstance(tgt, LlamaProvider)
+        tgt.mismatches.append(
+            __import__("harness.llama_provider").llama_provider.Mismatch("tgt", 0, "set_data(flags=0)", 5, 0, 1.0)
+        )
+        with pytest.raises(inv.Violation, match="restore_equivalence"):
+            inv.check_restore_equivalence(server)
+    finally:
+        close_server(server)
+    assert server.ctx_tgt.ctx is None  # type: ignore[attr-defined]
