@@ -28,11 +28,12 @@ and cannot reach.
     copy. *Cannot reach*: a chosen allocation (size decides which fails); no sweep.
 ``native`` -- the C allocator (:mod:`faults.native`, ``shim.c``, ``new_demo.cpp``)
     *arm/disarm*: an LD_PRELOAD shim; ``faultshim_arm(nth, persistent)`` through ctypes or dlsym
-    (or ``FAULTSHIM_NTH`` at load) / ``faultshim_disarm()``; malloc/calloc/realloc ``nth`` returns
-    NULL and ``operator new`` throws ``std::bad_alloc``. *Accepted*: the program catches it; a
-    SIGABRT or SIGSEGV is a finding reported with its stacks. *Reaches*: native code (libstdc++,
-    C extensions, the interpreter). *Cannot reach*: mmap-only or static allocators,
-    ``aligned_alloc``/``posix_memalign``.
+    (or ``FAULTSHIM_NTH`` at load) / ``faultshim_disarm()``; malloc/calloc/realloc and the
+    aligned allocators' ``nth`` call returns NULL and ``operator new`` throws ``std::bad_alloc``.
+    *Accepted*: the program catches it; a SIGABRT or SIGSEGV is a finding reported with its
+    stacks. *Reaches*: native code (libstdc++, libllama and ggml's buffers, C extensions, the
+    interpreter); :mod:`faults.llama_native` sweeps libllama's state calls and decode with it.
+    *Cannot reach*: mmap-only or statically linked allocators.
 
 Outcomes are the same words everywhere: ``ok``, ``accepted-error``, ``violation``, ``crash`` and
 ``crash-out-of-scope`` (see :mod:`faults.kinds`).

@@ -110,12 +110,14 @@ FAULT_KINDS: dict[str, FaultKind] = {
             name="native",
             layer="C allocator (LD_PRELOAD shim)",
             arm="faultshim_arm(nth, persistent) through ctypes/dlsym, or FAULTSHIM_NTH at load: malloc, calloc, "
-            "realloc #nth return NULL, so operator new throws std::bad_alloc",
+            "realloc, posix_memalign, aligned_alloc, memalign #nth fail, so operator new throws std::bad_alloc",
             disarm="faultshim_disarm() (returns the number fired); the shim disarms itself on a fatal signal",
             accepted="the program catches std::bad_alloc; a SIGABRT/SIGSEGV is a finding with its stacks",
-            reaches="native code in the child: libstdc++ operator new, C extensions, the interpreter",
-            cannot_reach="mmap-only allocators, aligned_alloc/posix_memalign, statically linked allocators",
-            runner="faults.native.run_native(argv, nth=...) and run_new_demo(nth, catch=...)",
+            reaches="native code in the child: libstdc++ operator new, libllama/ggml buffers, C extensions, "
+            "the interpreter",
+            cannot_reach="mmap-only allocators, statically linked allocators",
+            runner="faults.native.run_native(argv, nth=...), run_new_demo(nth, catch=...), "
+            "faults.llama_native.sweep_llama_native(arch, op)",
         ),
     )
 }

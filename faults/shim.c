@@ -1,6 +1,7 @@
 /* LD_PRELOAD allocation-fault shim for the prompt-cache harness (faults/native.py builds it).
  *
- * Interposes malloc, calloc and realloc. While armed, call number NTH (counted from arming) returns
+ * Interposes malloc, calloc, realloc and the aligned allocators (posix_memalign, aligned_alloc,
+ * memalign: ggml's CPU buffers come from posix_memalign). While armed, call number NTH (counted from arming) returns
  * NULL with errno = ENOMEM, and in persistent mode so does every later call; C++ operator new then
  * throws std::bad_alloc. free() is not interposed: every pointer still comes from glibc.
  *
@@ -23,6 +24,7 @@
 extern void *__libc_malloc(size_t);
 extern void *__libc_calloc(size_t, size_t);
 extern void *__libc_realloc(void *, size_t);
+extern void *__libc_memalign(size_t, size_t);
 
 static long fs_nth;        /* 0: disarmed */
 static int fs_persistent;
@@ -66,6 +68,18 @@ void *realloc(void *p, size_t n) {
     if (n != 0 && fs_fail()) return NULL; /* realloc(p, 0) frees: never fails */
     return __libc_realloc(p, n);
 }
+
+int posix_memalign(void **memptr, size_t alignment, size_t size) {
+    if (fs_fail()) return ENOMEM;
+    void *p = __libc_memalign(alignment, size);
+    if (p == NULL) return ENOMEM;
+    *memptr = p;
+    return 0;
+}
+
+void *aligned_alloc(size_t alignment, size_t size) { return fs_fail() ? NULL : __libc_memalign(alignment, size); }
+
+void *memalign(size_t alignment, size_t size) { return fs_fail() ? NULL : __libc_memalign(alignment, size); }
 
 static void fs_write(const char *s) {
     if (fs_stacks_fd >= 0 && write(fs_stacks_fd, s, strlen(s)) < 0) { /* nothing to do */ }

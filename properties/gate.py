@@ -413,6 +413,7 @@ def _run_llama(
                 MachineResult(MachineConfig(variant, arch=arch), fc.seconds, f, Counter(), Counter(), [])
             )
     report.extra["llama"] = rows = model_rows(archs, stats, full)
+    _run_llama_native(report, variant, archs, rows, out)
     n_layout = sum(r["layout_diffs"] for r in rows)
     entry: dict[str, Any] = {
         "id": LAYOUT_FINDING.id,
@@ -425,6 +426,80 @@ def _run_llama(
     if layout_examples:
         entry.update(property="restore_equivalence", message=layout_examples[0])
     report.known.append(entry)
+
+
+def _run_llama_native(
+    report: GateReport, variant: str, archs: Sequence[str], rows: list[dict[str, Any]], out: Callable[[str], None]
+) -> None:
+    """Sweep native allocation failures through libllama's state calls and decode, per model."""
+    from faults.llama_native import OPS, sweep_llama_native
+
+    from .llama_gate import NATIVE_FINDINGS, classify_native
+
+    seen: dict[str, list[str]] = {f.id: [] for f in NATIVE_FINDINGS}
+    for arch, row in zip(archs, rows, strict=True):
+        row["native_faults"] = []
+        t0 = time.perf_counter()
+        for op in OPS:
+            rep = sweep_llama_native(arch, op)
+            j = rep.to_json()
+            row["native_faults"].append(j)
+            for g in j["findings"]:
+                known = classify_native(op, g)
+                g["known_finding"] = known
+                if known is not None:
+                    seen[known].append(g["first_case"])
+                    continue
+                msg = f"{g['outcome']} at {g['site']} ({g['count']} allocations, first {g['first_case']})"
+                f = Failure(
+                    "native_fault",
+                    "crash" if g["outcome"] in ("aborted", "crashed") else "violation",
+                    msg + "\n" + g.get("stack", ""),
+                    "",
+                    f"python -m faults.llama_native --case {g['first_case']}",
+                    f"native-{arch}-{op}",
+                    0,
+                )
+                report.machines.append(
+                    MachineResult(MachineConfig(variant, arch=arch), 0.0, f, Counter(), Counter(), [])
+                )
+            if rep.capped:
+                out(f"  [warn] native {arch}.{op}: sweep capped at {j['allocations_swept']} allocations")
+        outcomes = Counter[str]()
+        for j in row["native_faults"]:
+            outcomes.update(j["outcomes"])
+        secs = time.perf_counter() - t0
+        report.machines.append(
+            MachineResult(
+                MachineConfig(variant, arch=arch),
+                secs,
+                None,
+                Counter({"native_fault": sum(outcomes.values())}),
+                Counter({"native_fault": secs}),
+                [],
+            )
+        )
+        out(
+            f"  [ok  ] native faults {arch:<8} "
+            + " ".join(f"{k}={v}" for k, v in sorted(outcomes.items()))
+            + f" {time.perf_counter() - t0:5.1f}s"
+        )
+    for fnd in NATIVE_FINDINGS:
+        cases = seen[fnd.id]
+        entry: dict[str, Any] = {
+            "id": fnd.id,
+            "title": fnd.title,
+            "machine": "llama backend, native faults",
+            "reproducer": fnd.reproducer,
+            "status": "reproduced" if cases else "not-reproduced",
+            "count": len(cases),
+        }
+        if cases:
+            entry.update(
+                property="native_fault",
+                message="first case " + cases[0] + f" (replay: python -m faults.llama_native --case {cases[0]})",
+            )
+        report.known.append(entry)
 
 
 def _print_report(report: GateReport, out: Callable[[str], None]) -> None:

@@ -61,6 +61,8 @@ INVARIANTS: dict[str, str] = {
     "draft_in_step": "a slot's target and draft memory describe exactly the slot's tokens",
     "restore_equivalence": "after a cache load, checkpoint restore or rollback the next logits equal a fresh "
     "evaluation's bit for bit (libllama backend)",
+    "native_fault": "a failed native allocation inside libllama's state calls or decode is reported or absorbed "
+    "correctly, or is a listed finding (libllama backend)",
 }
 
 

@@ -27,7 +27,15 @@ from harness.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY
 
 from .machine import MachineConfig
 
-__all__ = ["LAYOUT_FINDING", "LLAMA_PROFILES", "full_context_run", "llama_machines"]
+__all__ = [
+    "LAYOUT_FINDING",
+    "LLAMA_PROFILES",
+    "NATIVE_FINDINGS",
+    "classify_native",
+    "full_context_run",
+    "llama_machines",
+]
+
 
 @dataclass(frozen=True)
 class LlamaFinding:
@@ -44,6 +52,42 @@ LAYOUT_FINDING = LlamaFinding(
     "reduces over all n_kv cells in cell order; the restored state itself is bit-identical",
     "fixtures/findings/kv_layout_logits.py",
 )
+
+NATIVE_FINDINGS: list[LlamaFinding] = [
+    LlamaFinding(
+        "state-io-alloc-outside-try",
+        "llama_state_seq_get_data_ext/set_data_ext allocate their io object (std::make_unique) before the try "
+        "that turns exceptions into a 0 return, so a bad_alloc there terminates the process instead of failing "
+        "the call (src/llama-context.cpp:3204-3227); every later allocation in these calls is reported as 0",
+        "fixtures/findings/state_io_alloc_outside_try.py",
+    ),
+    LlamaFinding(
+        "decode-bad-alloc-terminates",
+        "llama_decode has no catch: a std::bad_alloc from any allocation inside it (batch conversion, ubatch "
+        "split, KV slot search, graph build, input masks) escapes the C API and terminates the process; "
+        "llama-server's update_slots has no catch around it either (src/llama-context.cpp:4401)",
+        "fixtures/findings/decode_bad_alloc_terminates.py",
+    ),
+    LlamaFinding(
+        "graph-compute-segv",
+        "two allocations inside ggml_graph_compute (ggml-cpu) are used without a NULL check: failing either "
+        "crashes llama_decode with SIGSEGV",
+        "fixtures/findings/graph_compute_segv.py",
+    ),
+]
+
+
+def classify_native(op: str, group: dict[str, Any]) -> str | None:
+    """The known finding a native-fault group belongs to, or None (an unexpected outcome: a gate failure)."""
+    outcome, site = group["outcome"], group["site"]
+    if op != "decode" and outcome == "aborted" and "state_seq_" in site:
+        return "state-io-alloc-outside-try"
+    if op == "decode" and outcome == "aborted":
+        return "decode-bad-alloc-terminates"
+    if op == "decode" and outcome == "crashed" and site.startswith("ggml_graph_compute"):
+        return "graph-compute-segv"
+    return None
+
 
 # examples per machine and steps per example on real state
 LLAMA_PROFILES: dict[str, dict[str, int]] = {

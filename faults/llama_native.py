@@ -1,0 +1,341 @@
+"""Native allocation failures inside libllama: the state calls and ``llama_decode`` under the shim.
+
+For one tiny fixtures model and one operation, :func:`sweep_llama_native` fails native allocation
+1, 2, 3, ... made *inside that one call* (the shim is armed right before the ctypes call and
+disarmed right after it; buffers and batches are prepared before arming) until the call completes
+with no fault fired, SQLite style. Operations:
+
+``get``       ``llama_state_seq_get_data_ext(flags=0)`` of a sequence (what a cache save does)
+``get-part``  the same with ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (a checkpoint)
+``set``       ``llama_state_seq_set_data_ext(flags=0)`` into an empty sequence (a cache load)
+``decode``    ``llama_decode`` of a few tokens continuing a sequence
+
+Each trial's outcome, the same words as the rest of :mod:`faults` where they apply:
+
+``reported``     the fault fired and the call returned its failure value (0 bytes, ret != 0);
+                 afterwards the context still works (a clean retry of the call succeeds)
+``absorbed``     the fault fired, the call succeeded, and its result is exactly the clean result
+``wrong``        the fault fired, the call claimed success, but its result differs: a finding
+``aborted``      the process died of SIGABRT (a ``bad_alloc`` or ``GGML_ABORT`` nobody caught):
+                 reported with the native and Python stacks and the allocation number
+``crashed``      another fatal signal (SIGSEGV ...) or a hang: a finding, with stacks
+``python-error`` the failed allocation was Python's own (``MemoryError`` around the call)
+``completed``    no allocation failed: the call makes fewer than ``nth`` allocations; the sweep ends
+
+One child process runs consecutive trials (model loaded once); when a trial kills it, the next
+child resumes at the following allocation number. Each trial id (``lfm2.set.7``) replays it:
+``python -m faults.llama_native --case lfm2.set.7``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import signal
+import sys
+from collections import Counter
+from dataclasses import dataclass, field
+from typing import Any
+
+from .child import STACKS_ENV, ChildResult, child_setup
+from .native import run_native
+
+__all__ = ["OPS", "LlamaNativeReport", "NativeTrial", "sweep_llama_native"]
+
+OPS = ("get", "get-part", "set", "decode")
+_RESULT = "NATIVE-TRIAL "
+_COMPLETED = 10  # a forked trial's exit status when the call completed with no fault fired
+
+
+@dataclass
+class NativeTrial:
+    case: str
+    nth: int
+    outcome: str
+    detail: str = ""
+    stacks: str = ""
+
+
+@dataclass
+class LlamaNativeReport:
+    arch: str
+    op: str
+    trials: list[NativeTrial] = field(default_factory=list)
+    capped: bool = False
+
+    @property
+    def counts(self) -> Counter[str]:
+        return Counter(t.outcome for t in self.trials)
+
+    @property
+    def findings(self) -> list[NativeTrial]:
+        return [t for t in self.trials if t.outcome in ("wrong", "aborted", "crashed")]
+
+    def groups(self) -> list[dict[str, Any]]:
+        """Findings grouped by outcome and the first libllama/ggml frame: one row per distinct failure site."""
+        rows: dict[tuple[str, str], dict[str, Any]] = {}
+        for t in self.findings:
+            site = _site(t.stacks)
+            first = {"outcome": t.outcome, "site": site, "first_case": t.case, "count": 0}
+            row = rows.setdefault((t.outcome, site), {**first, "stack": _first_frames(t.stacks)})
+            row["count"] += 1
+        return list(rows.values())
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "arch": self.arch,
+            "op": self.op,
+            "allocations_swept": max((t.nth for t in self.trials if t.outcome != "completed"), default=0),
+            "capped": self.capped,
+            "outcomes": dict(self.counts),
+            "findings": self.groups(),
+        }
+
+
+def _site(stacks: str) -> str:
+    """The first frame of libllama or ggml with a symbol: where the failure escaped or crashed."""
+    for line in _first_frames(stacks, 40).splitlines():
+        m = re.search(r"\((.+?)\+0x[0-9a-f]+\)", line)
+        if m and ("llama" in m.group(1) or "ggml" in m.group(1)) and "std::" not in m.group(1).split("(")[0]:
+            return m.group(1)
+    return "?"
+
+
+def _first_frames(stacks: str, n: int = 10) -> str:
+    """The native frames that matter: below the signal machinery (libc, the shim), demangled."""
+    text = stacks.split("native stack (faultshim", 1)
+    if len(text) < 2:
+        return "\n".join(stacks.strip().splitlines()[:n])
+    frames = [
+        ln.strip()
+        for ln in text[1].splitlines()[1:]
+        if ln.strip() and "shim-" not in ln and "libc.so" not in ln and "libstdc++" not in ln
+    ]
+    return _demangle("\n".join(frames[:n]))
+
+
+def _demangle(text: str) -> str:
+    import shutil
+    import subprocess
+
+    tool = shutil.which("c++filt")
+    if tool is None or not text:
+        return text
+    try:
+        return subprocess.run([tool], input=text, capture_output=True, text=True, timeout=10).stdout.strip() or text
+    except (OSError, subprocess.TimeoutExpired):
+        return text
+
+
+def sweep_llama_native(
+    arch: str, op: str, *, first: int = 1, max_nth: int = 3000, timeout: float = 300.0
+) -> LlamaNativeReport:
+    """Sweep allocation numbers ``first..`` of ``op`` on ``arch``'s model until one completes."""
+    if op not in OPS:
+        raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
+    report = LlamaNativeReport(arch, op)
+    nth = first
+    while nth <= max_nth:
+        # ggml's own crash backtrace attaches gdb to the dying process: seconds per trial; the shim
+        # and faulthandler already capture the stacks
+        env = dict(os.environ, GGML_NO_BACKTRACE="1")
+        child = run_native(
+            [sys.executable, "-m", "faults.llama_native", "--child", arch, op, str(nth), str(max_nth)],
+            timeout=timeout,
+            env=env,
+        )
+        done = _parse(report, child)
+        last = max((t.nth for t in report.trials), default=nth - 1)
+        if done:
+            return report
+        if child.crashed or child.returncode != 0:
+            report.trials.append(
+                NativeTrial(
+                    f"{arch}.{op}.{last + 1}",
+                    last + 1,
+                    _death(child),
+                    child.describe() + (": " + child.stderr.strip().splitlines()[-1] if child.stderr.strip() else ""),
+                    child.stacks,
+                )
+            )
+            nth = last + 2
+        else:
+            nth = last + 1
+    report.capped = True
+    return report
+
+
+def _death(child: ChildResult) -> str:
+    if child.status == "signalled" and child.signal == "SIGABRT":
+        return "aborted"
+    if child.status == "exited" and child.returncode is not None:
+        return "python-error" if "MemoryError" in child.stderr else "crashed"
+    return "crashed"
+
+
+def _parse(report: LlamaNativeReport, child: ChildResult) -> bool:
+    done = False
+    for line in child.stdout.splitlines():
+        if not line.startswith(_RESULT):
+            continue
+        row = json.loads(line[len(_RESULT) :])
+        t = NativeTrial(
+            f"{report.arch}.{report.op}.{row['nth']}",
+            row["nth"],
+            row["outcome"],
+            row.get("detail", ""),
+            row.get("stacks", ""),
+        )
+        report.trials.append(t)
+        if t.outcome == "completed":
+            done = True
+    return done
+
+
+# ---- the child ----------------------------------------------------------------------------
+
+
+def _child(arch: str, op: str, start: int, stop: int) -> int:
+    import ctypes
+
+    import llama_cpp as ll
+
+    from fixtures.models import model_path
+    from harness.llama_provider import LlamaProvider, load_model
+
+    from .native import ShimControl
+
+    child_setup()
+    shim = ShimControl()
+    flags = 1 if op == "get-part" else 0
+    prov = LlamaProvider(load_model(model_path(arch)), n_seq=2, n_ctx=256, n_batch=16, n_ubatch=8, check_restores=False)
+    ctx = prov.ctx
+    prompt = [3 + (i * 5) % 250 for i in range(24)]
+
+    def reset() -> None:
+        ll.llama_memory_clear(prov.mem, True)
+        for s in (0, 1):
+            ret, _ = prov._decode_raw(ctx, s, prompt[:16], 0, want_logits=False)
+            assert ret == 0
+            ret, _ = prov._decode_raw(ctx, s, prompt[16:], 16, want_logits=False)
+            assert ret == 0
+
+    reset()
+    size = int(ll.llama_state_seq_get_size_ext(ctx, 0, flags))
+    clean_state = prov._raw_state(ctx, 0) if flags == 0 else b""
+    if flags:
+        buf0 = (ctypes.c_uint8 * size)()
+        n0 = ll.llama_state_seq_get_data_ext(ctx, buf0, size, 0, flags)
+        clean_state = ctypes.string_at(buf0, n0)
+    nxt = [7, 8, 9]
+    ret, clean_logits = prov._decode_raw(ctx, 1, nxt, len(prompt), want_logits=True)
+    assert ret == 0
+
+    stacks_path = os.environ.get(STACKS_ENV, "")
+
+    def trial(nth: int) -> tuple[str, str]:
+        reset()
+        detail = ""
+        try:
+            if op in ("get", "get-part"):
+                buf = (ctypes.c_uint8 * size)()
+                shim.arm(nth)
+                n = ll.llama_state_seq_get_data_ext(ctx, buf, size, 0, flags)
+                fired = shim.disarm()
+                ok = n == size
+                same = ok and ctypes.string_at(buf, n) == clean_state
+            elif op == "set":
+                ll.llama_memory_seq_rm(prov.mem, 1, -1, -1)
+                src = (ctypes.c_uint8 * len(clean_state)).from_buffer_copy(clean_state)
+                shim.arm(nth)
+                n = ll.llama_state_seq_set_data_ext(ctx, src, len(clean_state), 1, 0)
+                fired = shim.disarm()
+                ok = n == len(clean_state)
+                same = ok and prov._raw_state(ctx, 1) == clean_state
+            else:
+                batch = ll.llama_batch_init(len(nxt), 0, 1)
+                for i, t in enumerate(nxt):
+                    batch.token[i], batch.pos[i], batch.n_seq_id[i] = t, len(prompt) + i, 1
+                    batch.seq_id[i][0] = 1
+                    batch.logits[i] = i == len(nxt) - 1
+                batch.n_tokens = len(nxt)
+                shim.arm(nth)
+                rc = ll.llama_decode(ctx, batch)
+                fired = shim.disarm()
+                ll.llama_batch_free(batch)
+                ok = rc == 0
+                detail = f"ret {rc}"
+                same = ok and ctypes.string_at(ll.llama_get_logits_ith(ctx, -1), len(clean_logits)) == clean_logits
+        except MemoryError as e:
+            shim.disarm()
+            return "python-error", f"MemoryError: {e}"
+        if fired == 0:
+            return "completed", detail
+        if not ok:
+            return "reported", detail
+        return ("absorbed" if same else "wrong"), detail
+
+    # one forked process per trial: a trial that aborts takes only itself down
+    for nth in range(start, stop + 1):
+        sys.stdout.flush()
+        offset = os.path.getsize(stacks_path) if stacks_path and os.path.exists(stacks_path) else 0
+        pid = os.fork()
+        if pid == 0:
+            outcome, detail = trial(nth)
+            print(_RESULT + json.dumps({"nth": nth, "outcome": outcome, "detail": detail}), flush=True)
+            os._exit(_COMPLETED if outcome == "completed" else 0)
+        _, status = os.waitpid(pid, 0)
+        if os.WIFSIGNALED(status):
+            sig = signal.Signals(os.WTERMSIG(status)).name
+            stacks = ""
+            if stacks_path and os.path.exists(stacks_path):
+                with open(stacks_path, errors="replace") as f:
+                    f.seek(offset)
+                    stacks = f.read()
+            row = {
+                "nth": nth,
+                "outcome": "aborted" if sig == "SIGABRT" else "crashed",
+                "detail": f"killed by {sig}",
+                "stacks": stacks,
+            }
+            print(_RESULT + json.dumps(row), flush=True)
+        elif os.WEXITSTATUS(status) == _COMPLETED:
+            return 0  # the trial printed its row: the call completed with no fault fired
+        elif os.WEXITSTATUS(status) != 0:
+            row = {"nth": nth, "outcome": "crashed", "detail": f"trial exited with {os.WEXITSTATUS(status)}"}
+            print(_RESULT + json.dumps(row), flush=True)
+    return 0
+
+
+def _main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m faults.llama_native", description=__doc__.splitlines()[0])
+    ap.add_argument("--case", help="replay one trial: ARCH.OP.NTH (e.g. lfm2.set.7)")
+    ap.add_argument("--child", nargs=4, metavar=("ARCH", "OP", "FIRST", "LAST"), help=argparse.SUPPRESS)
+    ap.add_argument("--arch", default="llama")
+    ap.add_argument("--op", default="set", choices=OPS)
+    ap.add_argument("--max-nth", type=int, default=3000)
+    args = ap.parse_args(argv)
+    if args.child:
+        arch, op, a, b = args.child
+        return _child(arch, op, int(a), int(b))
+    if args.case:
+        try:
+            arch, op, n = args.case.rsplit(".", 2)
+            nth = int(n)
+        except ValueError:
+            ap.error(f"--case must look like ARCH.OP.NTH, got {args.case!r}")
+        rep = sweep_llama_native(arch, op, first=nth, max_nth=nth)
+    else:
+        rep = sweep_llama_native(args.arch, args.op, max_nth=args.max_nth)
+    for t in rep.trials:
+        print(f"{t.case:<24} {t.outcome:<12} {t.detail}")
+        if t.stacks:
+            print("    " + _first_frames(t.stacks, 20).replace("\n", "\n    "))
+    print(json.dumps(rep.to_json()))
+    return 1 if rep.findings else 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(_main())

@@ -1,0 +1,92 @@
+"""Native allocation failures inside libllama: the sweep, its classification, the gate's use of it."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from collections import Counter
+from pathlib import Path
+
+import pytest
+
+from faults.llama_native import LlamaNativeReport, NativeTrial, sweep_llama_native
+from properties import gate
+from properties.llama_gate import classify_native
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_get_sweep_reaches_completion_and_names_each_case() -> None:
+    rep = sweep_llama_native("llama", "get")
+    outcomes = [t.outcome for t in rep.trials]
+    assert outcomes[-1] == "completed" and not rep.capped
+    assert outcomes[0] == "aborted"  # the finding: the io object is allocated outside the try
+    assert set(outcomes[1:-1]) == {"reported"}
+    assert [t.nth for t in rep.trials] == list(range(1, len(rep.trials) + 1))
+    assert rep.trials[3].case == "llama.get.4"
+    (group,) = rep.groups()
+    assert group["site"].startswith("llama_context::state_seq_get_data")
+    assert classify_native("get", group) == "state-io-alloc-outside-try"
+
+
+def test_one_case_replays_alone() -> None:
+    r = subprocess.run(
+        [sys.executable, "-m", "faults.llama_native", "--case", "mamba.get-part.3"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.startswith("mamba.get-part.3") and "reported" in r.stdout.splitlines()[0]
+
+
+def test_unknown_op_is_refused() -> None:
+    with pytest.raises(ValueError, match="unknown op"):
+        sweep_llama_native("llama", "save")
+
+
+@pytest.mark.parametrize(
+    ("op", "outcome", "site", "known"),
+    [
+        ("set", "aborted", "llama_context::state_seq_set_data(int, ...)", "state-io-alloc-outside-try"),
+        ("decode", "aborted", "llama_kv_cache::find_slot(...)", "decode-bad-alloc-terminates"),
+        ("decode", "crashed", "ggml_graph_compute", "graph-compute-segv"),
+        ("get", "wrong", "?", None),  # silent corruption is never a known finding
+        ("set", "crashed", "llama_kv_cache::state_read(...)", None),
+        ("get", "aborted", "llama_kv_cache::state_write(...)", None),
+    ],
+)
+def test_classification(op: str, outcome: str, site: str, known: str | None) -> None:
+    assert classify_native(op, {"outcome": outcome, "site": site}) == known
+
+
+def test_an_unlisted_native_outcome_fails_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant of libllama's behaviour: a call that claims success with a corrupted result."""
+
+    def fake(arch: str, op: str) -> LlamaNativeReport:
+        rep = LlamaNativeReport(arch, op)
+        rep.trials = [NativeTrial(f"{arch}.{op}.1", 1, "wrong"), NativeTrial(f"{arch}.{op}.2", 2, "completed")]
+        return rep
+
+    import faults.llama_native
+
+    monkeypatch.setattr(faults.llama_native, "sweep_llama_native", fake)
+    report = gate.GateReport("shared", "llama", "ci", 0, "test")
+    rows: list[dict[str, object]] = [{"arch": "llama"}]
+    gate._run_llama_native(report, "shared", ["llama"], rows, lambda s: None)  # type: ignore[arg-type]
+    assert not report.passed
+    assert len(report.failures) == 4  # one per swept operation
+    f = report.failures[0]
+    assert f.property == "native_fault" and "wrong" in f.message
+    assert f.replay == "python -m faults.llama_native --case llama.get.1"
+    assert Counter(k["status"] for k in report.known) == Counter({"not-reproduced": 3})
+
+
+@pytest.mark.parametrize("script", ["state_io_alloc_outside_try.py", "graph_compute_segv.py"])
+def test_native_finding_reproducers_exit_1_while_present(script: str) -> None:
+    r = subprocess.run(
+        [sys.executable, f"fixtures/findings/{script}"], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "BUG:" in r.stdout
