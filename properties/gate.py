@@ -39,7 +39,7 @@ from .machine import MachineConfig, TargetCrash, machine_class
 
 __all__ = ["KNOWN_FINDINGS", "GateReport", "add_arguments", "machines_for", "run", "run_gate"]
 
-BACKENDS = ["synthetic", "llama"]
+BACKENDS = ["synthetic", "llama", "llama-cpp-python-cache"]
 
 PROFILES: dict[str, dict[str, int]] = {
     "ci": {"max_examples": 300, "steps": 30},
@@ -290,6 +290,7 @@ def run_gate(
     known: bool = True,
     backends: Sequence[str] = ("synthetic",),
     archs: Sequence[str] | None = None,
+    cache: str = "ram",
     out: Callable[[str], None] = print,
 ) -> GateReport:
     """Run the gate on ``backends`` and return its report; ``out`` receives the human-readable lines."""
@@ -312,6 +313,8 @@ def run_gate(
             _run_known(report, variant, cfg_settings, seed, replay + " --backend synthetic")
     if "llama" in backends:
         _run_llama(report, variant, profile, seed, db, max_examples, archs, replay, out)
+    if "llama-cpp-python-cache" in backends:
+        _run_lcp(report, variant, cache, seed, max_examples, out)
     _print_report(report, out)
     return report
 
@@ -428,6 +431,43 @@ def _run_llama(
     report.known.append(entry)
 
 
+def _run_lcp(
+    report: GateReport, variant: str, cache: str, seed: int, max_examples: int | None, out: Callable[[str], None]
+) -> None:
+    """llama-cpp-python's own prompt caches (LlamaRAMCache / LlamaDiskCache) under the generic properties."""
+    from .lcp_cache import run_lcp_gate
+
+    out(f"gate: backend=llama-cpp-python-cache cache={cache} seed={seed} commit={report.commit}")
+    res = run_lcp_gate(cache, seed=seed, max_examples=max_examples, out=lambda line: out("  " + line))
+    report.extra["llama_cpp_cache"] = {
+        "cache": res["cache"],
+        "checks": res["checks"],
+        "properties": res["properties"],
+        "findings": [
+            {k: f[k] for k in ("name", "property", "reproducer", "title", "evidence")} for f in res["findings"]
+        ],
+        "out_of_scope": res["out_of_scope"],
+        "seconds": res["seconds"],
+    }
+    for f in res["findings"]:
+        report.known.append(
+            {
+                "id": f["name"],
+                "title": f["title"],
+                "machine": f"llama-cpp-python {cache} cache",
+                "reproducer": f["reproducer"],
+                "status": "reproduced",
+                "property": f["property"],
+                "message": f["evidence"],
+            }
+        )
+    for f in res["failures"]:
+        failure = Failure(
+            f["property"], "violation", f["message"], f.get("program", ""), f["replay"], f.get("machine", "lcp"), 0
+        )
+        report.machines.append(MachineResult(MachineConfig(variant), res["seconds"], failure, Counter(), Counter(), []))
+
+
 def _run_llama_native(
     report: GateReport, variant: str, archs: Sequence[str], rows: list[dict[str, Any]], out: Callable[[str], None]
 ) -> None:
@@ -503,8 +543,10 @@ def _run_llama_native(
 
 
 def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
-    out("properties:")
-    for p in report.properties():
+    props = report.properties()
+    if any(p["status"] != "not-checked" for p in props):
+        out("properties:")
+    for p in props if any(p["status"] != "not-checked" for p in props) else []:
         out(f"  {p['name']:<20} {p['status']:<12} {p['examples']:>8} checks {p['seconds']:8.3f}s")
     peaks = [p for m in report.machines for p in m.peaks]
     if peaks:
@@ -558,6 +600,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--arch", nargs="+", metavar="NAME", help="llama backend: the fixtures models to run (default: all five)"
     )
+    parser.add_argument(
+        "--cache", choices=["ram", "disk"], help="llama-cpp-python-cache backend: which cache (default: ram)"
+    )
     parser.add_argument("--profile", default="ci", choices=sorted(PROFILES))
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
     parser.add_argument("--db", metavar="DIR", help="example database directory (fuzz profile)")
@@ -588,6 +633,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
         if "llama" not in backends:
             raise UsageError("--arch applies to the llama backend; add --backend llama")
+    if args.cache and "llama-cpp-python-cache" not in backends:
+        raise UsageError("--cache applies to the llama-cpp-python-cache backend; add --backend llama-cpp-python-cache")
     report = run_gate(
         args.variant,
         profile=args.profile,
@@ -596,6 +643,7 @@ def run(args: argparse.Namespace) -> int:
         max_examples=args.max_examples,
         backends=backends,
         archs=args.arch,
+        cache=args.cache or "ram",
     )
     if args.json:
         with open(args.json, "w") as f:

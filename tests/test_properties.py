@@ -8,6 +8,7 @@ import json
 import subprocess
 import sys
 from dataclasses import replace
+from pathlib import Path
 
 import pytest
 
@@ -17,6 +18,8 @@ from properties.machine import MachineConfig, TargetCrash
 from properties.mutants import MUTANTS
 from properties.mutants import config as mutant_config
 from properties.mutants_cmd import kill
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_every_invariant_has_a_mutant() -> None:
@@ -177,3 +180,21 @@ def test_cli_gate_unknown_arch_is_a_usage_error() -> None:
     assert r.returncode == 2 and "unknown --arch gpt9" in r.stderr and "Traceback" not in r.stderr
     r = _cli("gate", "--backend", "synthetic", "--arch", "llama")
     assert r.returncode == 2 and "--arch applies to the llama backend" in r.stderr
+
+
+def test_cli_gate_llama_cpp_python_cache_backend(tmp_path) -> None:  # type: ignore[no-untyped-def]
+    out = tmp_path / "gate.json"
+    r = _cli(
+        "gate", "--backend", "llama-cpp-python-cache", "--cache", "ram", "--max-examples", "15", "--json", str(out)
+    )
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    data = json.loads(out.read_text())
+    section = data["llama_cpp_cache"]
+    assert section["cache"] == "ram" and section["checks"] > 0
+    for f in section["findings"]:
+        assert {"name", "property", "reproducer"} <= set(f)
+        assert (ROOT / f["reproducer"]).is_file()
+    known = {k["id"] for k in data["known_findings"]}
+    assert {f["name"] for f in section["findings"]} <= known
+    r = _cli("gate", "--cache", "disk")
+    assert r.returncode == 2 and "--cache applies to the llama-cpp-python-cache backend" in r.stderr
