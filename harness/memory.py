@@ -187,10 +187,16 @@ class Payload:
             raise RuntimeError(f"use after free of payload #{self.ident}")
         return self._data
 
-    def fill(self, data: bytes) -> int:
-        """Write the buffer (``llama_state_seq_get_data_ext`` into it); returns bytes written."""
+    def fill(self, data: bytes, *, copy: bool = False) -> int:
+        """Write the buffer (``llama_state_seq_get_data_ext`` into it); returns bytes written.
+
+        ``copy`` makes the bytes a physically distinct object (a deep copy really copies, so a
+        process-level profiler such as memray sees it); otherwise freshly produced bytes are
+        adopted as they are.
+        """
         n = min(len(data), self.nbytes)
-        self._data = data[:n] + self._data[n:]
+        head = bytes(memoryview(data)[:n]) if copy else data[:n]
+        self._data = head + self._data[n:] if n < self.nbytes else head
         self.digest = _digest(self._data)
         return n
 
@@ -265,7 +271,7 @@ class Host:
             return None
         p = self.alloc_payload(site, src.nbytes, src.kind)
         assert p is not None
-        p.fill(src.data)
+        p.fill(src.data, copy=True)
         return p
 
     def note_peak(self) -> None:

@@ -354,7 +354,14 @@ def _run_llama(
 ) -> None:
     from fixtures.models import ARCHS
 
-    from .llama_gate import LAYOUT_FINDING, LLAMA_PROFILES, full_context_run, llama_machines, model_rows
+    from .llama_gate import (
+        LAYOUT_FINDING,
+        LLAMA_PROFILES,
+        full_context_run,
+        llama_machines,
+        memray_figures,
+        model_rows,
+    )
 
     archs = list(archs or ARCHS)
     lp = LLAMA_PROFILES[profile]
@@ -416,6 +423,15 @@ def _run_llama(
                 MachineResult(MachineConfig(variant, arch=arch), fc.seconds, f, Counter(), Counter(), [])
             )
     report.extra["llama"] = rows = model_rows(archs, stats, full)
+    for arch, row in zip(archs, rows, strict=True):
+        mem = memray_figures(arch)
+        row["memory"] = mem.to_json()
+        sp = mem.save_peak_bytes
+        out(
+            f"  [ok  ] memray {arch:<8} save peak master {sp['master']} B, shared {sp['shared']} B "
+            f"(difference {sp['master'] - sp['shared']} B; checkpoints C = {mem.checkpoint_bytes} B), "
+            f"load peak {mem.load_peak_bytes['shared']} B"
+        )
     _run_llama_native(report, variant, archs, rows, out)
     n_layout = sum(r["layout_diffs"] for r in rows)
     entry: dict[str, Any] = {

@@ -207,3 +207,92 @@ def model_rows(
 
 def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
+
+
+@dataclass
+class MemoryFigures:
+    """memray (native traces) figures of one save and one load on real state, per semantics."""
+
+    arch: str
+    n_tokens: int
+    n_checkpoints: int
+    state_bytes: int  # S: target (+ draft) state of the entry
+    checkpoint_bytes: int  # C: the checkpoint payloads the entry holds
+    save_peak_bytes: dict[str, int]  # semantics -> memray peak of the save
+    load_peak_bytes: dict[str, int]
+    model_save_peak_bytes: dict[str, int]  # semantics -> the ledger's predicted transient peak
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "n_tokens": self.n_tokens,
+            "n_checkpoints": self.n_checkpoints,
+            "state_bytes": self.state_bytes,
+            "checkpoint_bytes": self.checkpoint_bytes,
+            "save_peak_bytes": self.save_peak_bytes,
+            "load_peak_bytes": self.load_peak_bytes,
+            "model_save_peak_bytes": self.model_save_peak_bytes,
+        }
+
+
+def memray_figures(arch: str, *, n_tokens: int = 768, workdir: str | None = None) -> MemoryFigures:
+    """Save a long prompt (with its checkpoints) to the cache and load it back, under memray, per semantics.
+
+    One slot processes ``n_tokens`` in batches of 256, creating checkpoints where the model's memory
+    needs them (recurrent, hybrid, SWA), then ``prompt_save`` and, after the slot is cleared,
+    ``prompt_load`` each run inside their own ``memray.Tracker(native_traces=True)``: the peak is
+    the high-water mark of the heap allocated during that one operation, native allocations of
+    libllama included. ``master`` deep-copies the checkpoint payloads into the entry; ``shared``
+    shares them, so its save peak should not carry C: the difference of the two peaks is about C.
+
+    The absolute peaks are the harness process's, about 3 S for a save: libllama writes into a
+    ctypes buffer, which is copied into Python bytes, beside the entry's zero-filled vector (the
+    C++ server has only the vector). Compare semantics with each other, not with the server.
+    """
+    import tempfile
+
+    import memray
+
+    from harness.build import close_server, make_llama_server
+    from harness.server import ServerParams
+
+    save: dict[str, int] = {}
+    load: dict[str, int] = {}
+    model_peak: dict[str, int] = {}
+    s_bytes = c_bytes = n_ckpt = 0
+    with tempfile.TemporaryDirectory(prefix="memray-", dir=workdir) as tmp:
+        for sem in ("master", "shared"):
+            params = ServerParams(
+                n_slots=1,
+                cache_ram=1 << 30,
+                cache_ram_unit=1,
+                n_ctx_checkpoints=8,
+                checkpoint_min_step=64,
+                n_batch=256,
+                n_ubatch=64,
+            )
+            server = make_llama_server(sem, model_path(arch), params=params, n_ctx=1024, check_restores=False)
+            try:
+                prompt = tuple(3 + (i * 7) % 250 for i in range(n_tokens))
+                server.handle_completion(prompt, id_slot=0, n_cmpl=1, n_predict=1)
+                server.run_until_idle()
+                slot = server.slots[0]
+                cache = server.prompt_cache
+                assert cache is not None
+                n_ckpt = len(slot.prompt.checkpoints)
+                c_bytes = sum(c.size() for c in slot.prompt.checkpoints)
+                path = f"{tmp}/{sem}-save.bin"
+                with memray.Tracker(path, native_traces=True):
+                    slot.prompt_save(cache)
+                save[sem] = int(memray.FileReader(path).metadata.peak_memory)
+                op = server.host.last_op
+                model_peak[sem] = op.peak_excess if op is not None else 0
+                s_bytes = op.state_bytes if op is not None else 0
+                tokens = slot.prompt.tokens
+                slot.prompt_clear()
+                path = f"{tmp}/{sem}-load.bin"
+                with memray.Tracker(path, native_traces=True):
+                    slot.prompt_load(cache, tokens)
+                load[sem] = int(memray.FileReader(path).metadata.peak_memory)
+            finally:
+                close_server(server)
+    return MemoryFigures(arch, n_tokens, n_ckpt, s_bytes, c_bytes, save, load, model_peak)

@@ -197,3 +197,14 @@ def test_check_restore_equivalence_fails_the_invariant_with_the_mismatch_line() 
     finally:
         close_server(server)
     assert server.ctx_tgt.ctx is None  # type: ignore[attr-defined]
+
+
+def test_memray_sees_master_deep_copy_of_checkpoints_and_not_shared() -> None:
+    from properties.llama_gate import memray_figures
+
+    m = memray_figures("mamba", n_tokens=512)
+    assert m.n_checkpoints >= 1 and m.checkpoint_bytes > 0
+    diff = m.save_peak_bytes["master"] - m.save_peak_bytes["shared"]
+    assert 0.9 * m.checkpoint_bytes <= diff <= 1.5 * m.checkpoint_bytes + 4096, (diff, m)
+    assert m.model_save_peak_bytes["master"] - m.model_save_peak_bytes["shared"] == m.checkpoint_bytes
+    assert m.load_peak_bytes["shared"] > 0
