@@ -28,6 +28,7 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
+from collections import Counter
 from dataclasses import dataclass, field
 
 from .cache import ServerPrompt, ServerPromptCache, Tokens, f32, get_common_prefix
@@ -73,6 +74,9 @@ class ServerParams:
     n_batch: int = 16
     n_ubatch: int = 8
     n_draft_max: int = 0  # >0 and a draft context: speculative decoding
+    # the draft-KV recovery proposed in PR #27451's discussion (neither upstream nor the PR):
+    # purge idle slots and retry the draft batch once, else clear the out-of-sync slot
+    draft_recovery: bool = False
 
 
 @dataclass
@@ -135,6 +139,8 @@ class ServerSlot:
         self.pos_next = 0  # where the last prompt processing resumed (after checkpoint invalidation)
         self.result: list[int] = []
         self.error: str | None = None
+        self.resuming = False  # re-processing its tokens after a draft-KV recovery cleared it
+        self.resyncs = 0  # draft-KV recoveries that cleared this slot during its current task
 
     def __repr__(self) -> str:
         return f"slot{self.id}({self.state.value}, {self.prompt.n_tokens()} tok, {len(self.prompt.checkpoints)} ckpt)"
@@ -201,6 +207,8 @@ class ServerSlot:
         self.task = None
         self.n_decoded = 0
         self.sampled = None
+        self.resyncs = 0
+        self.resuming = False
 
     # server-context.cpp:515
     def release(self) -> None:
@@ -238,6 +246,8 @@ class ServerContext:
     errors: list[tuple[int, str]] = field(default_factory=list)
     clock: int = 0
     next_task_id: int = 0
+    # ServerParams.draft_recovery outcomes: "retried" (after purging idle slots), "resynced"
+    draft_recoveries: Counter[str] = field(default_factory=Counter)
 
     def __post_init__(self) -> None:
         self.checkpoint_cls: type[CommonPromptCheckpoint] = self.sem.checkpoint_cls or CommonPromptCheckpoint
@@ -515,8 +525,13 @@ class ServerContext:
             slot.state = SlotState.DONE_PROMPT
             # the first generated token: counted now, decoded only with the next batch (:475-511)
             slot.sampled = sample(slot.prompt.tokens)
-            slot.result = [slot.sampled]
-            slot.n_decoded = 1
+            if slot.resuming:  # back in step after a draft-KV recovery: generation goes on
+                slot.resuming = False
+                slot.result.append(slot.sampled)
+                slot.n_decoded += 1
+            else:
+                slot.result = [slot.sampled]
+                slot.n_decoded = 1
 
     # server-context.cpp:2290
     def create_checkpoint(self, slot: ServerSlot, n_tokens_cur: int, pos_min: int, pos_max: int) -> None:
@@ -571,11 +586,47 @@ class ServerContext:
             return False
         if self.ctx_dft is not None:
             ret = self.ctx_dft.decode(slot.id, batch, pos0)
+            if ret != 0 and self.params.draft_recovery:
+                return self._recover_draft(slot, batch, pos0)
             if ret != 0:
                 # :3731 "failed to process speculative batch" -> abort_all_slots: released, not cleared
                 self.abort_all_slots("failed to process speculative batch")
                 return False
         return True
+
+    def _recover_draft(self, slot: ServerSlot, batch: list[int], pos0: int) -> bool:
+        """The proposed recovery when the draft context has no room for a batch the target took.
+
+        Not upstream and not in PR #27451 (a reviewer's account of what fixed it for them, see
+        ``../shared/spec``): clear every idle slot (freeing their draft cells) and retry the draft
+        batch once; if it still fails, clear the out-of-sync slot in both contexts and let it
+        re-process its tokens (the prompt, or the tokens it had decoded up to ``pos0``) instead of
+        failing the request. Returns True when the retry succeeded (the batch is in both contexts).
+        """
+        assert self.ctx_dft is not None and slot.task is not None
+        purged = False
+        for s in self.slots:
+            if s is not slot and not s.is_processing() and s.prompt.n_tokens() > 0:
+                s.prompt_clear()
+                purged = True
+        if purged and self.ctx_dft.decode(slot.id, batch, pos0) == 0:
+            self.draft_recoveries["retried"] += 1
+            return True
+        if slot.resyncs >= 2:  # bounded: a slot that keeps losing the draft race fails as upstream does
+            self.abort_all_slots("failed to process speculative batch")
+            return False
+        slot.resyncs += 1
+        generating = slot.state is not SlotState.PROCESSING_PROMPT
+        resume = slot.prompt.tokens[: pos0 + 1]
+        slot.mem_seq_rm(-1, -1)
+        slot.prompt.clear()
+        if generating:
+            # the target decoded up to pos0 (unverified drafts after it are dropped): re-process those
+            slot.task = Task(**{**slot.task.__dict__, "tokens": resume})
+            slot.resuming = True
+        slot.state = SlotState.PROCESSING_PROMPT
+        self.draft_recoveries["resynced"] += 1
+        return False
 
     # server-context.cpp:2735
     def abort_all_slots(self, reason: str) -> None:

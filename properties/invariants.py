@@ -61,6 +61,7 @@ INVARIANTS: dict[str, str] = {
     "draft_in_step": "a slot's target and draft memory describe exactly the slot's tokens",
     "restore_equivalence": "after a cache load, checkpoint restore or rollback the next logits equal a fresh "
     "evaluation's bit for bit (libllama backend)",
+    "draft_recovery": "with the proposed draft-KV recovery on, a draft context without room fails no request",
     "native_fault": "a failed native allocation inside libllama's state calls or decode is reported or absorbed "
     "correctly, or is a listed finding (libllama backend)",
 }
@@ -237,6 +238,16 @@ def check_restore_equivalence(server: ServerContext) -> None:
         mismatches = getattr(ctx, "mismatches", None)
         if mismatches:
             _fail("restore_equivalence", mismatches[0].line())
+
+
+def check_draft_recovery(server: ServerContext) -> None:
+    """With ``ServerParams.draft_recovery``, no request fails because the draft context is full.
+
+    ``draft_in_step`` checks, beside it, that the recovered slots' target and draft agree.
+    """
+    for slot_id, msg in server.errors:
+        if msg == "failed to process speculative batch":
+            _fail("draft_recovery", f"slot{slot_id}: the request failed with {msg!r} despite the recovery")
 
 
 @dataclass

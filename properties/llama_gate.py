@@ -97,7 +97,11 @@ LLAMA_PROFILES: dict[str, dict[str, int]] = {
 
 
 def llama_machines(variant: str, archs: Sequence[str] | None = None) -> list[MachineConfig]:
-    """One machine per architecture; drafts on ``llama`` and ``jamba``, a unified KV on ``mamba``/``lfm2``."""
+    """One machine per architecture; drafts on ``llama`` and ``jamba``, a unified KV on ``mamba``/``lfm2``.
+
+    (A draft context cannot be made smaller than 256 cells per sequence in libllama, so the draft-KV
+    exhaustion runs as its own scenario, :func:`draft_recovery_run`.)
+    """
     out = []
     for arch in archs or ARCHS:
         out.append(
@@ -109,6 +113,12 @@ def llama_machines(variant: str, archs: Sequence[str] | None = None) -> list[Mac
                 kv_unified=arch in ("mamba", "lfm2"),
             )
         )
+        if arch in ("llama", "jamba"):
+            out.append(
+                MachineConfig(
+                    variant, kind="", arch=arch, draft=True, known=frozenset({"small-draft-ctx", "draft-recovery"})
+                )
+            )
     return out
 
 
@@ -296,3 +306,62 @@ def memray_figures(arch: str, *, n_tokens: int = 768, workdir: str | None = None
             finally:
                 close_server(server)
     return MemoryFigures(arch, n_tokens, n_ckpt, s_bytes, c_bytes, save, load, model_peak)
+
+
+def draft_recovery_run(arch: str, *, recovery: bool = True) -> dict[str, Any]:
+    """The proposed draft-KV recovery on real contexts: a draft of 256 cells shared by two slots.
+
+    Slot 0 processes a 180-token prompt and goes idle; slot 1 then processes 200 tokens while
+    slot 0 starts a second, shorter task: the draft runs out of cells mid-prompt, first with no idle
+    slot to purge (the out-of-sync slot is cleared and re-processes), later with slot 0 idle again
+    (purged, and the batch retried). No request may fail, target and draft must describe every
+    slot's tokens afterwards, and a probe token decoded on every slot must give the logits of a
+    fresh evaluation, on both contexts. With ``recovery=False`` the same requests run as upstream
+    handles them (abort every processing slot) and only the failed requests are reported.
+    """
+    from fixtures.models import draft_path
+    from harness.build import close_server, make_llama_server
+    from harness.server import ServerParams
+
+    from . import invariants as inv
+
+    params = ServerParams(
+        n_slots=2,
+        cache_ram=0,
+        kv_unified=True,
+        n_batch=64,
+        n_ubatch=32,
+        n_draft_max=2,
+        draft_recovery=recovery,
+        n_ctx_checkpoints=4,
+    )
+    server = make_llama_server(
+        "shared", model_path(arch), draft_model=draft_path(), params=params, n_ctx=2048, n_ctx_dft=256
+    )
+    try:
+        a = tuple(3 + (i * 11) % 250 for i in range(180))
+        b = tuple(3 + (i * 13) % 250 for i in range(200))
+        server.handle_completion(a, id_slot=0, n_cmpl=1, n_predict=3)
+        server.run_until_idle()
+        server.handle_completion(b, id_slot=1, n_cmpl=1, n_predict=3)
+        server.handle_completion((*a[:60], 9, 9, 9), id_slot=0, n_cmpl=1, n_predict=2)
+        server.run_until_idle()
+        if not recovery:
+            return {"arch": arch, "errors": list(server.errors)}
+        inv.check_draft_recovery(server)
+        inv.check_draft_in_step(server)
+        verified = 0
+        for slot in server.slots:
+            for ctx in (server.ctx_tgt, server.ctx_dft):
+                if not ctx.verify(slot.id, "after draft recovery"):  # type: ignore[union-attr]
+                    raise RuntimeError(ctx.mismatches[-1].line())  # type: ignore[union-attr]
+                verified += 1
+        return {
+            "arch": arch,
+            "recoveries": dict(server.draft_recoveries),
+            "errors": list(server.errors),
+            "verified": verified,
+            "layout_diffs": sum(len(c.layout_diffs) for c in (server.ctx_tgt, server.ctx_dft)),  # type: ignore[union-attr]
+        }
+    finally:
+        close_server(server)

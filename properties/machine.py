@@ -57,7 +57,8 @@ class MachineConfig:
     gate run, exercised by the known-findings runs): ``"busy-slot-by-id"`` lets a request name a
     slot that is processing; ``"small-draft-ctx"`` gives the draft context far fewer KV cells than
     the target; ``"strict-swa-order"`` stops excusing the checkpoint order that upstream leaves
-    after an SWA checkpoint restore.
+    after an SWA checkpoint restore; ``"draft-recovery"`` turns on the draft-KV recovery proposed
+    in the PR's discussion (``ServerParams.draft_recovery``) and checks that no request fails.
     """
 
     semantics: str
@@ -132,6 +133,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             n_batch=16,
             n_ubatch=8,
             n_draft_max=2 if cfg.draft else 0,
+            draft_recovery="draft-recovery" in cfg.known,
         )
         small = "small-draft-ctx" in cfg.known
         if cfg.arch:
@@ -267,6 +269,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             ("draft_in_step", inv.check_draft_in_step),
             ("immutability", self.shadow.check),
             *((("restore_equivalence", inv.check_restore_equivalence),) if self.config.arch else ()),
+            *((("draft_recovery", inv.check_draft_recovery),) if self.params.draft_recovery else ()),
         ):
             t0 = time.perf_counter()
             check(self.server)

@@ -136,6 +136,23 @@ class _DraftNotRestored(ServerContext):
         return None
 
 
+class _CorruptCheckpointRestore(CommonPromptCheckpoint):
+    """restore_equivalence: a checkpoint restore lands one flipped bit (rot in shared payload storage).
+
+    The restore is bookkept as the checkpoint's (same tokens, same sizes); only the bytes that
+    reach libllama differ, which only a comparison of logits can see (libllama backend only).
+    """
+
+    def load_tgt(self, ctx: Any, seq_id: int, flags: int) -> None:
+        super().load_tgt(ctx, seq_id, flags)
+        data = self.data_tgt.data if self.data_tgt is not None else b""
+        set_raw = getattr(ctx, "_set_raw", None)
+        if set_raw is not None and len(data) >= 64:
+            bad = bytearray(data)
+            bad[-9] ^= 0x40  # inside the last tensor's values, past every header
+            set_raw(ctx.ctx, seq_id, bytes(bad), flags)
+
+
 @dataclass(frozen=True)
 class Mutant:
     semantics: Semantics
@@ -144,14 +161,15 @@ class Mutant:
     also: frozenset[str] = frozenset()  # other properties that may legitimately kill it first
     kind: str = "hybrid"
     draft: bool = False
+    arch: str = ""  # run on this fixtures model (libllama backend) instead of the synthetic provider
 
 
-def _m(name: str, kills: str, cls: type, *, draft: bool = False) -> Mutant:
+def _m(name: str, kills: str, cls: type, *, draft: bool = False, arch: str = "") -> Mutant:
     """A mutant of ``shared`` whose one broken class is ``cls`` (its docstring says what is broken)."""
     slot = {ServerPromptCache: "cache_cls", CommonPromptCheckpoint: "checkpoint_cls", ServerContext: "server_cls"}
     field_name = next(v for k, v in slot.items() if issubclass(cls, k))
     sem = Semantics(name, shared_payloads=True, wide_try=True, **{field_name: cls})
-    return Mutant(sem, kills, (cls.__doc__ or "").strip(), draft=draft)
+    return Mutant(sem, kills, (cls.__doc__ or "").strip(), draft=draft, arch=arch)
 
 
 MUTANTS: dict[str, Mutant] = {
@@ -184,6 +202,7 @@ MUTANTS: dict[str, Mutant] = {
         _m("no-invalidation", "checkpoint_lists", _NoInvalidation),
         _m("idle-caching-saves-busy", "busy_slot_untouched", _IdleCachingSavesBusy),
         _m("draft-not-restored", "draft_in_step", _DraftNotRestored, draft=True),
+        _m("corrupt-checkpoint-restore", "restore_equivalence", _CorruptCheckpointRestore, arch="jamba"),
     ]
 }
 
@@ -198,4 +217,6 @@ def resolve(name: str) -> Semantics:
 def config(name: str, kind: str | None = None, *, draft: bool | None = None) -> MachineConfig:
     """The machine configuration that runs mutant ``name`` (its own kind and draft by default)."""
     m = MUTANTS[name]
-    return MachineConfig(name, kind or m.kind, draft=m.draft if draft is None else draft, resolve=resolve)
+    return MachineConfig(
+        name, "" if m.arch else kind or m.kind, arch=m.arch, draft=m.draft if draft is None else draft, resolve=resolve
+    )

@@ -208,3 +208,27 @@ def test_memray_sees_master_deep_copy_of_checkpoints_and_not_shared() -> None:
     assert 0.9 * m.checkpoint_bytes <= diff <= 1.5 * m.checkpoint_bytes + 4096, (diff, m)
     assert m.model_save_peak_bytes["master"] - m.model_save_peak_bytes["shared"] == m.checkpoint_bytes
     assert m.load_peak_bytes["shared"] > 0
+
+
+def test_draft_recovery_on_real_state_serves_every_request() -> None:
+    from properties.llama_gate import draft_recovery_run
+
+    upstream = draft_recovery_run("jamba", recovery=False)
+    assert upstream["errors"], "upstream fails a request when the draft runs out of room"
+    rec = draft_recovery_run("jamba")
+    assert rec["errors"] == [] and rec["verified"] == 4
+    assert rec["recoveries"].get("resynced", 0) >= 1 and rec["recoveries"].get("retried", 0) >= 1
+
+
+def test_draft_recovery_property_fails_without_the_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Mutant: the recovery is switched on but gives up at once (fails the request as upstream)."""
+    from harness.server import ServerContext
+    from properties.llama_gate import draft_recovery_run
+
+    def give_up(self: ServerContext, slot: object, batch: list[int], pos0: int) -> bool:
+        self.abort_all_slots("failed to process speculative batch")
+        return False
+
+    monkeypatch.setattr(ServerContext, "_recover_draft", give_up)
+    with pytest.raises(inv.Violation, match="draft_recovery"):
+        draft_recovery_run("llama")
