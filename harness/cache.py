@@ -167,6 +167,8 @@ class ServerPromptCache:
     ) -> None:
         self.host = host
         self.sem = sem
+        self.evictions = 0  # entries popped by update() (statistics; not upstream)
+        self.loads = 0  # entries moved into a slot by load() (statistics; not upstream)
         # server-task.h:613
         self.limit_size = unit * (0 if limit_size_mib < 0 else limit_size_mib)
         self.limit_tokens = limit_tokens
@@ -186,6 +188,7 @@ class ServerPromptCache:
         entry.destroy()
 
     def _pop_front(self) -> None:
+        self.evictions += 1
         self._erase(self.states[0])
 
     # server-task.cpp:1691
@@ -352,6 +355,7 @@ class ServerPromptCache:
         # :1860 prompt = std::move(it_best->prompt); states.erase(it_best);
         prompt.assign(best.prompt.take())
         self._erase(best)
+        self.loads += 1
         return True
 
     # server-task.cpp:1870

@@ -90,6 +90,9 @@ class Task:
     cache_prompt: bool = True
     id_parent: int = -1
     n_children: int = 0
+    # the tokens the real target generated, when the model replays a real server's requests
+    # (differential testing); empty: the model's own hash choice
+    forced: Tokens = ()
 
     def is_parent(self) -> bool:
         return self.n_children > 0
@@ -349,12 +352,17 @@ class ServerContext:
         n_cmpl: int = 1,
         n_predict: int = 4,
         cache_prompt: bool = True,
+        forced: Tokens = (),
     ) -> LaunchResult:
-        """``process_single_task`` for a completion (server-context.cpp:2370-2432)."""
+        """``process_single_task`` for a completion (server-context.cpp:2370-2432).
+
+        ``forced``: the tokens a real server generated for this request; the model then generates
+        exactly those instead of its own hash choices (differential testing against llama-server).
+        """
         if not tokens:
             raise ValueError("empty prompt")
         self.next_task_id += 1
-        task = Task(self.next_task_id, tuple(tokens), id_slot, n_predict, cache_prompt, -1, n_cmpl - 1)
+        task = Task(self.next_task_id, tuple(tokens), id_slot, n_predict, cache_prompt, -1, n_cmpl - 1, tuple(forced))
         self.events.clear()
         slot = self.get_available_slot(task)
         if slot is None or slot.is_processing():
@@ -365,7 +373,7 @@ class ServerContext:
                 return LaunchResult("deferred", slot.id, task.id)
             for child in children:
                 self.next_task_id += 1
-                child.task = Task(self.next_task_id, task.tokens, -1, n_predict, cache_prompt, task.id)
+                child.task = Task(self.next_task_id, task.tokens, -1, n_predict, cache_prompt, task.id, 0, task.forced)
                 child.state = SlotState.WAIT_OTHER
         self.launch_slot_with_task(slot, task)
 
@@ -524,7 +532,7 @@ class ServerContext:
         if slot.prompt.n_tokens() == n_task:
             slot.state = SlotState.DONE_PROMPT
             # the first generated token: counted now, decoded only with the next batch (:475-511)
-            slot.sampled = sample(slot.prompt.tokens)
+            slot.sampled = self._choose(slot, slot.prompt.tokens)
             if slot.resuming:  # back in step after a draft-KV recovery: generation goes on
                 slot.resuming = False
                 slot.result.append(slot.sampled)
@@ -628,6 +636,12 @@ class ServerContext:
         self.draft_recoveries["resynced"] += 1
         return False
 
+    def _choose(self, slot: ServerSlot, hist: Tokens) -> int:
+        """The target's next token: the real server's when replaying one (``Task.forced``), else ``sample``."""
+        forced = slot.task.forced if slot.task is not None else ()
+        i = slot.n_decoded if slot.resuming or slot.state is SlotState.GENERATING else 0
+        return forced[i] if i < len(forced) else sample(hist)
+
     # server-context.cpp:2735
     def abort_all_slots(self, reason: str) -> None:
         for s in self.slots:
@@ -650,7 +664,7 @@ class ServerContext:
         slot.prompt.tokens = (*slot.prompt.tokens, tok)
         if not self._decode(slot, [tok], n):
             return
-        slot.sampled = sample(slot.prompt.tokens)
+        slot.sampled = self._choose(slot, slot.prompt.tokens)
         slot.result.append(slot.sampled)
         slot.n_decoded += 1
         self._finish_token(slot)
