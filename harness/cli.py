@@ -47,6 +47,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sweep": ("faults.sweep", "SQLite-style allocation-failure sweep over canonical scenarios"),
     "rlimit": ("faults.rlimit", "the seed's save under a real address-space limit, both semantics"),
     "demo": ("harness.demo", "print the seed's central claim on the ledger (master vs shared)"),
+    "build-server": ("harness.llama_server", "build llama-server from the llama-cpp-python sdist (cached)"),
 }
 
 

@@ -1,0 +1,800 @@
+"""Build and run the real ``llama-server`` (the C++ target the reference model stands in for).
+
+The llama.cpp tree we target is the one vendored in the ``llama-cpp-python==0.3.36`` sdist. It is
+fetched with ``pip download`` (no binaries, no deps), extracted safely into the cache and hashed
+once; :func:`build_server` then builds only the ``llama-server`` target with CMake, in one of three
+flavours:
+
+``master``
+    the vendored tree as is.
+``pr``
+    the vendored tree plus ``fixtures/pr-27451.patch`` (shared, immutable, refcounted checkpoint
+    payloads and an OOM-safe ``server_prompt_cache::alloc``; see the header of the patch).
+``asan``
+    the **pr** source (vendored tree + ``fixtures/pr-27451.patch``) built with
+    ``-fsanitize=address,undefined -fno-omit-frame-pointer -g`` in the C/C++ compile and link flags,
+    so the ownership and lifetime changes of the patch run under the sanitizers.
+
+Binaries are cached under ``$XDG_CACHE_HOME/prompt-cache-harness/llama-server/<key>/llama-server``
+(``~/.cache`` without ``XDG_CACHE_HOME``), where ``<key>`` hashes the vendored source, the patch
+bytes, the flavour, the CMake arguments and the compiler; a second call returns at once. A build
+runs in a temporary directory next to the cache and is renamed into place when it succeeded.
+
+:class:`ServerProcess` starts such a binary on ``127.0.0.1`` and a free port, waits for
+``GET /health``, and always stops it again (context exit, exceptions, Ctrl-C, ``atexit``).
+
+``python -m harness build-server [--flavour master|pr|asan] [--jobs N] [--force]`` exits 0 and
+prints the binary's path, 2 on a usage/environment error (no cmake, no compiler) and
+:data:`EXIT_BUILD_FAILED` (4) when fetching, patching, configuring or compiling fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import atexit
+import contextlib
+import fcntl
+import hashlib
+import json
+import os
+import shlex
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tarfile
+import tempfile
+import threading
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import IO, Any
+
+from .cli import UsageError
+
+__all__ = [
+    "EXIT_BUILD_FAILED",
+    "FLAVOURS",
+    "PATCH_PATH",
+    "SDIST_NAME",
+    "SDIST_VERSION",
+    "BuildError",
+    "ServerProcess",
+    "ServerStartError",
+    "add_arguments",
+    "build_server",
+    "cache_root",
+    "cached_binary",
+    "cmake_args",
+    "run",
+    "sdist_source",
+]
+
+SDIST_NAME = "llama-cpp-python"
+SDIST_VERSION = "0.3.36"
+_SDIST_STEM = f"llama_cpp_python-{SDIST_VERSION}"
+_VENDOR_SUBDIR = "vendor/llama.cpp"
+_SOURCE_MARKER = ".prompt-cache-harness-source.sha256"
+
+FLAVOURS = ("master", "pr", "asan")
+PATCH_PATH = Path(__file__).resolve().parent.parent / "fixtures" / "pr-27451.patch"
+
+EXIT_BUILD_FAILED = 4
+"""Exit code of ``build-server`` when the build itself fails (not a usage error, not a property)."""
+
+_BINARY = "llama-server"
+_SANITIZE = "-fsanitize=address,undefined -fno-omit-frame-pointer -g"
+
+# Everything that decides what gets compiled. The prebuilt UI is off because it downloads at
+# build time; OpenSSL is off (no https needed); LLAMA_CURL no longer exists in this tree (it is a
+# deprecated no-op that only prints a warning), so it is not passed.
+_BASE_CMAKE_ARGS = (
+    "-DCMAKE_BUILD_TYPE=Release",
+    "-DBUILD_SHARED_LIBS=OFF",
+    "-DGGML_NATIVE=OFF",
+    "-DLLAMA_BUILD_COMMON=ON",
+    "-DLLAMA_BUILD_TOOLS=ON",
+    "-DLLAMA_BUILD_SERVER=ON",
+    "-DLLAMA_BUILD_TESTS=OFF",
+    "-DLLAMA_BUILD_EXAMPLES=OFF",
+    "-DLLAMA_BUILD_APP=OFF",
+    "-DLLAMA_BUILD_UI=OFF",
+    "-DLLAMA_USE_PREBUILT_UI=OFF",
+    "-DLLAMA_OPENSSL=OFF",
+)
+
+
+class BuildError(Exception):
+    """Fetching, extracting, patching, configuring or compiling failed; the message is one line."""
+
+
+# --------------------------------------------------------------------------------------------
+# cache and source
+# --------------------------------------------------------------------------------------------
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/prompt-cache-harness`` (``~/.cache/prompt-cache-harness`` by default)."""
+    base = os.environ.get("XDG_CACHE_HOME") or str(Path.home() / ".cache")
+    return Path(base) / "prompt-cache-harness"
+
+
+@contextlib.contextmanager
+def _file_lock(path: Path) -> Iterator[None]:
+    """An exclusive ``flock`` on ``path``, so two builds of the same thing do not race."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with path.open("a") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _tree_hash(root: Path) -> str:
+    """sha256 over every regular file (relative path, mode bit x, contents) and symlink target."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames.sort()
+        for name in sorted(filenames):
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if rel == _SOURCE_MARKER:
+                continue
+            if p.is_symlink():
+                h.update(f"L {rel} {os.readlink(p)}\n".encode())
+                continue
+            h.update(f"F {rel} {os.stat(p).st_mode & 0o111:o}\n".encode())
+            with p.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def _download_sdist(dest: Path, log: Callable[[str], None]) -> Path:
+    tarball = dest / f"{_SDIST_STEM}.tar.gz"
+    if tarball.is_file():
+        return tarball
+    dest.mkdir(parents=True, exist_ok=True)
+    log(f"fetching {SDIST_NAME}=={SDIST_VERSION} sdist with pip download")
+    cmd = [
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        f"{SDIST_NAME}=={SDIST_VERSION}", "-d", str(dest),
+    ]  # fmt: skip
+    proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
+    if proc.returncode != 0 or not tarball.is_file():
+        tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
+        raise BuildError(f"pip download of {SDIST_NAME}=={SDIST_VERSION} failed (exit {proc.returncode}): {tail}")
+    return tarball
+
+
+def _safe_members(tar: tarfile.TarFile, prefix: str) -> list[tarfile.TarInfo]:
+    """The members under ``prefix``, refusing absolute paths, ``..`` and links that leave the tree."""
+    out = []
+    for m in tar.getmembers():
+        name = m.name.removeprefix("./")
+        if not (name == prefix.rstrip("/") or name.startswith(prefix)):
+            continue
+        parts = Path(name).parts
+        if name.startswith("/") or ".." in parts:
+            raise BuildError(f"unsafe path in sdist: {m.name!r}")
+        if not (m.isfile() or m.isdir() or m.issym() or m.islnk()):
+            continue  # devices, fifos: never in a source tree
+        out.append(m)
+    return out
+
+
+def sdist_source() -> Path:
+    """The vendored llama.cpp tree of the sdist, downloaded and extracted into the cache if needed.
+
+    The returned directory is never modified; its content hash is stored next to it on extraction.
+    """
+    return _sdist_source(lambda _msg: None)
+
+
+def _sdist_source(log: Callable[[str], None]) -> Path:
+    root = cache_root() / "sdist"
+    extracted = root / _SDIST_STEM
+    vendored = extracted / _VENDOR_SUBDIR
+    if (extracted / _SOURCE_MARKER).is_file():
+        return vendored
+    with _file_lock(root / ".lock"):
+        if (extracted / _SOURCE_MARKER).is_file():
+            return vendored
+        tarball = _download_sdist(root, log)
+        log(f"extracting {tarball.name} ({_VENDOR_SUBDIR})")
+        tmp = Path(tempfile.mkdtemp(prefix=".extract-", dir=root))
+        try:
+            try:
+                with tarfile.open(tarball, "r:gz") as tar:
+                    members = _safe_members(tar, f"{_SDIST_STEM}/{_VENDOR_SUBDIR}/")
+                    if not members:
+                        raise BuildError(f"{tarball} has no {_VENDOR_SUBDIR}")
+                    tar.extractall(tmp, members=members, filter="data")
+            except (tarfile.TarError, OSError, EOFError) as e:
+                tarball.unlink(missing_ok=True)  # a truncated download: fetch again next time
+                raise BuildError(f"cannot extract {tarball}: {e}") from e
+            digest = _tree_hash(tmp / _SDIST_STEM / _VENDOR_SUBDIR)
+            (tmp / _SDIST_STEM / _SOURCE_MARKER).write_text(digest + "\n")
+            if extracted.exists():
+                shutil.rmtree(extracted)  # a half-finished earlier extraction (no marker)
+            os.rename(tmp / _SDIST_STEM, extracted)
+        finally:
+            shutil.rmtree(tmp, ignore_errors=True)
+    return vendored
+
+
+def _source_hash(vendored: Path) -> str:
+    return (vendored.parents[1] / _SOURCE_MARKER).read_text().strip()
+
+
+# --------------------------------------------------------------------------------------------
+# build
+# --------------------------------------------------------------------------------------------
+
+
+def cmake_args(flavour: str) -> list[str]:
+    """The ``-D`` arguments for ``flavour`` (the generator and the paths are added by the build)."""
+    if flavour not in FLAVOURS:
+        raise UsageError(f"unknown flavour {flavour!r} (choose from {', '.join(FLAVOURS)})")
+    args = list(_BASE_CMAKE_ARGS)
+    if flavour == "asan":
+        args += [
+            f"-DCMAKE_C_FLAGS={_SANITIZE}",
+            f"-DCMAKE_CXX_FLAGS={_SANITIZE}",
+            "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined",
+        ]
+    return args
+
+
+def _uses_patch(flavour: str) -> bool:
+    return flavour in ("pr", "asan")
+
+
+def _compiler_id() -> str:
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or shutil.which("clang++")
+    if not cxx:
+        raise UsageError("no C++ compiler found (need c++, g++ or clang++ on PATH)")
+    try:
+        out = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=False, timeout=30).stdout
+    except (OSError, subprocess.TimeoutExpired) as e:
+        raise UsageError(f"cannot run the C++ compiler {cxx}: {e}") from e
+    return f"{cxx}: {out.splitlines()[0] if out else '?'}"
+
+
+def _build_key(src_hash: str, patch: bytes | None, flavour: str, args: Sequence[str], compiler: str) -> str:
+    h = hashlib.sha256()
+    h.update(f"source {src_hash}\nflavour {flavour}\ncompiler {compiler}\n".encode())
+    h.update(b"patch " + (hashlib.sha256(patch).hexdigest().encode() if patch is not None else b"none") + b"\n")
+    for a in args:
+        h.update(f"arg {a}\n".encode())
+    return f"{flavour}-{h.hexdigest()[:16]}"
+
+
+def _tail(path: Path, n: int = 15) -> list[str]:
+    try:
+        lines = path.read_text(errors="replace").splitlines()
+    except OSError:
+        return []
+    return lines[-n:]
+
+
+def _run_logged(cmd: Sequence[str], log_path: Path, failure: str, cwd: Path | None = None) -> None:
+    """Run ``cmd`` with its output appended to ``log_path``; a non-zero exit raises ``BuildError(failure)``."""
+    with log_path.open("a") as fh:
+        fh.write(f"\n$ {shlex.join(cmd)}\n")
+        fh.flush()
+        try:
+            rc = subprocess.run(list(cmd), stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, check=False).returncode
+        except OSError as e:
+            raise BuildError(f"{failure}: cannot run {cmd[0]}: {e}") from e
+    if rc != 0:
+        raise BuildError(f"{failure} (exit {rc}); log: {log_path}")
+
+
+def _apply_patch(src: Path, patch_path: Path, log_path: Path) -> None:
+    not_applying = f"patch {patch_path.name} does not apply to the vendored llama.cpp tree"
+    if shutil.which("patch"):
+        base = [
+            "patch",
+            "-p1",
+            "--batch",
+            "--forward",
+            "--no-backup-if-mismatch",
+            "-d",
+            str(src),
+            "-i",
+            str(patch_path),
+        ]
+        _run_logged([*base[:1], "--dry-run", *base[1:]], log_path, not_applying)
+        _run_logged(base, log_path, f"applying {patch_path.name} failed")
+    elif shutil.which("git"):
+        _run_logged(["git", "apply", "--check", "-p1", str(patch_path)], log_path, not_applying, cwd=src)
+        _run_logged(["git", "apply", "-p1", str(patch_path)], log_path, f"applying {patch_path.name} failed", cwd=src)
+    else:
+        # a fresh machine may have neither: patch-ng (a dependency) applies unified diffs in Python
+        import patch_ng  # type: ignore[import-untyped]
+
+        pset = patch_ng.fromfile(str(patch_path))
+        if not pset:
+            raise BuildError(f"{not_applying} (patch-ng cannot parse it)")
+        with log_path.open("a") as fh:
+            fh.write(f"$ patch_ng.apply(strip=0, root={src})\n")
+        if not pset.apply(strip=0, root=str(src)):  # patch-ng strips git's a/ b/ itself
+            raise BuildError(f"{not_applying} (patch-ng)")
+
+
+def _tool(name: str) -> str | None:
+    """``cmake``/``ninja`` from PATH, else from their PyPI packages (whose scripts may not be on PATH)."""
+    found = shutil.which(name)
+    if found:
+        return found
+    try:
+        mod = __import__(name)
+    except ImportError:
+        return None
+    bin_dir = getattr(mod, "CMAKE_BIN_DIR" if name == "cmake" else "BIN_DIR", None)
+    if bin_dir is None:
+        return None
+    candidate = Path(bin_dir) / name
+    return str(candidate) if candidate.is_file() else None
+
+
+def cached_binary(flavour: str) -> Path | None:
+    """The cached ``llama-server`` of ``flavour`` if it was already built for this source, else None (never builds)."""
+    args = cmake_args(flavour)
+    root = cache_root() / "sdist" / _SDIST_STEM
+    if not (root / _SOURCE_MARKER).is_file():
+        return None
+    try:
+        patch = PATCH_PATH.read_bytes() if _uses_patch(flavour) else None
+        key = _build_key(_source_hash(root / _VENDOR_SUBDIR), patch, flavour, args, _compiler_id())
+    except (OSError, UsageError):
+        return None
+    binary = cache_root() / "llama-server" / key / _BINARY
+    return binary if binary.is_file() else None
+
+
+def build_server(
+    flavour: str = "pr",
+    *,
+    jobs: int | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Build (or reuse) ``llama-server`` for ``flavour`` and return the binary's path.
+
+    Raises :class:`~harness.cli.UsageError` for a bad flavour or missing tools and
+    :class:`BuildError` (one line, naming the log file) when the build fails.
+    """
+    args = cmake_args(flavour)
+    cmake = _tool("cmake")
+    if cmake is None:
+        raise UsageError("cmake not found: neither on PATH nor from the `cmake` Python package (a dependency)")
+    compiler = _compiler_id()
+    patch: bytes | None = None
+    if _uses_patch(flavour):
+        try:
+            patch = PATCH_PATH.read_bytes()
+        except OSError as e:
+            raise UsageError(f"cannot read the PR patch {PATCH_PATH}: {e}") from e
+
+    vendored = _sdist_source(log)
+    key = _build_key(_source_hash(vendored), patch, flavour, args, compiler)
+    servers = cache_root() / "llama-server"
+    final = servers / key
+    binary = final / _BINARY
+    if binary.is_file() and not force:
+        return binary
+
+    with _file_lock(servers / f".{key}.lock"):
+        if binary.is_file() and not force:
+            return binary  # another process built it while we waited
+        return _build_locked(flavour, args, vendored, patch, servers, final, cmake, jobs, log)
+
+
+def _build_locked(
+    flavour: str,
+    args: list[str],
+    vendored: Path,
+    patch: bytes | None,
+    servers: Path,
+    final: Path,
+    cmake: str,
+    jobs: int | None,
+    log: Callable[[str], None],
+) -> Path:
+    key = final.name
+    logs = servers / "logs"
+    logs.mkdir(parents=True, exist_ok=True)
+    log_path = logs / f"{key}.log"
+    log_path.write_text(f"# llama-server build {key} ({flavour}) started {time.ctime()}\n")
+    for stale in servers.glob(f".build-{key}-*"):  # left by a killed build; we hold the key's lock
+        shutil.rmtree(stale, ignore_errors=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=servers))
+    t0 = time.monotonic()
+    try:
+        src = vendored
+        if patch is not None:
+            log(f"[{flavour}] copying source and applying {PATCH_PATH.name}")
+            src = tmp / "src"
+            # the sdist keeps the submodule's `.git` file (pointing nowhere): drop it so git apply works
+            shutil.copytree(
+                vendored, src, symlinks=True, ignore=lambda d, names: [".git"] if d == str(vendored) else []
+            )
+            _apply_patch(src, PATCH_PATH, log_path)
+        ninja = _tool("ninja")
+        gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
+        build_dir = tmp / "build"
+        log(f"[{flavour}] configuring with cmake (log: {log_path})")
+        _run_logged(
+            [cmake, "-S", str(src), "-B", str(build_dir), *gen, *args], log_path, f"cmake configure ({flavour}) failed"
+        )
+        n = jobs or min(os.cpu_count() or 1, 2)
+        log(f"[{flavour}] building target {_BINARY} with -j{n} (slow on the first run)")
+        _run_logged(
+            [cmake, "--build", str(build_dir), "--target", _BINARY, "-j", str(n)],
+            log_path,
+            f"compiling llama-server ({flavour}) failed",
+        )
+        built = build_dir / "bin" / _BINARY
+        if not built.is_file():
+            raise BuildError(f"build finished but {built} is missing; log: {log_path}")
+        out = tmp / "out"
+        out.mkdir()
+        shutil.copy2(built, out / _BINARY)
+        shutil.copy2(log_path, out / "build.log")
+        (out / "build-info.json").write_text(
+            json.dumps(
+                {
+                    "flavour": flavour,
+                    "sdist": f"{SDIST_NAME}=={SDIST_VERSION}",
+                    "source_sha256": _source_hash(vendored),
+                    "patch": str(PATCH_PATH) if patch is not None else None,
+                    "patch_sha256": hashlib.sha256(patch).hexdigest() if patch is not None else None,
+                    "cmake_args": args,
+                    "seconds": round(time.monotonic() - t0, 1),
+                },
+                indent=2,
+            )
+            + "\n"
+        )
+        if final.exists():  # --force: swap the old build out, then drop it
+            trash = tmp / "old"
+            os.rename(final, trash)
+        os.rename(out, final)
+        log(f"[{flavour}] built {final / _BINARY} in {time.monotonic() - t0:.0f}s")
+        return final / _BINARY
+    except BuildError as e:
+        tail = _tail(log_path)
+        if tail:
+            log(f"[{flavour}] last lines of {log_path}:")
+            for line in tail:
+                log(f"    {line}")
+        raise BuildError(str(e)) from None
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+# --------------------------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------------------------
+
+
+class ServerStartError(Exception):
+    """``llama-server`` did not come up; the message is one line naming the log file and its tail."""
+
+
+_LIVE: set[ServerProcess] = set()
+_LIVE_LOCK = threading.Lock()
+
+
+@atexit.register
+def _stop_all() -> None:
+    with _LIVE_LOCK:
+        live = list(_LIVE)
+    for srv in live:
+        with contextlib.suppress(Exception):
+            srv.stop()
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGKILL the server if the process that started it dies without cleaning up (SIGKILL,
+    a CI timeout): atexit does not run then, and the server is in its own process group."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _free_port(host: str) -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        port: int = s.getsockname()[1]
+        return port
+
+
+def _port_in_use(host: str, port: int) -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.settimeout(0.2)
+        return s.connect_ex((host, port)) == 0
+
+
+class ServerProcess:
+    """A running ``llama-server``; use it as a context manager.
+
+    ``args`` go to the server as given (``-m model.gguf -np 2 --cache-ram 64 ...``); the keyword
+    shortcuts append the matching flags of this llama.cpp version (``-m``, ``-md`` + ``--spec-type``
+    (``draft-simple`` unless given), ``-np``, ``-c``, ``--cache-ram`` (MiB), ``--ctx-checkpoints``,
+    ``--threads``, ``--kv-unified``/``--no-kv-unified``)::
+
+        with ServerProcess(model=model_path("llama"), n_parallel=2, cache_ram=16, ctx_size=512) as srv:
+            r = srv.completion("Hello", n_predict=4)
+            r["timings"]["cache_n"]
+
+    ``binary=None`` builds (or reuses) the ``flavour`` build. ``env`` is merged into the
+    environment (e.g. ``{"LD_PRELOAD": shim}``). The server's stdout and stderr go to
+    ``log_path`` (a fresh temporary file unless given).
+    """
+
+    def __init__(
+        self,
+        binary: str | os.PathLike[str] | None = None,
+        args: Sequence[str] = (),
+        *,
+        flavour: str = "pr",
+        model: str | os.PathLike[str] | None = None,
+        draft: str | os.PathLike[str] | None = None,
+        spec_type: str | None = None,
+        n_parallel: int | None = None,
+        ctx_size: int | None = None,
+        cache_ram: int | None = None,
+        ctx_checkpoints: int | None = None,
+        threads: int | None = 1,
+        kv_unified: bool | None = None,
+        host: str = "127.0.0.1",
+        port: int | None = None,
+        env: Mapping[str, str] | None = None,
+        log_path: str | os.PathLike[str] | None = None,
+        startup_timeout: float = 120.0,
+        stop_timeout: float = 10.0,
+        request_timeout: float = 300.0,
+    ) -> None:
+        self._binary = Path(binary) if binary is not None else None
+        self._flavour = flavour
+        self.host = host
+        self.port = port
+        self.env = dict(env or {})
+        self.startup_timeout = startup_timeout
+        self.stop_timeout = stop_timeout
+        self.request_timeout = request_timeout
+        self.log_path = Path(log_path) if log_path is not None else None
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._stopped = False
+        self._log_fh: IO[bytes] | None = None
+        extra: list[str] = []
+        if model is not None:
+            extra += ["-m", os.fspath(model)]
+        if draft is not None:
+            # a draft GGUF without speculative metadata is loaded but unused unless a type is named
+            extra += ["-md", os.fspath(draft), "--spec-type", spec_type or "draft-simple"]
+        elif spec_type is not None:
+            extra += ["--spec-type", spec_type]
+        if n_parallel is not None:
+            extra += ["-np", str(n_parallel)]
+        if ctx_size is not None:
+            extra += ["-c", str(ctx_size)]
+        if cache_ram is not None:
+            extra += ["--cache-ram", str(cache_ram)]
+        if ctx_checkpoints is not None:
+            extra += ["--ctx-checkpoints", str(ctx_checkpoints)]
+        if threads is not None:
+            extra += ["--threads", str(threads)]
+        if kv_unified is not None:
+            extra += ["--kv-unified" if kv_unified else "--no-kv-unified"]
+        self.args = [*extra, *args]
+        self._model = Path(model) if model is not None else None
+        self._draft = Path(draft) if draft is not None else None
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def url(self) -> str:
+        if self.port is None:
+            raise RuntimeError("server not started")
+        return f"http://{self.host}:{self.port}"
+
+    @property
+    def pid(self) -> int:
+        if self.proc is None:
+            raise RuntimeError("server not started")
+        return self.proc.pid
+
+    @property
+    def binary(self) -> Path:
+        if self._binary is None:
+            self._binary = build_server(self._flavour)
+        return self._binary
+
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def __enter__(self) -> ServerProcess:
+        self.start()
+        return self
+
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.stop()
+
+    def _fail(self, what: str) -> ServerStartError:
+        tail = " | ".join(line.strip() for line in _tail(self.log_path, 5) if line.strip()) if self.log_path else ""
+        return ServerStartError(
+            f"llama-server {what}; log: {self.log_path}" + (f"; last lines: {tail}" if tail else "")
+        )
+
+    def start(self) -> None:
+        if self.proc is not None:
+            raise RuntimeError("server already started")
+        binary = self.binary
+        if self.log_path is None:
+            fd, name = tempfile.mkstemp(prefix="llama-server-", suffix=".log")
+            os.close(fd)
+            self.log_path = Path(name)
+        if not binary.is_file() or not os.access(binary, os.X_OK):
+            raise self._fail(f"binary {binary} is missing or not executable")
+        for what, p in (("model", self._model), ("draft model", self._draft)):
+            if p is not None and not p.is_file():
+                raise self._fail(f"{what} {p} does not exist")
+        if self.port is None:
+            self.port = _free_port(self.host)
+        elif _port_in_use(self.host, self.port):
+            raise self._fail(f"port {self.host}:{self.port} is already in use")
+        cmd = [str(binary), "--host", self.host, "--port", str(self.port), *self.args]
+        env = {**os.environ, **self.env}
+        self._log_fh = self.log_path.open("wb")
+        self._log_fh.write(f"$ {' '.join(cmd)}\n".encode())
+        self._log_fh.flush()
+        try:
+            self.proc = subprocess.Popen(
+                cmd, stdin=subprocess.DEVNULL, stdout=self._log_fh, stderr=subprocess.STDOUT, env=env,
+                start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )  # fmt: skip
+        except OSError as e:
+            self._close_log()
+            raise self._fail(f"could not be started: {e}") from None
+        with _LIVE_LOCK:
+            _LIVE.add(self)
+        try:
+            self._wait_healthy()
+        except BaseException:
+            self.stop()
+            raise
+
+    def _wait_healthy(self) -> None:
+        assert self.proc is not None
+        deadline = time.monotonic() + self.startup_timeout
+        while True:
+            rc = self.proc.poll()
+            if rc is not None:
+                raise self._fail(f"exited during startup with code {rc}")
+            try:
+                with urllib.request.urlopen(f"{self.url}/health", timeout=2) as r:
+                    if r.status == 200:
+                        return
+            except urllib.error.HTTPError:
+                pass  # 503 while loading the model
+            except (urllib.error.URLError, OSError):
+                pass  # not listening yet
+            if time.monotonic() > deadline:
+                raise self._fail(f"did not become healthy within {self.startup_timeout:.0f}s")
+            time.sleep(0.1)
+
+    def stop(self) -> int | None:
+        """SIGTERM the process group, SIGKILL after ``stop_timeout``; returns the exit code."""
+        proc = self.proc
+        rc: int | None = None
+        if proc is not None and self._stopped:
+            return proc.returncode
+        if proc is not None:
+            self._stopped = True
+            try:
+                if proc.poll() is None:
+                    self._signal(proc, signal.SIGTERM)
+                    try:
+                        proc.wait(self.stop_timeout)
+                    except subprocess.TimeoutExpired:
+                        self._signal(proc, signal.SIGKILL)
+                        proc.wait()
+                else:
+                    self._signal(proc, signal.SIGKILL)  # stray children of an exited leader
+            except KeyboardInterrupt:
+                self._signal(proc, signal.SIGKILL)
+                proc.wait()
+                raise
+            finally:
+                rc = proc.returncode
+                with _LIVE_LOCK:
+                    _LIVE.discard(self)
+                self._close_log()
+        return rc
+
+    @staticmethod
+    def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+        try:
+            os.killpg(proc.pid, sig)  # start_new_session: the group id is the leader's pid
+        except (ProcessLookupError, PermissionError):
+            with contextlib.suppress(ProcessLookupError):
+                if proc.poll() is None:
+                    proc.send_signal(sig)
+
+    def _close_log(self) -> None:
+        if self._log_fh is not None:
+            with contextlib.suppress(OSError):
+                self._log_fh.close()
+            self._log_fh = None
+
+    # -- requests ---------------------------------------------------------------------------
+
+    def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
+        """A JSON request; HTTP errors raise ``urllib.error.HTTPError`` with the body readable."""
+        data = json.dumps(body).encode() if body is not None else None
+        req = urllib.request.Request(
+            f"{self.url}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
+        )
+        with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
+            return json.loads(r.read() or b"null")
+
+    def completion(
+        self, prompt: str | Sequence[int], n_predict: int = 8, *, id_slot: int | None = None, **kw: Any
+    ) -> Any:
+        """``POST /completion`` with temperature 0 and ``cache_prompt`` on; ``kw`` override fields."""
+        body: dict[str, Any] = {
+            "prompt": prompt if isinstance(prompt, str) else list(prompt),
+            "n_predict": n_predict,
+            "temperature": 0.0,
+            "cache_prompt": True,
+        }
+        if id_slot is not None:
+            body["id_slot"] = id_slot
+        body.update(kw)
+        return self.request("POST", "/completion", body)
+
+    def health(self) -> Any:
+        return self.request("GET", "/health")
+
+
+# --------------------------------------------------------------------------------------------
+# command
+# --------------------------------------------------------------------------------------------
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--flavour",
+        choices=FLAVOURS,
+        default="pr",
+        help="master: vendored tree; pr: + fixtures/pr-27451.patch; asan: the pr source with ASan+UBSan (default: pr)",
+    )
+    parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: min(cpus, 2))")
+    parser.add_argument("--force", action="store_true", help="rebuild even if a cached binary exists")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.jobs is not None and args.jobs < 1:
+        raise UsageError("--jobs must be >= 1")
+    try:
+        path = build_server(args.flavour, jobs=args.jobs, force=args.force, log=lambda m: print(m, file=sys.stderr))
+    except BuildError as e:
+        print(f"error: build failed: {e}", file=sys.stderr)
+        return EXIT_BUILD_FAILED
+    print(path)
+    return 0

@@ -1,0 +1,342 @@
+"""The real llama-server: the cached ``pr`` build, a tiny model, ``/completion`` and process cleanup.
+
+The first run builds llama-server from the llama-cpp-python sdist (tens of minutes on two cores);
+later runs reuse the cached binary. Nothing here is skipped: CI must be able to build it.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from harness import llama_server as ls
+from harness.cli import main as cli_main
+from harness.llama_server import ServerProcess, ServerStartError, build_server
+
+REPO = Path(__file__).resolve().parent.parent
+PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    # a zombie is as good as gone (only its parent can reap it)
+    try:
+        with open(f"/proc/{pid}/stat") as fh:
+            return fh.read().split(") ", 1)[1][0] != "Z"
+    except OSError:
+        return False
+
+
+def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if not _alive(pid):
+            return True
+        time.sleep(0.05)
+    return False
+
+
+@pytest.fixture(scope="module")
+def binary() -> Path:
+    return build_server("pr", log=lambda m: print(m, file=sys.stderr))
+
+
+@pytest.fixture(scope="module")
+def model() -> Path:
+    from fixtures.models import model_path
+
+    return model_path("llama")
+
+
+# --------------------------------------------------------------------------------------------
+# build
+# --------------------------------------------------------------------------------------------
+
+
+def test_build_is_cached(binary: Path) -> None:
+    assert binary.is_file() and os.access(binary, os.X_OK)
+    assert binary.parent.parent == ls.cache_root() / "llama-server"
+    assert binary.parent.name.startswith("pr-")
+    t0 = time.monotonic()
+    again = build_server("pr", log=lambda m: pytest.fail(f"cached build logged {m!r}"))
+    assert again == binary
+    assert time.monotonic() - t0 < 5.0
+    assert (binary.parent / "build-info.json").is_file()
+
+
+def test_cli_build_server_cached(binary: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["build-server", "--flavour", "pr"]) == 0
+    assert capsys.readouterr().out.strip() == str(binary)
+
+
+def test_cmake_args() -> None:
+    master = ls.cmake_args("master")
+    for arg in (
+        "-DLLAMA_BUILD_SERVER=ON",
+        "-DLLAMA_USE_PREBUILT_UI=OFF",
+        "-DLLAMA_BUILD_UI=OFF",
+        "-DGGML_NATIVE=OFF",
+        "-DCMAKE_BUILD_TYPE=Release",
+        "-DBUILD_SHARED_LIBS=OFF",
+        "-DLLAMA_OPENSSL=OFF",
+    ):
+        assert arg in master
+    assert ls.cmake_args("pr") == master
+    assert any("-fsanitize=address,undefined" in a for a in ls.cmake_args("asan"))
+
+
+def test_patch_has_header_and_applies_to_vendored_tree(tmp_path: Path) -> None:
+    text = ls.PATCH_PATH.read_text()
+    assert not text.startswith("diff") and "27451" in text.split("diff --git", 1)[0]
+    src = ls.sdist_source()
+    for rel in (
+        "common/common.h",
+        "common/common.cpp",
+        "tools/server/server-task.cpp",
+        "tools/server/server-context.cpp",
+    ):
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes((src / rel).read_bytes())
+    r = subprocess.run(
+        ["patch", "-p1", "--dry-run", "--batch", "-d", str(tmp_path), "-i", str(ls.PATCH_PATH)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    assert r.returncode == 0, r.stdout + r.stderr
+
+
+def _fake_source(root: Path, cmakelists: str) -> Path:
+    """A stand-in for the extracted sdist: a vendored tree with its hash marker."""
+    vendored = root / "sdist" / "llama_cpp_python-0.3.36" / "vendor" / "llama.cpp"
+    vendored.mkdir(parents=True)
+    (vendored / "CMakeLists.txt").write_text(cmakelists)
+    (vendored.parents[1] / ".prompt-cache-harness-source.sha256").write_text("fake\n")
+    return vendored
+
+
+def test_failed_build_is_one_line_and_exit_4(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    vendored = _fake_source(tmp_path / "prompt-cache-harness", 'message(FATAL_ERROR "broken on purpose")\n')
+    monkeypatch.setattr(ls, "_sdist_source", lambda log: vendored)
+    rc = cli_main(["build-server", "--flavour", "master"])
+    err = capsys.readouterr().err
+    assert rc == ls.EXIT_BUILD_FAILED
+    assert "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: build failed: cmake configure (master) failed") and ".log" in last
+    assert "broken on purpose" in err  # the log's last lines are shown
+    assert not list((tmp_path / "prompt-cache-harness" / "llama-server").glob(".build-*"))
+
+
+def test_patch_that_does_not_apply_fails_clearly(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    vendored = _fake_source(tmp_path / "prompt-cache-harness", "project(x)\n")
+    monkeypatch.setattr(ls, "_sdist_source", lambda log: vendored)
+    rc = cli_main(["build-server", "--flavour", "pr"])
+    err = capsys.readouterr().err
+    assert rc == ls.EXIT_BUILD_FAILED
+    assert "error: build failed: patch pr-27451.patch does not apply" in err
+    assert "Traceback" not in err
+
+
+def test_bad_jobs_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["build-server", "--jobs", "0"]) == 2
+    assert capsys.readouterr().err.startswith("error: --jobs")
+
+
+# --------------------------------------------------------------------------------------------
+# running
+# --------------------------------------------------------------------------------------------
+
+
+@pytest.fixture
+def server(binary: Path, model: Path) -> Iterator[ServerProcess]:
+    with ServerProcess(binary, model=model, n_parallel=1, ctx_size=512, cache_ram=16, threads=1) as srv:
+        yield srv
+
+
+def test_completion_returns_text_and_reuses_cache(server: ServerProcess) -> None:
+    assert server.url == f"http://127.0.0.1:{server.port}"
+    assert server.health() == {"status": "ok"}
+    r1 = server.completion(PROMPT, n_predict=8, ignore_eos=True)
+    assert isinstance(r1["content"], str)
+    assert r1["tokens_predicted"] == 8
+    assert r1["timings"]["cache_n"] == 0
+    assert r1["timings"]["prompt_n"] > 0
+    r2 = server.completion(PROMPT, n_predict=8, ignore_eos=True)
+    assert r2["timings"]["cache_n"] > 0
+    assert r2["timings"]["prompt_n"] < r1["timings"]["prompt_n"]
+    assert r2["content"] == r1["content"]  # temperature 0
+
+
+def test_prompt_cache_restores_after_slot_is_reused(binary: Path, model: Path) -> None:
+    """One slot, --cache-ram on: A is saved to the prompt cache when B takes the slot, then restored."""
+    a = PROMPT
+    b = "Pack my box with five dozen liquor jugs. " * 3
+    with ServerProcess(binary, model=model, n_parallel=1, ctx_size=512, cache_ram=16) as srv:
+        ra = srv.completion(a, n_predict=2, id_slot=0)
+        rb = srv.completion(b, n_predict=2, id_slot=0)
+        assert rb["timings"]["cache_n"] <= 1  # only BOS is shared with A
+        r = srv.completion(a, n_predict=2, id_slot=0)
+    # one token per byte plus BOS: A's whole prefix (all but the last token) comes back from the cache
+    assert r["timings"]["cache_n"] == len(a), srv.log_path
+    assert r["timings"]["prompt_n"] == 1
+    assert r["content"] == ra["content"]
+
+
+@pytest.mark.parametrize("arch", ["mamba", "jamba", "lfm2", "gemma2"])
+def test_checkpoints_saved_to_and_restored_from_prompt_cache(binary: Path, arch: str) -> None:
+    """Recurrent/hybrid/SWA models: A's context checkpoint goes into the cache entry (shared under the
+    PR patch) and brings A back after B used the slot."""
+    from fixtures.models import model_path
+
+    a = PROMPT
+    b = "Pack my box with five dozen liquor jugs. " * 3
+    with ServerProcess(
+        binary, model=model_path(arch), n_parallel=1, ctx_size=512, cache_ram=16, ctx_checkpoints=4,
+        args=["--checkpoint-min-step", "16"],
+    ) as srv:  # fmt: skip
+        ra = srv.completion(a, n_predict=4, id_slot=0)
+        srv.completion(b, n_predict=4, id_slot=0)
+        r = srv.completion(a, n_predict=4, id_slot=0)
+        assert srv.running()
+    assert ra["timings"]["cache_n"] == 0
+    # restored from a checkpoint a few tokens before the end of A, not from BOS
+    assert len(a) - 8 <= r["timings"]["cache_n"] <= len(a), srv.log_path
+    assert r["content"] == ra["content"]
+
+
+@pytest.mark.parametrize("arch", ["llama", "jamba"])
+def test_speculative_draft_with_prompt_cache(binary: Path, arch: str) -> None:
+    """-md draft.gguf (+ --spec-type draft-simple): drafts are made, the prompt cache still restores A."""
+    from fixtures.models import draft_path, model_path
+
+    a = PROMPT
+    b = "Pack my box with five dozen liquor jugs. " * 3
+    with ServerProcess(
+        binary, model=model_path(arch), draft=draft_path(), n_parallel=2, ctx_size=1024, cache_ram=16,
+        ctx_checkpoints=4, kv_unified=False, args=["--checkpoint-min-step", "16"],
+    ) as srv:  # fmt: skip
+        ra = srv.completion(a, n_predict=16, id_slot=0, ignore_eos=True)
+        srv.completion(b, n_predict=16, id_slot=0, ignore_eos=True)
+        r = srv.completion(a, n_predict=16, id_slot=0, ignore_eos=True)
+        assert srv.running()
+    assert ra["timings"]["draft_n"] > 0
+    assert len(a) - 8 <= r["timings"]["cache_n"] <= len(a), srv.log_path
+    assert r["content"] == ra["content"]
+
+
+def test_process_gone_after_exit(binary: Path, model: Path) -> None:
+    with ServerProcess(binary, model=model, ctx_size=256) as srv:
+        pid = srv.pid
+        assert _alive(pid)
+    assert _wait_gone(pid, timeout=0.5)
+    assert srv.log_path is not None and srv.log_path.stat().st_size > 0
+
+
+@pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
+def test_process_gone_when_body_raises(binary: Path, model: Path, exc: type[BaseException]) -> None:
+    pid = None
+    with pytest.raises(exc), ServerProcess(binary, model=model, ctx_size=256) as srv:
+        pid = srv.pid
+        raise exc("boom")
+    assert pid is not None and _wait_gone(pid, timeout=0.5)
+
+
+def test_unresponsive_server_is_killed(binary: Path, model: Path) -> None:
+    """SIGTERM is ignored by a stopped process: after ``stop_timeout`` it gets SIGKILL."""
+    with ServerProcess(binary, model=model, ctx_size=256, stop_timeout=0.5) as srv:
+        pid = srv.pid
+        os.kill(pid, signal.SIGSTOP)
+    assert srv.proc is not None and srv.proc.returncode == -signal.SIGKILL
+    assert _wait_gone(pid, timeout=0.5)
+
+
+def test_atexit_stops_a_server_left_running(binary: Path, model: Path, tmp_path: Path) -> None:
+    script = textwrap.dedent(
+        f"""
+        from harness.llama_server import ServerProcess
+        srv = ServerProcess({str(binary)!r}, model={str(model)!r}, ctx_size=256)
+        srv.start()
+        print(srv.pid, flush=True)
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert r.returncode == 0, r.stderr
+    assert _wait_gone(int(r.stdout.strip()), timeout=5)
+
+
+def test_server_dies_with_a_killed_parent(binary: Path, model: Path) -> None:
+    """SIGKILL of the starting process skips atexit; PR_SET_PDEATHSIG still takes the server down."""
+    script = textwrap.dedent(
+        f"""
+        import os, signal
+        from harness.llama_server import ServerProcess
+        srv = ServerProcess({str(binary)!r}, model={str(model)!r}, ctx_size=256)
+        srv.start()
+        print(srv.pid, flush=True)
+        os.kill(os.getpid(), signal.SIGKILL)
+        """
+    )
+    r = subprocess.run(
+        [sys.executable, "-c", script], cwd=REPO, capture_output=True, text=True, timeout=120, check=False
+    )
+    assert r.returncode == -9, r.stderr
+    assert _wait_gone(int(r.stdout.strip()), timeout=5)
+
+
+def test_start_fails_on_missing_binary(tmp_path: Path, model: Path) -> None:
+    with pytest.raises(ServerStartError, match=r"binary .* is missing.*log: "):
+        ServerProcess(tmp_path / "llama-server", model=model).start()
+
+
+def test_start_fails_on_missing_model(binary: Path, tmp_path: Path) -> None:
+    with pytest.raises(ServerStartError, match=r"model .*nope.gguf does not exist"):
+        ServerProcess(binary, model=tmp_path / "nope.gguf").start()
+
+
+def test_start_fails_on_corrupt_model(binary: Path, tmp_path: Path) -> None:
+    bad = tmp_path / "corrupt.gguf"
+    bad.write_bytes(b"GGUF" + b"\x00" * 64)
+    srv = ServerProcess(binary, model=bad, log_path=tmp_path / "srv.log")
+    with pytest.raises(ServerStartError) as info:
+        srv.start()
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert "exited during startup" in msg and str(tmp_path / "srv.log") in msg and "last lines:" in msg
+    assert not srv.running()
+
+
+def test_start_fails_on_port_in_use(binary: Path, model: Path) -> None:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        s.listen()
+        port = s.getsockname()[1]
+        with pytest.raises(ServerStartError, match=f"port 127.0.0.1:{port} is already in use"):
+            ServerProcess(binary, model=model, port=port).start()
+
+
+def test_env_is_passed(binary: Path, model: Path, tmp_path: Path) -> None:
+    # LLAMA_ARG_* environment variables are read by llama-server: the context size comes from env
+    with ServerProcess(binary, model=model, env={"LLAMA_ARG_CTX_SIZE": "256"}) as srv:
+        props = srv.request("GET", "/props")
+    assert props["default_generation_settings"]["n_ctx"] == 256
