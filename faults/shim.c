@@ -6,7 +6,11 @@
  * throws std::bad_alloc. free() is not interposed: every pointer still comes from glibc.
  *
  * Arming: faultshim_arm(nth, persistent) at run time (ctypes, or dlsym(RTLD_DEFAULT) from C/C++), or
- * FAULTSHIM_NTH / FAULTSHIM_PERSISTENT in the environment, counted from load time.
+ * FAULTSHIM_NTH / FAULTSHIM_PERSISTENT in the environment, counted from load time, or - for a process
+ * that cannot call us, such as llama-server - by writing "NTH PERSISTENT MIN_SIZE" to the file named by
+ * FAULTSHIM_ARM_FILE and sending SIGUSR2 (NTH 0 disarms). Only allocations of at least MIN_SIZE bytes
+ * (FAULTSHIM_MIN_SIZE, default 0) are counted and can fail. faultshim_fired() and, after SIGUSR2, the
+ * line "faultshim: fired N" appended to FAULTS_STACKS report what fired.
  * Disarming: faultshim_disarm() returns the number of faults that fired.
  * On SIGABRT, SIGSEGV, SIGBUS or SIGFPE the shim disarms itself, appends the C stack (backtrace) to
  * the file named by FAULTS_STACKS, restores the default action and re-raises the signal.
@@ -27,6 +31,7 @@ extern void *__libc_realloc(void *, size_t);
 extern void *__libc_memalign(size_t, size_t);
 
 static long fs_nth;        /* 0: disarmed */
+static size_t fs_min_size; /* allocations below this size are not counted */
 static int fs_persistent;
 static long fs_count;
 static long fs_fired;
@@ -48,9 +53,9 @@ long faultshim_disarm(void) {
 long faultshim_count(void) { return __atomic_load_n(&fs_count, __ATOMIC_SEQ_CST); }
 long faultshim_fired(void) { return __atomic_load_n(&fs_fired, __ATOMIC_SEQ_CST); }
 
-static int fs_fail(void) {
+static int fs_fail_sized(size_t size) {
     long nth = __atomic_load_n(&fs_nth, __ATOMIC_SEQ_CST);
-    if (nth <= 0) return 0;
+    if (nth <= 0 || size < fs_min_size) return 0;
     long c = __atomic_add_fetch(&fs_count, 1, __ATOMIC_SEQ_CST);
     if (c == nth || (fs_persistent && c > nth)) {
         __atomic_add_fetch(&fs_fired, 1, __ATOMIC_SEQ_CST);
@@ -60,26 +65,71 @@ static int fs_fail(void) {
     return 0;
 }
 
-void *malloc(size_t n) { return fs_fail() ? NULL : __libc_malloc(n); }
+void *malloc(size_t n) { return fs_fail_sized(n) ? NULL : __libc_malloc(n); }
 
-void *calloc(size_t n, size_t size) { return fs_fail() ? NULL : __libc_calloc(n, size); }
+void *calloc(size_t n, size_t size) { return fs_fail_sized(n * size) ? NULL : __libc_calloc(n, size); }
 
 void *realloc(void *p, size_t n) {
-    if (n != 0 && fs_fail()) return NULL; /* realloc(p, 0) frees: never fails */
+    if (n != 0 && fs_fail_sized(n)) return NULL; /* realloc(p, 0) frees: never fails */
     return __libc_realloc(p, n);
 }
 
 int posix_memalign(void **memptr, size_t alignment, size_t size) {
-    if (fs_fail()) return ENOMEM;
+    if (fs_fail_sized(size)) return ENOMEM;
     void *p = __libc_memalign(alignment, size);
     if (p == NULL) return ENOMEM;
     *memptr = p;
     return 0;
 }
 
-void *aligned_alloc(size_t alignment, size_t size) { return fs_fail() ? NULL : __libc_memalign(alignment, size); }
+void *aligned_alloc(size_t alignment, size_t size) {
+    return fs_fail_sized(size) ? NULL : __libc_memalign(alignment, size);
+}
 
-void *memalign(size_t alignment, size_t size) { return fs_fail() ? NULL : __libc_memalign(alignment, size); }
+void *memalign(size_t alignment, size_t size) { return fs_fail_sized(size) ? NULL : __libc_memalign(alignment, size); }
+
+static const char *fs_arm_file;
+
+static long fs_parse(const char **p) {
+    long v = 0;
+    while (**p == ' ' || **p == '\n') (*p)++;
+    while (**p >= '0' && **p <= '9') v = v * 10 + (*(*p)++ - '0');
+    return v;
+}
+
+static void fs_write(const char *s);
+
+static void fs_write_long(long v) {
+    char buf[24];
+    int i = sizeof buf - 1;
+    buf[i] = 0;
+    do { buf[--i] = (char)('0' + v % 10); v /= 10; } while (v && i > 0);
+    fs_write(buf + i);
+}
+
+/* SIGUSR2: report what fired so far, then re-arm from FAULTSHIM_ARM_FILE (async-signal-safe calls only) */
+static void fs_on_usr2(int sig) {
+    (void)sig;
+    int saved = errno;
+    fs_write("faultshim: fired ");
+    fs_write_long(__atomic_load_n(&fs_fired, __ATOMIC_SEQ_CST));
+    fs_write("\n");
+    char buf[96];
+    ssize_t n = -1;
+    if (fs_arm_file) {
+        int fd = open(fs_arm_file, O_RDONLY | O_CLOEXEC);
+        if (fd >= 0) { n = read(fd, buf, sizeof buf - 1); close(fd); }
+    }
+    if (n > 0) {
+        buf[n] = 0;
+        const char *p = buf;
+        long nth = fs_parse(&p), pers = fs_parse(&p), min = fs_parse(&p);
+        __atomic_store_n(&fs_nth, 0, __ATOMIC_SEQ_CST);
+        fs_min_size = (size_t)min;
+        if (nth > 0) faultshim_arm(nth, (int)pers);
+    }
+    errno = saved;
+}
 
 static void fs_write(const char *s) {
     if (fs_stacks_fd >= 0 && write(fs_stacks_fd, s, strlen(s)) < 0) { /* nothing to do */ }
@@ -111,6 +161,17 @@ __attribute__((constructor)) static void fs_init(void) {
         sigaction(SIGSEGV, &sa, NULL);
         sigaction(SIGBUS, &sa, NULL);
         sigaction(SIGFPE, &sa, NULL);
+    }
+    const char *min = getenv("FAULTSHIM_MIN_SIZE");
+    if (min && *min) fs_min_size = (size_t)strtoul(min, NULL, 10);
+    fs_arm_file = getenv("FAULTSHIM_ARM_FILE");
+    if (fs_arm_file && *fs_arm_file) {
+        struct sigaction su;
+        memset(&su, 0, sizeof su);
+        su.sa_handler = fs_on_usr2;
+        sigemptyset(&su.sa_mask);
+        su.sa_flags = SA_RESTART;
+        sigaction(SIGUSR2, &su, NULL);
     }
     const char *nth = getenv("FAULTSHIM_NTH");
     if (nth && *nth) {

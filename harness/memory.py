@@ -55,6 +55,9 @@ class AllocationSeam:
     ``scope``: when set, only allocations made inside a :meth:`Host.operation` of that name are
     counted and can fail (``"save"`` arms a fault for the next prompt save only), and the seam
     disarms itself when an operation of that name ends after a fault fired.
+
+    ``min_size``: only allocations of at least that many bytes are counted (and can fail), as the
+    native shim's ``FAULTSHIM_MIN_SIZE`` does in a real server; 0 counts every allocation.
     """
 
     def __init__(self) -> None:
@@ -65,14 +68,16 @@ class AllocationSeam:
         self.fired = 0
         self.sites: list[str] = []
         self.fired_sites: list[str] = []
+        self.min_size = 0
 
     @property
     def armed(self) -> bool:
         return self._nth is not None
 
-    def arm(self, nth: int, *, persistent: bool = False, scope: str | None = None) -> None:
+    def arm(self, nth: int, *, persistent: bool = False, scope: str | None = None, min_size: int = 0) -> None:
         if nth < 1:
             raise ValueError(f"nth must be >= 1, got {nth}")
+        self.min_size = min_size
         self._nth = nth
         self._persistent = persistent
         self.scope = scope
@@ -86,6 +91,7 @@ class AllocationSeam:
         self._nth = None
         self._persistent = False
         self.scope = None
+        self.min_size = 0
         return fired
 
     def reset_trace(self) -> None:
@@ -94,6 +100,8 @@ class AllocationSeam:
 
     def check(self, site: str, nbytes: int) -> None:
         """Called once per allocation; raises :class:`BadAlloc` when this one is armed to fail."""
+        if nbytes < self.min_size:
+            return
         self.count += 1
         self.sites.append(site)
         if self._nth is None:
