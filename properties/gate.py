@@ -39,7 +39,7 @@ from .machine import MachineConfig, TargetCrash, machine_class
 
 __all__ = ["KNOWN_FINDINGS", "GateReport", "add_arguments", "machines_for", "run", "run_gate"]
 
-BACKENDS = ["synthetic", "llama", "llama-cpp-python-cache"]
+BACKENDS = ["synthetic", "llama", "llama-cpp-python-cache", "server"]
 
 PROFILES: dict[str, dict[str, int]] = {
     "ci": {"max_examples": 300, "steps": 30},
@@ -291,6 +291,7 @@ def run_gate(
     backends: Sequence[str] = ("synthetic",),
     archs: Sequence[str] | None = None,
     cache: str = "ram",
+    flavour: str = "pr",
     out: Callable[[str], None] = print,
 ) -> GateReport:
     """Run the gate on ``backends`` and return its report; ``out`` receives the human-readable lines."""
@@ -315,6 +316,10 @@ def run_gate(
         _run_llama(report, variant, profile, seed, db, max_examples, archs, replay, out)
     if "llama-cpp-python-cache" in backends:
         _run_lcp(report, variant, cache, seed, max_examples, out)
+    if "server" in backends:
+        from .server_gate import run_server_backend
+
+        run_server_backend(report, flavour, profile, seed, max_examples, out)
     _print_report(report, out)
     return report
 
@@ -681,6 +686,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--cache", choices=["ram", "disk"], help="llama-cpp-python-cache backend: which cache (default: ram)"
     )
+    parser.add_argument(
+        "--flavour",
+        choices=["master", "pr", "asan"],
+        help="server backend: which llama-server build (default: pr; built and cached on first use)",
+    )
     parser.add_argument("--profile", default="ci", choices=sorted(PROFILES))
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
     parser.add_argument("--db", metavar="DIR", help="example database directory (fuzz profile)")
@@ -711,6 +721,8 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
         if "llama" not in backends:
             raise UsageError("--arch applies to the llama backend; add --backend llama")
+    if args.flavour and "server" not in backends:
+        raise UsageError("--flavour applies to the server backend; add --backend server")
     if args.cache and "llama-cpp-python-cache" not in backends:
         raise UsageError("--cache applies to the llama-cpp-python-cache backend; add --backend llama-cpp-python-cache")
     report = run_gate(
@@ -722,6 +734,7 @@ def run(args: argparse.Namespace) -> int:
         backends=backends,
         archs=args.arch,
         cache=args.cache or "ram",
+        flavour=args.flavour or "pr",
     )
     if args.json:
         with open(args.json, "w") as f:

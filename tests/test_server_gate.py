@@ -1,0 +1,92 @@
+"""The server backend: a real llama-server (master and pr builds) against the reference model."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+
+from harness.llama_server import build_server
+from properties.server_gate import (
+    Differential,
+    ServerConfig,
+    ServerMismatch,
+    full_context,
+    save_fault,
+    save_peak,
+)
+
+
+@pytest.fixture(scope="module")
+def pr_binary() -> Path:
+    return build_server("pr")
+
+
+@pytest.fixture(scope="module")
+def master_binary() -> Path:
+    return build_server("master")
+
+
+A = [3 + (i * 7) % 250 for i in range(300)]
+B = [3 + (i * 11) % 250 for i in range(300)]
+SCRIPT = [A, A + [5] * 20, B, A[:150] + [9] * 30, B + [7] * 10, A]
+
+
+@pytest.mark.parametrize("arch", ["llama", "jamba", "gemma2"])
+def test_model_predicts_the_servers_slot_and_cache_n(pr_binary: Path, arch: str) -> None:
+    with Differential(ServerConfig(arch), pr_binary) as d:
+        rows = [d.request(t, 3) for t in SCRIPT]
+    assert all(r.ok for r in rows), "\n".join(r.describe() for r in rows)
+    assert sum(r.cache_n > 0 for r in rows) >= 3  # prefix reuse, cache loads and checkpoints happened
+    assert {r.slot for r in rows} == {0, 1}
+
+
+def test_a_wrong_model_is_caught(pr_binary: Path) -> None:
+    """Mutant of the model: no prompt cache at all (the server has one): cache_n must disagree."""
+    cfg = ServerConfig("llama")
+    with Differential(cfg, pr_binary) as d:
+        d.model.prompt_cache = None
+        c = [3 + (i * 13) % 250 for i in range(300)]
+        rows = [d.request(t, 3) for t in (A, B, c, [*A, 4, 4])]  # A comes back from the cache
+    assert [r.ok for r in rows] == [True, True, True, False]
+    assert rows[-1].cache_n >= 300 > rows[-1].predicted_cache_n
+    program = d.program()
+    assert program.count("d.request(") == 4 and "Differential(ServerConfig(arch='llama'" in program
+
+
+def test_full_context_rows_match(pr_binary: Path) -> None:
+    rows = full_context(pr_binary, "shared", None)
+    assert len(rows) == 4 and all(r.ok for r in rows)
+    assert max(len(r.tokens) for r in rows) >= 1016
+
+
+def test_pr_save_peak_has_no_checkpoint_copy_and_master_does(pr_binary: Path, master_binary: Path) -> None:
+    pr = save_peak(pr_binary, "shared")
+    master = save_peak(master_binary, "master")
+    c, s = pr["checkpoint_bytes"], pr["state_bytes"]
+    assert c > 8 * s > 0  # MiBs of checkpoints
+    assert pr["rss_peak_bytes"] < s + c // 2 < master["rss_peak_bytes"]
+    assert master["model_peak_bytes"] - pr["model_peak_bytes"] == c
+    # the model's prediction for master is within 10 % of what the kernel measured
+    assert abs(master["rss_peak_bytes"] - master["model_peak_bytes"]) < 0.1 * master["model_peak_bytes"]
+
+
+def test_fault_in_the_checkpoint_copy_kills_master_and_not_pr(pr_binary: Path, master_binary: Path) -> None:
+    m1 = save_fault(master_binary, "master", "master", 1)
+    p1 = save_fault(pr_binary, "pr", "shared", 1)
+    assert (m1.predicted, m1.observed) == ("skipped", "skipped") == (p1.predicted, p1.observed)
+    assert "a later request" in p1.detail
+    m2 = save_fault(master_binary, "master", "master", 2)
+    assert (m2.predicted, m2.observed, m2.predicted_site) == ("crash", "crash", "ckpt_copy.tgt")
+    assert "SIGABRT" in m2.detail
+    p2 = save_fault(pr_binary, "pr", "shared", 2)
+    assert p2.ok and not p2.predicted_site.startswith("ckpt_copy")
+
+
+def test_no_server_is_left_behind(pr_binary: Path) -> None:
+    with pytest.raises(ServerMismatch), Differential(ServerConfig("llama"), pr_binary) as d:
+        pid = d.server.pid
+        raise ServerMismatch("cache_n", "boom", "")
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
