@@ -647,8 +647,9 @@ def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
     for f in report.failures:
         out("")
         out(f"FAILED {f.property} ({f.kind}) in {f.machine}: {f.message}")
-        out("--- shrunk program (paste into python from the repository root) ---")
-        out(f.program)
+        if f.program:
+            out("--- shrunk program (paste into python from the repository root) ---")
+            out(f.program)
         out("--- replay ---")
         out(f"{f.replay}    # commit {report.commit}")
     out("PASS" if report.passed else "FAIL")

@@ -63,7 +63,7 @@ def test_gate_shared_passes_and_checks_every_property() -> None:
     props = {p["name"]: p for p in report.to_json()["properties"]}
     assert set(props) == set(INVARIANTS)
     for name, p in props.items():
-        if name == "restore_equivalence":  # real state only: the llama backend's
+        if name in ("restore_equivalence", "draft_recovery", "native_fault"):  # real state only: the llama backend's
             assert p["status"] == "not-checked"
             continue
         assert p["status"] == "passed", name
