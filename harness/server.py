@@ -642,6 +642,12 @@ class ServerContext:
         i = slot.n_decoded if slot.resuming or slot.state is SlotState.GENERATING else 0
         return forced[i] if i < len(forced) else sample(hist)
 
+    def _choose_after(self, slot: ServerSlot, hist: Tokens) -> int:
+        """The target's greedy choice after ``hist`` inside a speculative round (forced tokens by position)."""
+        forced = slot.task.forced if slot.task is not None else ()
+        i = len(hist) - len(slot.task.tokens) if slot.task is not None and not slot.resuming else -1
+        return forced[i] if 0 <= i < len(forced) else sample(hist)
+
     # server-context.cpp:2735
     def abort_all_slots(self, reason: str) -> None:
         for s in self.slots:
@@ -715,13 +721,13 @@ class ServerContext:
         accepted: list[int] = []
         h = slot.prompt.tokens[: n + 1]
         for d in draft:
-            a = sample(h)
+            a = self._choose_after(slot, h)
             accepted.append(a)
             if a != d:
                 break
             h = (*h, d)
         else:
-            accepted.append(sample(h))
+            accepted.append(self._choose_after(slot, h))
         n_rollback = len(draft) + 1 - len(accepted)
         confirmed = [slot.sampled, *accepted[:-1]]
         if n_rollback > 0:

@@ -95,6 +95,7 @@ class Row:
     generated: tuple[int, ...]
     evictions: int = 0  # "removing oldest entry" lines in the server's log so far
     predicted_evictions: int = 0
+    draft_n: int = 0  # tokens the server's draft model proposed (timings.draft_n)
 
     @property
     def ok(self) -> bool:
@@ -182,6 +183,7 @@ class Differential:
             generated,
             log.count("removing oldest entry"),
             cache.evictions if cache is not None else 0,
+            int(r["timings"].get("draft_n", 0)),
         )
         self.rows.append(row)
         return row
@@ -264,6 +266,7 @@ class MachineStats:
     evictions: int = 0  # predicted by the model and seen in the server's log, request by request
     cache_loads: int = 0
     near_tie_flips: int = 0  # the known finding greedy-flip-on-cache-path
+    drafted: int = 0  # draft tokens the server proposed (speculative configurations)
 
 
 def server_machine(cfg: ServerConfig, binary: Path, semantics: str, stats: MachineStats, log_dir: str | None) -> type:
@@ -323,6 +326,7 @@ def server_machine(cfg: ServerConfig, binary: Path, semantics: str, stats: Machi
             self.sent.append(tokens)
             stats.requests += 1
             stats.cache_hits += row.cache_n > 0
+            stats.drafted += row.draft_n
             if not row.ok:
                 raise ServerMismatch("cache_n", row.describe(), self.d.program())
             problem = check_output(self.fresh, row)
@@ -542,6 +546,9 @@ def server_configs() -> list[ServerConfig]:
         ServerConfig("mamba"),
         ServerConfig("lfm2", kv_unified=True),
         ServerConfig("gemma2"),
+        # speculative: target + draft restored together from the cache and from checkpoints
+        ServerConfig("llama", draft=True),
+        ServerConfig("jamba", draft=True, kv_unified=True),
     ]
 
 
@@ -664,7 +671,9 @@ def run_server_backend(
                 out(
                     f"  [{status}] {cfg.name:<20} {stats.requests:>4} requests ({stats.cache_hits} reused a prefix, "
                     f"{stats.cache_loads} cache loads, {stats.evictions} evictions), {stats.output_checks} outputs "
-                    f"checked against a fresh server {time.perf_counter() - t0:5.1f}s"
+                    f"checked against a fresh server"
+                    + (f", {stats.drafted} draft tokens" if cfg.draft else "")
+                    + f" {time.perf_counter() - t0:5.1f}s"
                 )
             rows = eviction(binary, semantics, logs)
             section["requests"] += len(rows)

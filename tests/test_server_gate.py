@@ -42,6 +42,15 @@ def test_model_predicts_the_servers_slot_and_cache_n(pr_binary: Path, arch: str)
     assert {r.slot for r in rows} == {0, 1}
 
 
+@pytest.mark.parametrize("arch", ["llama", "jamba"])
+def test_speculative_target_and_draft_restore_match(pr_binary: Path, arch: str) -> None:
+    with Differential(ServerConfig(arch, draft=True), pr_binary) as d:
+        rows = [d.request(t, 8) for t in SCRIPT]
+    assert all(r.ok for r in rows), "\n".join(r.describe() for r in rows)
+    assert sum(r.draft_n for r in rows) > 0  # the server really drafted
+    assert sum(r.cache_n > 0 for r in rows) >= 3
+
+
 def test_a_wrong_model_is_caught(pr_binary: Path) -> None:
     """Mutant of the model: no prompt cache at all (the server has one): cache_n must disagree."""
     cfg = ServerConfig("llama")
