@@ -5,17 +5,26 @@
 parameters (:func:`harness.build.make_llama_server`). Each completion request (token ids,
 temperature 0, ``cache_prompt``, ``ignore_eos``, ``return_tokens``) goes to the server first; the
 model is then fed the same request with the tokens the server generated (``Task.forced``), picks
-its own slot, and predicts ``timings.cache_n``: the number of prompt tokens reused from the slot,
-a cache load or a checkpoint. Any difference in the slot chosen or in ``cache_n`` is a mismatch,
-reported with the request sequence that led to it.
+its own slot, and predicts the slot, ``timings.cache_n`` (prompt tokens reused from the slot, a
+cache load or a checkpoint) and the evictions the server logs. Any difference is a mismatch,
+reported with the request sequence as a script that replays it.
 
-:class:`ServerMachine` drives it with Hypothesis: prompts that share, extend and diverge from what
-the slots and the cache hold, long enough (hundreds of tokens) for ``--cache-ram`` of 1 MiB to
-evict and for hybrid and recurrent models to create several checkpoints. Every generated text is
-also checked against a fresh server with no cache (output equivalence).
+What :func:`run_server_backend` runs (``python -m harness gate --backend server --flavour F``):
 
-Deviation: requests are sent one at a time (a request completes before the next), so the server's
-slot scheduling is deterministic; child tasks (``n_cmpl``) are not used.
+* :func:`server_machine`: Hypothesis drives prompts that share, extend and diverge from what the
+  slots and the cache hold, on all five models, unified and per-slot KV, and with a draft model;
+  every generation is also compared with a fresh single-slot server without cache
+  (:func:`check_output`).
+* :func:`eviction` (``--cache-ram 1``, entries with shared checkpoints) and :func:`full_context`.
+* :func:`save_peak`: VmHWM around one save of a slot with ~16 MiB of checkpoints (``mamba-big``),
+  beside the model's predicted transient peak, and master against pr when both are built.
+* :func:`save_fault`: the native shim preloaded into the server fails the Nth large allocation of
+  the request that saves the slot; the model, armed the same way, predicts where it must end.
+* The ``asan`` flavour runs the differential and fails on any ASan/UBSan report in the logs.
+
+Deviations: requests are sent one at a time (a request completes before the next), so the
+server's slot scheduling is deterministic; child tasks (``n_cmpl``) are not used; a failing
+example is not shrunk (each step is a real request), the full request sequence is printed instead.
 """
 
 from __future__ import annotations
@@ -123,6 +132,7 @@ class Differential:
     log_dir: str | None = None
     rows: list[Row] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
+    flavour: str = "pr"  # only for the replay program: which build_server() flavour the binary is
 
     def __post_init__(self) -> None:
         self.model_file = model_path(self.cfg.arch)
@@ -193,28 +203,11 @@ class Differential:
         lines = [
             "from harness.llama_server import build_server",
             "from properties.server_gate import Differential, ServerConfig",
-            f"with Differential({self.cfg!r}, build_server('pr'), {self.semantics!r}) as d:",
+            f"with Differential({self.cfg!r}, build_server({self.flavour!r}), {self.semantics!r}) as d:",
         ]
         for row in self.rows:
             lines.append(f"    print(d.request({list(row.tokens)!r}, {row.n_predict}).describe())")
         return "\n".join(lines)
-
-
-def fresh_completion(binary: Path, cfg: ServerConfig, tokens: Sequence[int], n_predict: int) -> tuple[int, ...]:
-    """The tokens a fresh single-slot server with no prompt cache generates for ``tokens``."""
-    with ServerProcess(
-        binary,
-        cfg.server_args(),
-        model=model_path(cfg.arch),
-        n_parallel=1,
-        ctx_size=cfg.n_ctx // cfg.n_parallel if not cfg.kv_unified else cfg.n_ctx,
-        cache_ram=0,
-        ctx_checkpoints=cfg.ctx_checkpoints,
-    ) as srv:
-        r = srv.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False)
-        return tuple(int(t) for t in r.get("tokens") or ())
-
-
 
 
 NEAR_TIE_LOGPROB = 0.02  # greedy choices closer than this flip with the cache path's rounding
@@ -269,7 +262,9 @@ class MachineStats:
     drafted: int = 0  # draft tokens the server proposed (speculative configurations)
 
 
-def server_machine(cfg: ServerConfig, binary: Path, semantics: str, stats: MachineStats, log_dir: str | None) -> type:
+def server_machine(
+    cfg: ServerConfig, binary: Path, semantics: str, stats: MachineStats, log_dir: str | None, flavour: str = "pr"
+) -> type:
     """A Hypothesis state machine class driving ``cfg`` on ``binary`` against the model in ``semantics``."""
     from hypothesis import strategies as st
     from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
@@ -277,7 +272,7 @@ def server_machine(cfg: ServerConfig, binary: Path, semantics: str, stats: Machi
     class ServerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.d = Differential(cfg, binary, semantics, log_dir)
+            self.d = Differential(cfg, binary, semantics, log_dir, flavour=flavour)
             self.d.__enter__()
             self.fresh = ServerProcess(
                 binary,
@@ -647,7 +642,7 @@ def run_server_backend(
             for cfg in server_configs():
                 stats = MachineStats()
                 t0 = time.perf_counter()
-                cls = server_machine(cfg, binary, semantics, stats, logs)
+                cls = server_machine(cfg, binary, semantics, stats, logs, flavour)
                 hypothesis.core.global_force_seed = seed  # type: ignore[attr-defined]
                 status = "ok  "
                 try:
