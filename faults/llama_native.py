@@ -224,11 +224,7 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
 
     reset()
     size = int(ll.llama_state_seq_get_size_ext(ctx, 0, flags))
-    clean_state = prov._raw_state(ctx, 0) if flags == 0 else b""
-    if flags:
-        buf0 = (ctypes.c_uint8 * size)()
-        n0 = ll.llama_state_seq_get_data_ext(ctx, buf0, size, 0, flags)
-        clean_state = ctypes.string_at(buf0, n0)
+    clean_state = prov._raw_state(ctx, 0, flags)
     nxt = [7, 8, 9]
     ret, clean_logits = prov._decode_raw(ctx, 1, nxt, len(prompt), want_logits=True)
     assert ret == 0

@@ -316,11 +316,8 @@ class LlamaProvider:
 
     def state_seq_get_data_ext(self, seq: int, flags: int) -> bytes:
         self._check_seq(seq)
-        ll = self._ll
-        size = int(ll.llama_state_seq_get_size_ext(self.ctx, seq, flags))
-        buf = (ctypes.c_uint8 * max(size, 1))()
-        n = int(ll.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags))
-        data = ctypes.string_at(buf, n)
+        data = self._raw_state(self.ctx, seq, flags)
+        n = len(data)
         self._registry[_digest(data, flags)] = {c: self._hist[seq][c] for c in self._selected(flags)}
         if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY:
             self.max_partial_bytes = max(self.max_partial_bytes, n)
@@ -442,11 +439,12 @@ class LlamaProvider:
             raise RuntimeError(f"{self.name}: probe decode on seq {seq} at {n} failed")
         return len(self.mismatches) == before
 
-    def _raw_state(self, ctx: Any, seq: int) -> bytes:
+    def _raw_state(self, ctx: Any, seq: int, flags: int = 0) -> bytes:
+        """``llama_state_seq_get_data_ext`` of ``seq`` in ``ctx``, without any bookkeeping."""
         ll = self._ll
-        size = int(ll.llama_state_seq_get_size_ext(ctx, seq, 0))
+        size = int(ll.llama_state_seq_get_size_ext(ctx, seq, flags))
         buf = (ctypes.c_uint8 * max(size, 1))()
-        n = int(ll.llama_state_seq_get_data_ext(ctx, buf, size, seq, 0))
+        n = int(ll.llama_state_seq_get_data_ext(ctx, buf, size, seq, flags))
         return ctypes.string_at(buf, n)
 
     def _check_restore(self, seq: int, why: str, logits: bytes, snap: bytes, toks: tuple[int, ...], pos0: int) -> None:
