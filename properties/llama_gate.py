@@ -113,12 +113,6 @@ def llama_machines(variant: str, archs: Sequence[str] | None = None) -> list[Mac
                 kv_unified=arch in ("mamba", "lfm2"),
             )
         )
-        if arch in ("llama", "jamba"):
-            out.append(
-                MachineConfig(
-                    variant, kind="", arch=arch, draft=True, known=frozenset({"small-draft-ctx", "draft-recovery"})
-                )
-            )
     return out
 
 
