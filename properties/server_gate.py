@@ -29,6 +29,7 @@ example is not shrunk (each step is a real request), the full request sequence i
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 from collections.abc import Callable, Sequence
@@ -146,7 +147,7 @@ class Differential:
             cache_ram=self.cfg.cache_ram_mib,
             ctx_checkpoints=self.cfg.ctx_checkpoints,
             kv_unified=self.cfg.kv_unified,
-            log_path=None if self.log_dir is None else os.path.join(self.log_dir, f"{self.cfg.name}.log"),
+            log_path=None if self.log_dir is None else _unique_log(self.log_dir, self.cfg.name),
             env=self.env,
         )
         self.model = make_llama_server(
@@ -282,6 +283,7 @@ def server_machine(
                 ctx_size=cfg.n_ctx,
                 cache_ram=0,
                 ctx_checkpoints=cfg.ctx_checkpoints,
+                log_path=None if log_dir is None else _unique_log(log_dir, f"{cfg.name}-fresh"),
             )
             self.fresh.start()
             self.sent: list[tuple[int, ...]] = []
@@ -577,6 +579,30 @@ def eviction(binary: Path, semantics: str, log_dir: str | None) -> list[Row]:
         return d.rows
 
 
+_LOG_SEQ = itertools.count()
+
+
+def _unique_log(log_dir: str, stem: str) -> str:
+    """One log file per server started (a server's log is scanned for sanitizer reports after it exits)."""
+    return os.path.join(log_dir, f"{stem}-{next(_LOG_SEQ):05d}.log")
+
+
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:")
+
+
+def sanitizer_reports(log_dir: str) -> list[str]:
+    """The first line of every ASan, LSan or UBSan report in the server logs under ``log_dir``."""
+    reports = []
+    for name in sorted(os.listdir(log_dir)):
+        text = Path(log_dir, name).read_text(errors="replace")
+        for marker in SANITIZER_MARKERS:
+            at = text.find(marker)
+            while at >= 0:
+                reports.append(f"{name}: {text[at:].splitlines()[0]}")
+                at = text.find(marker, at + 1)
+    return reports
+
+
 def run_server_backend(
     report: Any, flavour: str, profile: str, seed: int, max_examples: int | None, out: Callable[[str], None]
 ) -> None:
@@ -602,6 +628,11 @@ def run_server_backend(
     except BuildError as e:
         raise UsageError(f"llama-server ({flavour}) could not be built: {e}") from None
     out(f"  binary {binary}")
+    if flavour == "asan" and b"AddressSanitizer" not in binary.read_bytes():
+        raise UsageError(
+            f"{binary} is not built with AddressSanitizer; "
+            "rebuild: python -m harness build-server --flavour asan --force"
+        )
     section: dict[str, Any] = {
         "flavour": flavour,
         "requests": 0,
@@ -686,13 +717,7 @@ def run_server_backend(
             fail(e.name, "violation", e.message, e.program, "server-full-context")
         if flavour != "asan":
             _memory_and_faults(report, section, flavour, semantics, binary, logs, fail, out)
-        # sanitizer reports in any server log of this run
-        reports = []
-        for name in sorted(os.listdir(logs)):
-            text = Path(logs, name).read_text(errors="replace")
-            for marker in ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:"):
-                if marker in text:
-                    reports.append(f"{name}: {text[text.index(marker):].splitlines()[0]}")
+        reports = sanitizer_reports(logs)
         section["sanitizer_reports"] = len(reports)
         for r in reports[:5]:
             fail("sanitizer", "crash", r, "", "server-asan")

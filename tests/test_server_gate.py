@@ -13,6 +13,7 @@ from properties.server_gate import (
     ServerConfig,
     ServerMismatch,
     full_context,
+    sanitizer_reports,
     save_fault,
     save_peak,
 )
@@ -99,3 +100,16 @@ def test_no_server_is_left_behind(pr_binary: Path) -> None:
         raise ServerMismatch("cache_n", "boom", "")
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_sanitizer_reports_are_found_in_every_server_log(tmp_path: Path) -> None:
+    (tmp_path / "llama-np2-kvs-00001.log").write_text("srv ok\n")
+    (tmp_path / "llama-np2-kvs-00002.log").write_text(
+        "x\n==1==ERROR: AddressSanitizer: heap-use-after-free on address 0x6\nmore\n"
+        "common.cpp:1:2: runtime error: load of misaligned address\n"
+    )
+    (tmp_path / "jamba-fresh-00003.log").write_text("==2==ERROR: LeakSanitizer: detected memory leaks\n")
+    found = sanitizer_reports(str(tmp_path))
+    assert len(found) == 3
+    assert any("heap-use-after-free" in r for r in found) and any("LeakSanitizer" in r for r in found)
+
