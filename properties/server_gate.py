@@ -628,7 +628,7 @@ def run_server_backend(
     except BuildError as e:
         raise UsageError(f"llama-server ({flavour}) could not be built: {e}") from None
     out(f"  binary {binary}")
-    if flavour == "asan" and b"AddressSanitizer" not in binary.read_bytes():
+    if flavour == "asan" and b"__asan_init" not in binary.read_bytes():
         raise UsageError(
             f"{binary} is not built with AddressSanitizer; "
             "rebuild: python -m harness build-server --flavour asan --force"
