@@ -29,7 +29,7 @@ import enum
 import hashlib
 import struct
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from .cache import ServerPrompt, ServerPromptCache, Tokens, f32, get_common_prefix
 from .checkpoint import CommonPromptCheckpoint
@@ -630,7 +630,7 @@ class ServerContext:
         slot.prompt.clear()
         if generating:
             # the target decoded up to pos0 (unverified drafts after it are dropped): re-process those
-            slot.task = Task(**{**slot.task.__dict__, "tokens": resume})
+            slot.task = replace(slot.task, tokens=resume)
             slot.resuming = True
         slot.state = SlotState.PROCESSING_PROMPT
         self.draft_recoveries["resynced"] += 1
