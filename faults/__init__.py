@@ -54,14 +54,14 @@ hidden as ``ok`` nor charged to the PR. The pass criterion of ``sweep`` is no ``
 
 Entry points: ``python -m harness sweep`` (:mod:`faults.sweep`), ``python -m harness rlimit``
 (:mod:`faults.rlimit`), :func:`faults.pymem.sweep_pymem`, :func:`faults.native.run_native` and
-:func:`faults.native.run_new_demo`. Every child runs through :func:`faults.child.run_child`, which
+:func:`faults.native.run_new_demo`. Every child runs through :func:`harness.child.run_child`, which
 never lets a child's death or hang become the runner's.
 """
 
-from .child import ChildResult, run_child
-from .kinds import ACCEPTED, CRASH, CRASH_OUT_OF_SCOPE, FAULT_KINDS, OK, OUTCOMES, VIOLATION, FaultKind, Outcome
-from .scenarios import SCENARIOS, Scenario
-from .sweep import SweepReport, TrialResult, parse_case_id, run_sweep, run_trial
+from faults.kinds import ACCEPTED, CRASH, CRASH_OUT_OF_SCOPE, FAULT_KINDS, OK, OUTCOMES, VIOLATION, FaultKind, Outcome
+from faults.scenarios import SCENARIOS, Scenario
+from faults.sweep import SweepReport, TrialResult, parse_case_id, run_sweep, run_trial
+from harness.child import ChildResult, run_child
 
 __all__ = [
     "ACCEPTED",

@@ -29,7 +29,6 @@ child resumes at the following allocation number. Each trial id (``lfm2.set.7``)
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import re
@@ -39,8 +38,10 @@ from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
-from .child import STACKS_ENV, ChildResult, child_setup
-from .native import run_native
+from faults.native import ShimControl, run_native
+from fixtures.models import model_path
+from harness.child import STACKS_ENV, ChildResult, child_setup
+from harness.targets.libllama import LlamaProvider, load_model
 
 __all__ = ["OPS", "LlamaNativeReport", "NativeTrial", "sweep_llama_native"]
 
@@ -202,10 +203,6 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
 
     import llama_cpp as ll
 
-    from fixtures.models import model_path
-    from harness.llama_provider import LlamaProvider, load_model
-
-    from .native import ShimControl
 
     child_setup()
     shim = ShimControl()
@@ -305,33 +302,8 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
     return 0
 
 
-def _main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m faults.llama_native", description=__doc__.splitlines()[0])
-    ap.add_argument("--case", help="replay one trial: ARCH.OP.NTH (e.g. lfm2.set.7)")
-    ap.add_argument("--child", nargs=4, metavar=("ARCH", "OP", "FIRST", "LAST"), help=argparse.SUPPRESS)
-    ap.add_argument("--arch", default="llama")
-    ap.add_argument("--op", default="set", choices=OPS)
-    ap.add_argument("--max-nth", type=int, default=3000)
-    args = ap.parse_args(argv)
-    if args.child:
-        arch, op, a, b = args.child
-        return _child(arch, op, int(a), int(b))
-    if args.case:
-        try:
-            arch, op, n = args.case.rsplit(".", 2)
-            nth = int(n)
-        except ValueError:
-            ap.error(f"--case must look like ARCH.OP.NTH, got {args.case!r}")
-        rep = sweep_llama_native(arch, op, first=nth, max_nth=nth)
-    else:
-        rep = sweep_llama_native(args.arch, args.op, max_nth=args.max_nth)
-    for t in rep.trials:
-        print(f"{t.case:<24} {t.outcome:<12} {t.detail}")
-        if t.stacks:
-            print("    " + _first_frames(t.stacks, 20).replace("\n", "\n    "))
-    print(json.dumps(rep.to_json()))
-    return 1 if rep.findings else 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(_main())
+if __name__ == "__main__":  # the child of one trial (see _sweep); the command is ``python -m harness native``
+    if len(sys.argv) == 6 and sys.argv[1] == "--child":
+        raise SystemExit(_child(sys.argv[2], sys.argv[3], int(sys.argv[4]), int(sys.argv[5])))
+    print("usage: python -m harness native [--arch NAME] [--op OP] [--case ARCH.OP.NTH]", file=sys.stderr)
+    raise SystemExit(2)

@@ -13,10 +13,10 @@ What this module promises:
   ``$XDG_CACHE_HOME/prompt-cache-harness``, else ``~/.cache/prompt-cache-harness``), keyed by a
   hash of the source, so an edited source is rebuilt. A missing compiler raises
   :class:`NativeUnavailable` with one line.
-* :func:`run_native` runs any command under the shim in a child (:func:`faults.child.run_child`):
+* :func:`run_native` runs any command under the shim in a child (:func:`harness.child.run_child`):
   armed from the start through ``FAULTSHIM_NTH``, or left for the child to arm at run time with
   ``faultshim_arm`` (``ctypes`` in Python, ``dlsym`` in C/C++; see :class:`ShimControl`). A
-  SIGABRT or SIGSEGV of the child comes back as a :class:`~faults.child.ChildResult` with
+  SIGABRT or SIGSEGV of the child comes back as a :class:`~harness.child.ChildResult` with
   ``crashed`` set and the C stack (and, for Python children, the Python stack) in ``stacks``.
 * :func:`run_new_demo` classifies the demo's run: ``caught`` (it printed the ``bad_alloc``),
   ``aborted`` (SIGABRT with a stack), ``completed`` (the fault did not fire) or ``error``.
@@ -35,7 +35,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from .child import ChildResult, run_child
+from harness.child import ChildResult, run_child
+from harness.errors import Unavailable
 
 __all__ = [
     "DemoResult",
@@ -51,7 +52,7 @@ __all__ = [
 _HERE = Path(__file__).resolve().parent
 
 
-class NativeUnavailable(RuntimeError):
+class NativeUnavailable(Unavailable):
     """The native layer cannot run here (no compiler, or compilation failed): one line."""
 
 

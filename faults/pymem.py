@@ -9,7 +9,7 @@ of these points, so nothing here is counted against either semantics.
 What it promises:
 
 * Hooks only ever run in a **child process** (``python -m faults.pymem --child``) under a watchdog
-  (:func:`faults.child.run_child`): a hook left on can hang or abort the interpreter. The hook is
+  (:func:`harness.child.run_child`): a hook left on can hang or abort the interpreter. The hook is
   installed right before the act and removed in ``finally``; the checks run with it removed.
 * Trial ``nth`` fails allocation ``nth`` counted from the hook's installation (transient), or
   every allocation from ``nth`` on (persistent). Each trial has its own watchdog
@@ -42,8 +42,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
-from .child import child_setup, child_stacks_file, run_child
-from .scenarios import SCENARIOS
+from faults.scenarios import SCENARIOS
+from harness.child import child_setup, child_stacks_file, run_child
+from harness.errors import Unavailable
+from properties.invariants import Shadow, Violation, check_state, clear_all
 
 __all__ = ["PymemTrial", "PymemUnavailable", "pymem_unavailable", "sweep_pymem"]
 
@@ -51,7 +53,7 @@ _ROOT = str(Path(__file__).resolve().parent.parent)
 FINDINGS = ("inconsistent", "violation", "crash", "fatal")
 
 
-class PymemUnavailable(RuntimeError):
+class PymemUnavailable(Unavailable):
     """This interpreter cannot fail its own allocations on demand."""
 
 
@@ -165,7 +167,6 @@ def _run_points(
 
 
 def _child_trial(capi: ModuleType, scenario: str, variant: str, mode: str, nth: int) -> PymemTrial:
-    from properties.invariants import Shadow, Violation, check_state, clear_all
 
     prepared = SCENARIOS[scenario].build(variant)
     server = prepared.server

@@ -37,7 +37,6 @@ environment cannot separate the two (no fork, no ``/proc``); 3 when a child died
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import math
@@ -48,17 +47,15 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.cli import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
-from harness.errors import BadAlloc
-from harness.memory import Host, Payload
-from harness.provider import STATE_SEQ_FLAGS_NONE, MemoryKind, SyntheticProvider
-from harness.semantics import get_semantics
-from harness.server import ServerContext, ServerParams
+from faults.scenarios import prompt
+from harness.child import child_setup, run_child
+from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, BadAlloc, UsageError
+from harness.model.memory import Host, Payload
+from harness.model.provider import STATE_SEQ_FLAGS_NONE, MemoryKind, SyntheticProvider
+from harness.model.semantics import get_semantics
+from harness.model.server_context import ServerContext, ServerParams
 
-from .child import child_setup, run_child
-from .scenarios import prompt
-
-__all__ = ["RlimitResult", "ServedProvider", "add_arguments", "measure", "run", "run_seed"]
+__all__ = ["RlimitResult", "ServedProvider", "measure", "run_seed"]
 
 MiB = 1024 * 1024
 _ROOT = str(Path(__file__).resolve().parent.parent)
@@ -264,49 +261,6 @@ def run_seed(rs_mib: int = 40, timeout: float = 120.0) -> SeedRun:
     budget = shared.peak_excess + max(gap // 4, 256 * 1024)
     results = [measure(v, headroom=budget, rs_bytes=rs, timeout=timeout) for v in ("shared", "master")]
     return SeedRun(budget, probes, results)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--json", metavar="PATH", help="write the budget and both outcomes as JSON")
-    parser.add_argument("--ckpt-mib", type=int, default=40, help="checkpoint (recurrent state) size in MiB (40)")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.ckpt_mib < 2:
-        raise UsageError("--ckpt-mib must be at least 2")
-    seed = run_seed(args.ckpt_mib)
-    p = seed.probes[0]
-    print(
-        f"seed scenario: hybrid slot, 1 checkpoint of C = {p.checkpoint_bytes} bytes, new state S = {p.state_bytes} "
-        f"bytes; entry S + C = {p.state_bytes + p.checkpoint_bytes} <= --cache-ram {p.cache_ram_bytes}"
-    )
-    print("unlimited probe (peak of the save above its baseline):")
-    for r in seed.probes:
-        print(f"  {r.variant:<7} {r.outcome:<10} peak +{r.peak_excess:>11} bytes  {r.detail}")
-    if not seed.budget_bytes:
-        print(f"error: a probe did not complete: {seed.results[0].detail}", file=sys.stderr)
-        return EXIT_CRASH if seed.results[0].outcome == "killed" else EXIT_USAGE
-    print(f"budget: RLIMIT_AS = baseline + {seed.budget_bytes} bytes (shared's peak + a quarter of the gap)")
-    for r in seed.results:
-        print(
-            f"  {r.variant:<7} {r.outcome:<12} VmPeak {r.peak_bytes} (+{r.peak_excess}), limit {r.limit_bytes}: "
-            f"{r.detail}"
-        )
-    code = seed.exit_code()
-    verdict = {
-        EXIT_OK: "shared completes and master fails under the same budget",
-        EXIT_FAILED: "NOT shown: expected shared to complete and master to fail",
-        EXIT_CRASH: "a child died unexpectedly",
-    }[code]
-    print(verdict)
-    if args.json:
-        try:
-            with open(args.json, "w") as f:
-                json.dump(seed.to_json(), f, indent=2)
-                f.write("\n")
-        except OSError as e:
-            raise UsageError(f"cannot write {args.json}: {e.strerror}") from None
-    return code
 
 
 if __name__ == "__main__":

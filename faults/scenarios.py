@@ -7,7 +7,7 @@ case id replays it.
 
 What each scenario promises:
 
-* ``scope`` is the :meth:`harness.memory.Host.operation` the fault is armed for (``"save"``: only
+* ``scope`` is the :meth:`harness.model.memory.Host.operation` the fault is armed for (``"save"``: only
   allocations made inside ``prompt_save`` count and can fail), or ``None``: every allocation made
   by the act counts.
 * ``in_pr_scope`` says whether the act's allocations are inside the contract of PR #27451 (the
@@ -22,11 +22,11 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from harness.build import make_server
-from harness.cache import ServerPromptCache
-from harness.provider import STATE_SEQ_FLAGS_NONE
-from harness.semantics import Semantics
-from harness.server import LaunchResult, ServerContext, ServerParams, ServerSlot, SlotState, Task
+from harness.model.cache import ServerPromptCache
+from harness.model.provider import STATE_SEQ_FLAGS_NONE
+from harness.model.semantics import Semantics
+from harness.model.server_context import LaunchResult, ServerContext, ServerParams, ServerSlot, SlotState, Task
+from harness.targets.synthetic import make_server
 
 __all__ = ["SCENARIOS", "Prepared", "Scenario", "Variant", "get_scenario"]
 

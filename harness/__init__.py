@@ -1,60 +1,22 @@
-"""A reference model of llama-server's prompt cache, slots and context checkpoints.
+"""prompt-cache-harness: a reference model of llama-server's prompt cache, real targets, properties,
+fault injectors and the gate that runs them on every backend.
 
-The model mirrors llama.cpp at commit 0c1e570 (vendored by llama-cpp-python 0.3.36) in two
-semantics: ``master`` (checkpoint payloads deep-copied, ``bad_alloc`` caught only around the state
-resize) and ``shared`` (PR #27451: immutable shared payloads, copy-on-write update, the whole
-entry construction inside the handler). Memory is observed exactly through :class:`Host`: every
-allocation passes one seam that can fail, and a ledger counts logical and physical bytes.
+The house, from the ground floor up. A module may import only from its own floor or below; the
+test ``tests/test_architecture.py`` reads every import and fails on a loop or an upward import.
 
-Public surface: the model classes, :func:`make_server`, the semantics, the providers and the two
-exceptions. Everything else is private to the package.
+1. ``harness.errors`` (the error root and exit codes), ``harness.findings`` (the one registry of
+   known upstream findings), ``harness.child`` (the one helper every child process runs through),
+   ``fixtures`` (generated inputs: tiny GGUF models). They import nothing of the project above them.
+2. ``harness.model``: the reference model of llama-server's prompt cache, slots and checkpoints
+   pinned to llama.cpp 0c1e570, in ``master`` and ``shared`` (PR #27451) semantics.
+3. ``harness.targets``: one adapter module per real or synthetic target (``synthetic``,
+   ``libllama``, ``llama_server``, ``lcp_cache``). A target imports the model, never another
+   target, the properties, the faults or the gate.
+4. ``properties``: invariants, policy checks and the Hypothesis state machines over the targets.
+5. ``faults``: fault kinds, the one :class:`~faults.kinds.Outcome` vocabulary and the injectors.
+6. ``harness.backends``: one gate runner per backend, all listed in
+   :data:`harness.backends.BACKENDS` with one signature; a new engine is a target module plus a
+   backend module.
+7. ``harness.commands``: one module per ``python -m harness`` subcommand.
+8. ``harness.cli`` and ``harness.__main__``: the entry point, importing its commands directly.
 """
-
-from .build import make_server
-from .cache import ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData
-from .checkpoint import CheckpointList, CommonPromptCheckpoint
-from .errors import BadAlloc, GgmlAbort
-from .memory import AllocationSeam, Host, Ledger, OperationStats, Payload
-from .provider import (
-    STATE_SEQ_FLAGS_NONE,
-    STATE_SEQ_FLAGS_PARTIAL_ONLY,
-    MemoryKind,
-    SeqRmType,
-    StateProvider,
-    SyntheticProvider,
-)
-from .semantics import MASTER, SEMANTICS, SHARED, Semantics, get_semantics
-from .server import ServerContext, ServerParams, ServerSlot, SlotState, Task
-
-__all__ = [
-    "MASTER",
-    "SEMANTICS",
-    "SHARED",
-    "STATE_SEQ_FLAGS_NONE",
-    "STATE_SEQ_FLAGS_PARTIAL_ONLY",
-    "AllocationSeam",
-    "BadAlloc",
-    "CheckpointList",
-    "CommonPromptCheckpoint",
-    "GgmlAbort",
-    "Host",
-    "Ledger",
-    "MemoryKind",
-    "OperationStats",
-    "Payload",
-    "Semantics",
-    "SeqRmType",
-    "ServerContext",
-    "ServerParams",
-    "ServerPrompt",
-    "ServerPromptCache",
-    "ServerPromptCacheState",
-    "ServerPromptData",
-    "ServerSlot",
-    "SlotState",
-    "StateProvider",
-    "SyntheticProvider",
-    "Task",
-    "get_semantics",
-    "make_server",
-]

@@ -1,92 +1,61 @@
 """``python -m harness <command>``: the one entry point (also the ``prompt-cache-harness`` script).
 
-Each command lives in the package that owns it and exposes ``add_arguments(parser)`` and
-``run(args) -> int``; this module only lists them, parses the command line and maps failures to
-exit codes. The codes are the same for every command:
-
-====  ==========================================================================
-0     everything checked passed
-1     a property or trial failed (the output ends with how to replay it)
-2     usage or environment error (bad flag, missing file, port in use): one line
-3     the target crashed (an exception escaped the server model, or a child died)
-130   interrupted (Ctrl-C); children are cleaned up, findings so far are printed
-====  ==========================================================================
+The commands are the modules of :mod:`harness.commands`, imported here directly; this module only
+lists them, parses the command line and maps errors to exit codes. Any
+:class:`~harness.errors.HarnessError` that escapes a command is printed as one line and ends the
+run with the exit code it carries (the table is in :mod:`harness.errors`); Ctrl-C exits 130 after
+the children are cleaned up.
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib
 import sys
-from collections.abc import Sequence
-from typing import Protocol, cast
+from collections.abc import Callable, Sequence
+from types import ModuleType
 
-__all__ = ["EXIT_CRASH", "EXIT_FAILED", "EXIT_INTERRUPTED", "EXIT_OK", "EXIT_USAGE", "UsageError", "main"]
+from harness.commands import build_server, demo, gate, mutants, native, rlimit, sweep
+from harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, HarnessError
 
-EXIT_OK = 0
-EXIT_FAILED = 1
-EXIT_USAGE = 2
-EXIT_CRASH = 3
-EXIT_INTERRUPTED = 130
-
-
-class UsageError(Exception):
-    """A bad flag, file or environment: printed as one line, exit code 2."""
-
-
-class _Command(Protocol):
-    def add_arguments(self, parser: argparse.ArgumentParser) -> None: ...
-
-    def run(self, args: argparse.Namespace) -> int: ...
-
+__all__ = ["COMMANDS", "build_parser", "main"]
 
 # name -> (module, one-line help)
-COMMANDS: dict[str, tuple[str, str]] = {
-    "gate": ("properties.gate", "run the stateful properties (the CI gate)"),
-    "mutants": ("properties.mutants_cmd", "run the gate against every mutant; all must be killed"),
-    "sweep": ("faults.sweep", "SQLite-style allocation-failure sweep over canonical scenarios"),
-    "rlimit": ("faults.rlimit", "the seed's save under a real address-space limit, both semantics"),
-    "demo": ("harness.demo", "print the seed's central claim on the ledger (master vs shared)"),
-    "build-server": ("harness.llama_server", "build llama-server from the llama-cpp-python sdist (cached)"),
+COMMANDS: dict[str, tuple[ModuleType, str]] = {
+    "gate": (gate, "run the stateful properties on one or more backends (the CI gate)"),
+    "mutants": (mutants, "run the gate against every mutant; all must be killed"),
+    "sweep": (sweep, "SQLite-style allocation-failure sweep over canonical scenarios"),
+    "rlimit": (rlimit, "the seed's save under a real address-space limit, both semantics"),
+    "native": (native, "native malloc failures inside libllama's state calls and decode, one case each"),
+    "build-server": (build_server, "build llama-server from the llama-cpp-python sdist (cached)"),
+    "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
 }
 
 
-def _load(name: str) -> _Command:
-    module, _ = COMMANDS[name]
-    return cast(_Command, importlib.import_module(module))
-
-
-def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="python -m harness",
         description="Fault-injection and property-testing harness for llama-server's prompt cache.",
-        epilog="exit codes: 0 pass, 1 property failed, 2 usage/environment error, 3 target crashed",
+        epilog="exit codes: 0 pass, 1 property failed, 2 usage/environment error, 3 target crashed, "
+        "4 build failed, 130 interrupted",
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>")
-    subs = {name: sub.add_parser(name, help=help_, description=help_) for name, (_, help_) in COMMANDS.items()}
-    return parser, subs
+    for name, (module, help_) in COMMANDS.items():
+        module.add_arguments(sub.add_parser(name, help=help_, description=help_))
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    parser, subs = build_parser()
-    # load only the command asked for, so --help stays fast and one broken module cannot hide others
-    name = next((a for a in argv if not a.startswith("-")), None)
-    if name in COMMANDS:
-        try:
-            _load(name).add_arguments(subs[name])
-        except ImportError as e:
-            print(f"error: command {name!r} is not available: {e}", file=sys.stderr)
-            return EXIT_USAGE
-    args = parser.parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     if not getattr(args, "command", None):
         parser.print_help()
         return EXIT_USAGE
+    run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][0].run
     try:
-        return _load(args.command).run(args)
-    except UsageError as e:
+        return run(args)
+    except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
-        return EXIT_USAGE
+        return e.exit_code
     except KeyboardInterrupt:
         print("interrupted", file=sys.stderr)
         return EXIT_INTERRUPTED

@@ -1,21 +1,131 @@
-"""Exceptions that stand for the C++ failure modes the model reproduces.
+"""The one error root of the harness, and the exit codes it carries.
 
-* :class:`BadAlloc` is ``std::bad_alloc``, raised only by the allocation seam
-  (:mod:`harness.memory`).
-* :class:`GgmlAbort` is ``GGML_ABORT``/``GGML_ASSERT``: the server process aborts. The model raises
-  it where upstream aborts (a checkpoint restore of the wrong size, ``common_memory::seq_rm``
-  failing, ``pos_min == -1`` with ``n_past > 0``).
+Every error the harness raises on purpose derives from :class:`HarnessError` and carries the exit
+code ``python -m harness`` ends with when it escapes a command (:mod:`harness.cli` prints its
+message as one line, never a traceback). The codes are the same for every command:
 
-Either one escaping a :class:`~harness.server.ServerContext` operation is a crash of the modelled
-server: upstream has no handler above ``process_single_task``/``update_slots``.
+====  ===========================  ==============================================================
+0     :data:`EXIT_OK`              everything checked passed
+1     :data:`EXIT_FAILED`          a property or trial failed (the output ends with a replay line)
+2     :data:`EXIT_USAGE`           usage or environment error: bad flag, missing or corrupt file,
+                                   port in use, a server that will not start, unusable database
+3     :data:`EXIT_CRASH`           the target crashed (an exception escaped the model, a child or
+                                   a server died)
+4     :data:`EXIT_BUILD_FAILED`    fetching, patching, configuring or compiling llama-server failed
+130   :data:`EXIT_INTERRUPTED`     Ctrl-C; children are cleaned up, findings so far are printed
+====  ===========================  ==============================================================
+
+The tree, from the root down:
+
+* :class:`UsageError` (2): bad input. :class:`Unavailable` (2): a layer cannot run here (no
+  compiler, no ``_testcapi``). :class:`ModelLoadError` (2), :class:`ServerStartError` (2).
+* :class:`BuildError` (4).
+* :class:`PropertyFailure` (1): the base of every property failure (``Violation`` of the
+  model's invariants, the llama-cpp-python cache's and the server differential's); it is also an
+  ``AssertionError`` so Hypothesis shrinks it like any failed assertion. ``name`` is the property.
+  :class:`TargetCrash` (3) is the property failure "the target died".
+* :class:`UpstreamException` (3): a C++ failure the model reproduces, raised inside the model
+  where upstream raises or aborts: :class:`BadAlloc` (``std::bad_alloc``, raised only by the
+  allocation seam of :mod:`harness.model.memory`) and :class:`GgmlAbort` (``GGML_ABORT`` /
+  ``GGML_ASSERT``). One escaping a ``ServerContext`` operation is a crash of the modelled server:
+  upstream has no handler above ``process_single_task``/``update_slots``.
+
+This module imports nothing of the project: everything may import it.
 """
 
 from __future__ import annotations
 
-__all__ = ["BadAlloc", "GgmlAbort"]
+__all__ = [
+    "EXIT_BUILD_FAILED",
+    "EXIT_CRASH",
+    "EXIT_FAILED",
+    "EXIT_INTERRUPTED",
+    "EXIT_OK",
+    "EXIT_USAGE",
+    "BadAlloc",
+    "BuildError",
+    "GgmlAbort",
+    "HarnessError",
+    "ModelLoadError",
+    "PropertyFailure",
+    "ServerStartError",
+    "TargetCrash",
+    "Unavailable",
+    "UpstreamException",
+    "UsageError",
+]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+EXIT_CRASH = 3
+EXIT_BUILD_FAILED = 4
+EXIT_INTERRUPTED = 130
 
 
-class BadAlloc(MemoryError):
+class HarnessError(Exception):
+    """The root: a one-line message and the exit code a command ends with when this escapes it."""
+
+    exit_code: int = EXIT_USAGE
+
+
+class UsageError(HarnessError):
+    """A bad flag, file or environment: printed as one line, exit code 2."""
+
+    exit_code = EXIT_USAGE
+
+
+class Unavailable(HarnessError):
+    """A fault layer or tool cannot run on this machine (no compiler, no ``_testcapi``): one line."""
+
+    exit_code = EXIT_USAGE
+
+
+class ModelLoadError(HarnessError):
+    """A model file is missing or corrupt, or libllama refused it."""
+
+    exit_code = EXIT_USAGE
+
+
+class ServerStartError(HarnessError):
+    """``llama-server`` did not come up; the message is one line naming the log file and its tail."""
+
+    exit_code = EXIT_USAGE
+
+
+class BuildError(HarnessError):
+    """Fetching, extracting, patching, configuring or compiling failed; the message is one line."""
+
+    exit_code = EXIT_BUILD_FAILED
+
+
+class PropertyFailure(HarnessError, AssertionError):
+    """A property does not hold: ``name`` is the property, ``message`` what was seen."""
+
+    exit_code = EXIT_FAILED
+
+    def __init__(self, name: str, message: str, text: str | None = None) -> None:
+        super().__init__(text if text is not None else f"[{name}] {message}")
+        self.name = name
+        self.message = message
+
+
+class TargetCrash(PropertyFailure):
+    """The target would have died (an exception escaped the modelled server): ``name`` is the property."""
+
+    exit_code = EXIT_CRASH
+
+    def __init__(self, name: str, message: str) -> None:
+        super().__init__(name, message, f"[{name}] target crashed: {message}")
+
+
+class UpstreamException(HarnessError):
+    """A failure mode of the C++ the model reproduces; escaping the model, it is a crash."""
+
+    exit_code = EXIT_CRASH
+
+
+class BadAlloc(UpstreamException, MemoryError):
     """``std::bad_alloc`` at an armed allocation point.
 
     ``site`` names the allocation point (``"alloc.state_tgt"``, ``"alloc.ckpt_copy.tgt"``, ...),
@@ -29,5 +139,5 @@ class BadAlloc(MemoryError):
         self.nbytes = nbytes
 
 
-class GgmlAbort(RuntimeError):
+class GgmlAbort(UpstreamException, RuntimeError):
     """``GGML_ABORT``: the upstream process would abort here, with this message."""

@@ -2,7 +2,7 @@
 
 Two kinds of checks:
 
-* **State invariants** look at a :class:`~harness.server.ServerContext` at rest and need nothing
+* **State invariants** look at a :class:`~harness.model.server_context.ServerContext` at rest and need nothing
   else: ``accounting``, ``refcount``, ``checkpoint_lists``, ``draft_in_step``, plus
   ``immutability`` which compares against a :class:`Shadow` of what every holder saw before.
   :func:`check_state` runs them all; the state machine calls it after every step and the fault
@@ -26,9 +26,10 @@ from dataclasses import dataclass, field
 from fractions import Fraction
 from typing import Any
 
-from harness.cache import ServerPromptCache, ServerPromptCacheState, get_common_prefix
-from harness.checkpoint import CheckpointList, CommonPromptCheckpoint
-from harness.memory import (
+from harness.errors import PropertyFailure
+from harness.model.cache import ServerPromptCache, ServerPromptCacheState, get_common_prefix
+from harness.model.checkpoint import CheckpointList, CommonPromptCheckpoint
+from harness.model.memory import (
     CHECKPOINT_HEADER_BYTES,
     ENTRY_HEADER_BYTES,
     LIST_NODE_BYTES,
@@ -36,7 +37,7 @@ from harness.memory import (
     OperationStats,
     Payload,
 )
-from harness.server import ServerContext, ServerSlot
+from harness.model.server_context import ServerContext, ServerSlot
 
 __all__ = [
     "INVARIANTS",
@@ -67,13 +68,8 @@ INVARIANTS: dict[str, str] = {
 }
 
 
-class Violation(AssertionError):
+class Violation(PropertyFailure):
     """An invariant does not hold: ``name`` is its key in :data:`INVARIANTS`."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(f"[{name}] {message}")
-        self.name = name
-        self.message = message
 
 
 def _fail(name: str, message: str) -> None:

@@ -27,26 +27,17 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fixtures.models import draft_path, model_path
-from harness.build import close_server, make_llama_server, make_server
-from harness.errors import BadAlloc, GgmlAbort
-from harness.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
-from harness.semantics import Semantics, get_semantics
-from harness.server import ServerParams
-
-from . import invariants as inv
+from harness.errors import BadAlloc, GgmlAbort, TargetCrash
+from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
+from harness.model.semantics import Semantics, get_semantics
+from harness.model.server_context import ServerParams
+from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
+from harness.targets.synthetic import make_server
+from properties import invariants as inv
 
 __all__ = ["MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
 
 MAX_PROMPT = 40
-
-
-class TargetCrash(AssertionError):
-    """The modelled server would have died: an exception escaped it. ``name`` is the property."""
-
-    def __init__(self, name: str, message: str) -> None:
-        super().__init__(f"[{name}] target crashed: {message}")
-        self.name = name
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -94,7 +85,6 @@ def _llama_unit(arch: str) -> int:
     """
     unit = _UNITS.get(arch)
     if unit is None:
-        from harness.llama_provider import LlamaProvider, load_model
 
         with LlamaProvider(load_model(model_path(arch)), n_seq=1, n_ctx=256, check_restores=False) as p:
             p.decode(0, [1 + i % 24 for i in range(MAX_PROMPT)], 0)
@@ -113,7 +103,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     config: ClassVar[MachineConfig]
     # per-invariant check counts and seconds, summed over every instance of this class
     stats_checked: ClassVar[Counter[str]]
-    stats_seconds: ClassVar[Counter[str]]
+    stats_seconds: ClassVar[Counter[str]]  # seconds per invariant (floats in a Counter)
     peaks: ClassVar[list[tuple[int, int, int]]]
     llama_stats: ClassVar[Counter[str]]  # restore_checks (summed), state_bytes / partial_bytes (max)
     layout_example: ClassVar[list[str]]  # the first kv-layout-dependent-logits difference seen
@@ -273,7 +263,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
         ):
             t0 = time.perf_counter()
             check(self.server)
-            t.stats_seconds[name] += time.perf_counter() - t0
+            t.stats_seconds[name] += time.perf_counter() - t0  # type: ignore[assignment]
             t.stats_checked[name] += 1
 
     def _check_lists(self, server: Any) -> None:
@@ -283,14 +273,14 @@ class PromptCacheMachine(RuleBasedStateMachine):
         t = type(self)
         for k, v in self.tracer.checked.items():
             t.stats_checked[k] += v
-        for k, v in self.tracer.seconds.items():
+        for k, v in self.tracer.seconds.items():  # type: ignore[assignment]
             t.stats_seconds[k] += v
         t.peaks.extend(self.tracer.peaks)
         if not self.crashed:
             self.server.host.seam.disarm()
             t0 = time.perf_counter()
             inv.clear_all(self.server)
-            t.stats_seconds["refcount"] += time.perf_counter() - t0
+            t.stats_seconds["refcount"] += time.perf_counter() - t0  # type: ignore[assignment]
             t.stats_checked["refcount"] += 1
         stats = t.llama_stats
         for ctx in (self.server.ctx_tgt, self.server.ctx_dft):

@@ -1,6 +1,6 @@
 """Deliberately broken caches: each one must be killed by the property it names.
 
-A mutant is a :class:`~harness.semantics.Semantics` whose ``cache_cls``, ``checkpoint_cls`` or
+A mutant is a :class:`~harness.model.semantics.Semantics` whose ``cache_cls``, ``checkpoint_cls`` or
 ``server_cls`` is a subclass of the model with one rule broken, plus ``master`` itself (killed by
 ``transient_peak`` and, once a fault is armed, by ``no_partial_entries``). :data:`MUTANTS` maps
 the name to ``(semantics, the property expected to kill it, what is broken)``.
@@ -11,14 +11,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-from harness.cache import ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData, clone_tokens
-from harness.checkpoint import CheckpointList, CommonPromptCheckpoint
 from harness.errors import BadAlloc
-from harness.memory import Payload
-from harness.semantics import MASTER, SHARED, Semantics
-from harness.server import ServerContext, ServerSlot
-
-from .machine import MachineConfig
+from harness.model.cache import ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData, clone_tokens
+from harness.model.checkpoint import CheckpointList, CommonPromptCheckpoint
+from harness.model.memory import Payload
+from harness.model.semantics import MASTER, SHARED, Semantics
+from harness.model.server_context import ServerContext, ServerSlot
+from properties.machine import MachineConfig
 
 __all__ = ["MUTANTS", "Mutant", "config", "resolve"]
 

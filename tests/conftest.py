@@ -6,7 +6,7 @@ from collections.abc import Callable, Iterable
 
 import pytest
 
-from harness import (
+from harness.model import (
     CheckpointList,
     CommonPromptCheckpoint,
     Host,

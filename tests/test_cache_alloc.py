@@ -10,7 +10,7 @@ from collections.abc import Callable
 import pytest
 from conftest import Kit
 
-from harness import BadAlloc, ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData
+from harness.model import BadAlloc, ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData
 
 KitF = Callable[[str], Kit]
 SEMS = ["master", "shared"]

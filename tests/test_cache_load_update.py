@@ -11,7 +11,7 @@ from collections.abc import Callable, Sequence
 import pytest
 from conftest import Kit
 
-from harness import (
+from harness.model import (
     STATE_SEQ_FLAGS_NONE,
     CommonPromptCheckpoint,
     MemoryKind,

@@ -13,8 +13,9 @@ from __future__ import annotations
 
 import pytest
 
-from harness import BadAlloc, ServerContext, ServerParams, make_server
-from harness.demo import central_claim
+from harness.commands.demo import central_claim
+from harness.model import BadAlloc, ServerContext, ServerParams
+from harness.targets.synthetic import make_server
 
 KINDS = ["recurrent", "hybrid", "iswa"]
 C_EXPECTED = {"recurrent": 2 * 1057, "hybrid": 2 * 1057, "iswa": 2 * 289}

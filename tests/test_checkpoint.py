@@ -11,7 +11,7 @@ from collections.abc import Callable
 import pytest
 from conftest import Kit
 
-from harness import (
+from harness.model import (
     STATE_SEQ_FLAGS_PARTIAL_ONLY,
     BadAlloc,
     CommonPromptCheckpoint,
@@ -22,8 +22,8 @@ from harness import (
     ServerSlot,
     SyntheticProvider,
     Task,
-    make_server,
 )
+from harness.targets.synthetic import make_server
 
 PART = STATE_SEQ_FLAGS_PARTIAL_ONLY
 KitF = Callable[[str], Kit]

@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from faults.llama_native import LlamaNativeReport, NativeTrial, sweep_llama_native
+from harness.backends.libllama import classify_native
 from properties import gate
-from properties.llama_gate import classify_native
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -31,7 +31,7 @@ def test_get_sweep_reaches_completion_and_names_each_case() -> None:
 
 def test_one_case_replays_alone() -> None:
     r = subprocess.run(
-        [sys.executable, "-m", "faults.llama_native", "--case", "mamba.get-part.3"],
+        [sys.executable, "-m", "harness", "native", "--case", "mamba.get-part.3"],
         cwd=ROOT,
         capture_output=True,
         text=True,
@@ -69,9 +69,9 @@ def test_an_unlisted_native_outcome_fails_the_gate(monkeypatch: pytest.MonkeyPat
         rep.trials = [NativeTrial(f"{arch}.{op}.1", 1, "wrong"), NativeTrial(f"{arch}.{op}.2", 2, "completed")]
         return rep
 
-    import faults.llama_native
+    import harness.backends.libllama
 
-    monkeypatch.setattr(faults.llama_native, "sweep_llama_native", fake)
+    monkeypatch.setattr(harness.backends.libllama, "sweep_llama_native", fake)
     report = gate.GateReport("shared", "llama", "ci", 0, "test")
     rows: list[dict[str, object]] = [{"arch": "llama"}]
     gate._run_llama_native(report, "shared", ["llama"], rows, lambda s: None)  # type: ignore[arg-type]
@@ -79,7 +79,7 @@ def test_an_unlisted_native_outcome_fails_the_gate(monkeypatch: pytest.MonkeyPat
     assert len(report.failures) == 4  # one per swept operation
     f = report.failures[0]
     assert f.property == "native_fault" and "wrong" in f.message
-    assert f.replay == "python -m faults.llama_native --case llama.get.1"
+    assert f.replay == "python -m harness native --case llama.get.1"
     assert Counter(k["status"] for k in report.known) == Counter({"not-reproduced": 3})
 
 

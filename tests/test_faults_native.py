@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from faults.child import run_child
 from faults.native import build_shim, run_native, run_new_demo
+from harness.child import run_child
 
 ROOT = str(Path(__file__).resolve().parent.parent)
 needs_cc = pytest.mark.skipif(
@@ -26,7 +26,7 @@ def _py(code: str) -> list[str]:
 
 def test_crashing_python_child_is_reported_with_its_stack_and_the_runner_goes_on() -> None:
     code = """
-        from faults.child import child_setup
+        from harness.child import child_setup
         child_setup()
         def deep_inside_the_target():
             import os; os.abort()

@@ -9,12 +9,12 @@ import pytest
 
 from faults import FAULT_KINDS, OUTCOMES, SCENARIOS, parse_case_id, run_sweep, run_trial
 from faults.sweep import sweep_scenario
-from harness.cache import ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData
-from harness.checkpoint import CheckpointList
-from harness.cli import UsageError, main
-from harness.errors import BadAlloc
-from harness.memory import Payload
-from harness.semantics import Semantics
+from harness.cli import main
+from harness.errors import BadAlloc, UsageError
+from harness.model.cache import ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData
+from harness.model.checkpoint import CheckpointList
+from harness.model.memory import Payload
+from harness.model.semantics import Semantics
 
 
 def _sites(scenario: str, variant: str) -> list[str]:
@@ -105,10 +105,10 @@ def test_whole_sweep_shared_passes_and_master_crashes() -> None:
 
 def test_cli_sweep_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out = tmp_path / "sweep.json"
-    assert main(["sweep", "--variant", "master", "--scenario", "save-no-checkpoints", "--json", str(out)]) == 3
+    assert main(["sweep", "--semantics", "master", "--scenario", "save-no-checkpoints", "--json", str(out)]) == 3
     printed = capsys.readouterr().out
     assert "save-no-checkpoints" in printed and "swept 6 allocation points" in printed
-    assert "replay: python -m harness sweep --variant master --case save-no-checkpoints.oom-transient.2" in printed
+    assert "replay: python -m harness sweep --semantics master --case save-no-checkpoints.oom-transient.2" in printed
     data = json.loads(out.read_text())
     assert data["variant"] == "master"
     assert set(data["summary"]) >= {"trials", "points", "violations", "crashes", "partial_entries"}
@@ -120,14 +120,14 @@ def test_cli_sweep_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFix
 def test_case_id_replays_one_trial(capsys: pytest.CaptureFixture[str]) -> None:
     trials = sweep_scenario(SCENARIOS["load-with-draft"], "master", "persistent")
     target = next(t for t in trials if t.outcome == "crash")
-    assert main(["sweep", "--variant", "master", "--case", target.id]) == 3
+    assert main(["sweep", "--semantics", "master", "--case", target.id]) == 3
     out = capsys.readouterr().out
     assert f"case {target.id} (master)" in out and f"fault fired at {target.sites[0]}" in out
     assert "outcome: crash" in out and "Traceback" in out
     sc, mode, nth = parse_case_id(target.id)
     again = run_trial(sc, "master", mode, nth)
     assert (again.outcome, again.sites, again.detail) == (target.outcome, target.sites, target.detail)
-    assert main(["sweep", "--variant", "shared", "--case", target.id]) == 0
+    assert main(["sweep", "--semantics", "shared", "--case", target.id]) == 0
 
 
 @pytest.mark.parametrize(

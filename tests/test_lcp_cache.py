@@ -16,8 +16,8 @@ pytest.importorskip("llama_cpp")
 import hypothesis.core
 from hypothesis.stateful import run_state_machine_as_test
 
-import properties.lcp_cache as lcp
-from properties.lcp_cache import (
+import harness.backends.lcp_cache as lcp
+from harness.backends.lcp_cache import (
     KNOWN_LCP_FINDINGS,
     CacheAdapter,
     LcpViolation,

@@ -9,10 +9,15 @@ from pathlib import Path
 import pytest
 
 from fixtures.models import ARCHS, draft_path, model_path
-from harness.build import close_server, make_llama_server
-from harness.llama_provider import LlamaProvider, ModelLoadError, load_model
-from harness.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, SeqRmType, StateProvider
-from harness.server import ServerParams
+from harness.model.provider import (
+    STATE_SEQ_FLAGS_NONE,
+    STATE_SEQ_FLAGS_PARTIAL_ONLY,
+    MemoryKind,
+    SeqRmType,
+    StateProvider,
+)
+from harness.model.server_context import ServerParams
+from harness.targets.libllama import LlamaProvider, ModelLoadError, close_server, load_model, make_llama_server
 from properties import invariants as inv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -133,7 +138,7 @@ class StaleRestore(LlamaProvider):
     """Mutant: a restore that silently keeps what the sequence had (the set call is dropped)."""
 
     def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int:
-        known = self._registry.get(__import__("harness.llama_provider").llama_provider._digest(data, flags))
+        known = self._registry.get(__import__("harness.targets.libllama").llama_provider._digest(data, flags))
         if known is not None:
             for c in self._selected(flags):
                 self._hist[seq][c] = known[c]
@@ -190,7 +195,7 @@ def test_check_restore_equivalence_fails_the_invariant_with_the_mismatch_line() 
         tgt = server.ctx_tgt
         assert isinstance(tgt, LlamaProvider)
         tgt.mismatches.append(
-            __import__("harness.llama_provider").llama_provider.Mismatch("tgt", 0, "set_data(flags=0)", 5, 0, 1.0)
+            __import__("harness.targets.libllama").llama_provider.Mismatch("tgt", 0, "set_data(flags=0)", 5, 0, 1.0)
         )
         with pytest.raises(inv.Violation, match="restore_equivalence"):
             inv.check_restore_equivalence(server)
@@ -200,7 +205,7 @@ def test_check_restore_equivalence_fails_the_invariant_with_the_mismatch_line() 
 
 
 def test_memray_sees_master_deep_copy_of_checkpoints_and_not_shared() -> None:
-    from properties.llama_gate import memray_figures
+    from properties.libllama_scenarios import memray_figures
 
     m = memray_figures("mamba", n_tokens=512)
     assert m.n_checkpoints >= 1 and m.checkpoint_bytes > 0
@@ -211,7 +216,7 @@ def test_memray_sees_master_deep_copy_of_checkpoints_and_not_shared() -> None:
 
 
 def test_draft_recovery_on_real_state_serves_every_request() -> None:
-    from properties.llama_gate import draft_recovery_run
+    from properties.libllama_scenarios import draft_recovery_run
 
     upstream = draft_recovery_run("jamba", recovery=False)
     assert upstream["errors"], "upstream fails a request when the draft runs out of room"
@@ -222,8 +227,8 @@ def test_draft_recovery_on_real_state_serves_every_request() -> None:
 
 def test_draft_recovery_property_fails_without_the_recovery(monkeypatch: pytest.MonkeyPatch) -> None:
     """Mutant: the recovery is switched on but gives up at once (fails the request as upstream)."""
-    from harness.server import ServerContext
-    from properties.llama_gate import draft_recovery_run
+    from harness.model.server_context import ServerContext
+    from properties.libllama_scenarios import draft_recovery_run
 
     def give_up(self: ServerContext, slot: object, batch: list[int], pos0: int) -> bool:
         self.abort_all_slots("failed to process speculative batch")

@@ -18,9 +18,9 @@ from pathlib import Path
 
 import pytest
 
-from harness import llama_server as ls
 from harness.cli import main as cli_main
-from harness.llama_server import ServerProcess, ServerStartError, build_server
+from harness.model import llama_server as ls
+from harness.targets.llama_server import ServerProcess, ServerStartError, build_server
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
@@ -272,7 +272,7 @@ def test_unresponsive_server_is_killed(binary: Path, model: Path) -> None:
 def test_atexit_stops_a_server_left_running(binary: Path, model: Path, tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
-        from harness.llama_server import ServerProcess
+        from harness.targets.llama_server import ServerProcess
         srv = ServerProcess({str(binary)!r}, model={str(model)!r}, ctx_size=256)
         srv.start()
         print(srv.pid, flush=True)
@@ -290,7 +290,7 @@ def test_server_dies_with_a_killed_parent(binary: Path, model: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, signal
-        from harness.llama_server import ServerProcess
+        from harness.targets.llama_server import ServerProcess
         srv = ServerProcess({str(binary)!r}, model={str(model)!r}, ctx_size=256)
         srv.start()
         print(srv.pid, flush=True)

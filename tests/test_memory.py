@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import BadAlloc, Host
+from harness.model import BadAlloc, Host
 
 
 def _try(host: Host, n: int, nbytes: int = 8) -> list[bool]:

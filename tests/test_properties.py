@@ -9,15 +9,33 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
+from typing import Any
 
 import pytest
 
-from properties.gate import KNOWN_FINDINGS, _program, machines_for, make_settings, run_gate, run_machine
+from harness.backends.base import GateOptions
+from harness.backends.synthetic import KNOWN_MACHINES, SyntheticBackend
+from harness.commands.gate import run_gate as _run_gate
+from harness.commands.mutants import kill
 from properties.invariants import INVARIANTS, Violation
 from properties.machine import MachineConfig, TargetCrash
 from properties.mutants import MUTANTS
 from properties.mutants import config as mutant_config
-from properties.mutants_cmd import kill
+from properties.run import _program, machines_for, make_settings, run_machine
+
+
+def run_gate(
+    semantics: str,
+    *,
+    max_examples: int | None = None,
+    machines: list[MachineConfig] | None = None,
+    known: bool = True,
+    seed: int = 0,
+    out: Any = print,
+) -> Any:
+    opts = GateOptions(semantics=semantics, seed=seed, max_examples=max_examples)
+    return _run_gate(opts, [SyntheticBackend(machines, known=known)], out)
+
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -68,7 +86,7 @@ def test_gate_shared_passes_and_checks_every_property() -> None:
             continue
         assert p["status"] == "passed", name
         assert p["examples"] > 0, f"{name} was never checked"
-    assert lines[0].startswith("gate: variant=shared backend=synthetic profile=ci seed=0 commit=")
+    assert lines[0].startswith("gate: semantics=shared backend=synthetic profile=ci seed=0 commit=")
     assert lines[-1] == "PASS"
 
 
@@ -106,7 +124,7 @@ def test_known_findings_are_reported_not_failing() -> None:
     report = run_gate("shared", max_examples=200, machines=[], out=lambda _: None)
     assert report.passed
     ids = {k["id"]: k for k in report.known}
-    assert set(ids) == {k.id for k in KNOWN_FINDINGS}
+    assert set(ids) == set(KNOWN_MACHINES)
     busy = ids["busy-slot-by-id"]
     assert busy["status"] == "reproduced" and busy["property"] == "busy_slot_untouched"
     assert "id_slot=" in busy["program"]
@@ -130,7 +148,7 @@ def test_cli_help_lists_commands() -> None:
 
 
 def test_cli_bad_flag_is_one_line_and_exit_2() -> None:
-    r = _cli("gate", "--variant", "nope")
+    r = _cli("gate", "--semantics", "nope")
     assert r.returncode == 2
     assert "Traceback" not in r.stderr
     r = _cli("gate", "--json", "/nonexistent-dir/x.json")
@@ -142,7 +160,7 @@ def test_cli_gate_json_schema(tmp_path) -> None:  # type: ignore[no-untyped-def]
     junit = tmp_path / "gate.xml"
     r = _cli(
         "gate",
-        "--variant",
+        "--semantics",
         "master",
         "--backend",
         "synthetic",
@@ -161,7 +179,7 @@ def test_cli_gate_json_schema(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert all({"name", "status", "examples", "seconds"} <= set(p) for p in data["properties"])
     f = data["failures"][0]
     assert {"property", "program", "replay"} <= set(f)
-    assert f["replay"].startswith("python -m harness gate --variant master")
+    assert f["replay"].startswith("python -m harness gate --semantics master")
     assert "<testsuite" in junit.read_text()
     assert "--- replay ---" in r.stdout
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import pytest
 
-from harness import (
+from harness.model import (
     STATE_SEQ_FLAGS_NONE,
     STATE_SEQ_FLAGS_PARTIAL_ONLY,
     MemoryKind,

@@ -7,8 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.llama_server import build_server
-from properties.server_gate import (
+from harness.backends.llama_server import (
     Differential,
     ServerConfig,
     ServerMismatch,
@@ -17,6 +16,7 @@ from properties.server_gate import (
     save_fault,
     save_peak,
 )
+from harness.targets.llama_server import build_server
 
 
 @pytest.fixture(scope="module")

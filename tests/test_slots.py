@@ -12,15 +12,8 @@ from __future__ import annotations
 
 import pytest
 
-from harness import (
-    CommonPromptCheckpoint,
-    ServerContext,
-    ServerParams,
-    ServerSlot,
-    SlotState,
-    Task,
-    make_server,
-)
+from harness.model import CommonPromptCheckpoint, ServerContext, ServerParams, ServerSlot, SlotState, Task
+from harness.targets.synthetic import make_server
 
 P = tuple(1 + (i * 7) % 23 for i in range(48))
 X = 99  # a token that diverges from P

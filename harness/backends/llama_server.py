@@ -1,8 +1,8 @@
 """The gate's ``server`` backend: a real ``llama-server`` against the reference model, request by request.
 
-:class:`Differential` starts one ``llama-server`` (:class:`harness.llama_server.ServerProcess`, on
+:class:`Differential` starts one ``llama-server`` (:class:`harness.targets.llama_server.ServerProcess`, on
 127.0.0.1) and one reference model on real libllama contexts of the same tiny model with the same
-parameters (:func:`harness.build.make_llama_server`). Each completion request (token ids,
+parameters (:func:`harness.targets.libllama.make_llama_server`). Each completion request (token ids,
 temperature 0, ``cache_prompt``, ``ignore_eos``, ``return_tokens``) goes to the server first; the
 model is then fed the same request with the tokens the server generated (``Task.forced``), picks
 its own slot, and predicts the slot, ``timings.cache_n`` (prompt tokens reused from the slot, a
@@ -31,18 +31,29 @@ from __future__ import annotations
 
 import itertools
 import os
+import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fixtures.models import draft_path, model_path
-from harness.build import close_server, make_llama_server
-from harness.llama_server import ServerProcess
-from harness.server import ServerParams
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-__all__ = ["Differential", "Row", "ServerConfig"]
+from faults.native import build_shim
+from fixtures.models import draft_path, model_path
+from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
+from harness.errors import BadAlloc, PropertyFailure, ServerStartError, UsageError
+from harness.model.server_context import ServerParams
+from harness.targets.libllama import close_server, make_llama_server
+from harness.targets.llama_server import BuildError, ServerProcess, build_server, cached_binary
+from properties.machine import MachineConfig
+from properties.run import run_seeded
+
+__all__ = ["Differential", "Row", "ServerBackend", "ServerConfig", "run_server_backend"]
 
 
 @dataclass(frozen=True)
@@ -202,8 +213,8 @@ class Differential:
     def program(self) -> str:
         """The request sequence so far, as a script that replays it against the same configuration."""
         lines = [
-            "from harness.llama_server import build_server",
-            "from properties.server_gate import Differential, ServerConfig",
+            "from harness.targets.llama_server import build_server",
+            "from harness.backends.llama_server import Differential, ServerConfig",
             f"with Differential({self.cfg!r}, build_server({self.flavour!r}), {self.semantics!r}) as d:",
         ]
         for row in self.rows:
@@ -242,13 +253,11 @@ def check_output(fresh: ServerProcess, row: Row) -> str | None:
     return f"{row.describe()}: generated {list(row.generated)}, a fresh server generates {list(want)}"
 
 
-class ServerMismatch(AssertionError):
+class ServerMismatch(PropertyFailure):
     """The server and the model disagree; ``name`` is the property, ``program`` replays it."""
 
     def __init__(self, name: str, message: str, program: str) -> None:
-        super().__init__(f"[{name}] {message}")
-        self.name = name
-        self.message = message
+        super().__init__(name, message)
         self.program = program
 
 
@@ -267,8 +276,6 @@ def server_machine(
     cfg: ServerConfig, binary: Path, semantics: str, stats: MachineStats, log_dir: str | None, flavour: str = "pr"
 ) -> type:
     """A Hypothesis state machine class driving ``cfg`` on ``binary`` against the model in ``semantics``."""
-    from hypothesis import strategies as st
-    from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
     class ServerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
@@ -407,7 +414,7 @@ def save_peak(binary: Path, semantics: str, *, n_extend: int = 8, log_dir: str |
                 saves.append((op.peak_excess, op.state_bytes))
             return ok
 
-        slot.prompt_save = traced  # type: ignore[method-assign]
+        slot.prompt_save = traced  # type: ignore[method-assign,assignment]
         pid = d.server.pid
         with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
@@ -459,8 +466,6 @@ def save_fault(
     import tempfile
     import urllib.error
 
-    from faults.native import build_shim
-    from harness.errors import BadAlloc
 
     min_size = 512 * 1024
     with tempfile.TemporaryDirectory(prefix="save-fault-") as tmp:
@@ -603,25 +608,27 @@ def sanitizer_reports(log_dir: str) -> list[str]:
     return reports
 
 
+class ServerBackend(Backend):
+    name = "server"
+    flags = frozenset({"asan"})
+
+    def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        flavour = "asan" if opts.asan else ("master" if opts.semantics == "master" else "pr")
+        if opts.asan and opts.semantics == "master":
+            raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
+        run_server_backend(report, flavour, opts.profile, opts.seed, opts.max_examples, out)
+
+
 def run_server_backend(
-    report: Any, flavour: str, profile: str, seed: int, max_examples: int | None, out: Callable[[str], None]
+    report: GateReport, flavour: str, profile: str, seed: int, max_examples: int | None, out: Out
 ) -> None:
     """``gate --backend server``: build (cached), differential machines, full context, memory, faults, sanitizers."""
-    import tempfile
-    from collections import Counter
-
-    import hypothesis.core
-    from hypothesis import HealthCheck, Phase, settings
-    from hypothesis.stateful import run_state_machine_as_test
-
-    from harness.cli import UsageError
-    from harness.llama_server import BuildError, ServerStartError, build_server
-
-    from .gate import Failure, MachineResult
-    from .machine import MachineConfig
-
     semantics = "master" if flavour == "master" else "shared"
-    replay = f"python -m harness gate --backend server --flavour {flavour} --profile {profile} --seed {seed}"
+    replay = (
+        f"python -m harness gate --backend server --semantics {semantics}"
+        + (" --asan" if flavour == "asan" else "")
+        + f" --profile {profile} --seed {seed}"
+    )
     out(f"gate: backend=server flavour={flavour} profile={profile} seed={seed} commit={report.commit}")
     try:
         binary = build_server(flavour, log=lambda m: out("  build: " + m))
@@ -674,10 +681,9 @@ def run_server_backend(
                 stats = MachineStats()
                 t0 = time.perf_counter()
                 cls = server_machine(cfg, binary, semantics, stats, logs, flavour)
-                hypothesis.core.global_force_seed = seed  # type: ignore[attr-defined]
                 status = "ok  "
                 try:
-                    run_state_machine_as_test(cls, settings=hs)
+                    run_seeded(cls, hs, seed)
                 except ServerMismatch as e:
                     status = "FAIL"
                     section["cache_n_mismatches" if e.name == "cache_n" else "output_mismatches"] += 1
@@ -686,8 +692,6 @@ def run_server_backend(
                     status = "FAIL"
                     section["server_crashes"] += 1
                     fail("server", "crash", str(e), "", f"server-{cfg.name}")
-                finally:
-                    hypothesis.core.global_force_seed = None  # type: ignore[attr-defined]
                 for k in ("requests", "near_tie_flips", "evictions", "cache_loads"):
                     section[k] += getattr(stats, k)
                 checked = Counter({"cache_n": stats.requests, "output": stats.output_checks})
@@ -749,8 +753,6 @@ def _memory_and_faults(
     out: Callable[[str], None],
 ) -> None:
     """VmHWM around a save with ~16 MiB of checkpoints, and native faults during a save."""
-    from harness.llama_server import cached_binary
-
     mem = save_peak(binary, semantics, log_dir=logs)
     section["rss_peak_bytes"] = mem["rss_peak_bytes"]
     section["memory"] = {flavour: mem}

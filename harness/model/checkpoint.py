@@ -14,10 +14,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
-from .errors import GgmlAbort
-from .memory import CHECKPOINT_HEADER_BYTES, LIST_NODE_BYTES, Host, Payload
-from .provider import StateProvider
-from .semantics import Semantics
+from harness.errors import GgmlAbort
+from harness.model.memory import CHECKPOINT_HEADER_BYTES, LIST_NODE_BYTES, Host, Payload
+from harness.model.provider import StateProvider
+from harness.model.semantics import Semantics
 
 __all__ = ["CheckpointList", "CommonPromptCheckpoint"]
 

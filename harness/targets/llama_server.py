@@ -30,7 +30,6 @@ prints the binary's path, 2 on a usage/environment error (no cmake, no compiler)
 
 from __future__ import annotations
 
-import argparse
 import atexit
 import contextlib
 import fcntl
@@ -54,7 +53,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from .cli import UsageError
+from harness.errors import BuildError, ServerStartError, UsageError
 
 __all__ = [
     "EXIT_BUILD_FAILED",
@@ -65,12 +64,10 @@ __all__ = [
     "BuildError",
     "ServerProcess",
     "ServerStartError",
-    "add_arguments",
     "build_server",
     "cache_root",
     "cached_binary",
     "cmake_args",
-    "run",
     "sdist_source",
 ]
 
@@ -81,7 +78,7 @@ _VENDOR_SUBDIR = "vendor/llama.cpp"
 _SOURCE_MARKER = ".prompt-cache-harness-source.sha256"
 
 FLAVOURS = ("master", "pr", "asan")
-PATCH_PATH = Path(__file__).resolve().parent.parent / "fixtures" / "pr-27451.patch"
+PATCH_PATH = Path(__file__).resolve().parents[2] / "fixtures" / "pr-27451.patch"
 
 EXIT_BUILD_FAILED = 4
 """Exit code of ``build-server`` when the build itself fails (not a usage error, not a property)."""
@@ -106,10 +103,6 @@ _BASE_CMAKE_ARGS = (
     "-DLLAMA_USE_PREBUILT_UI=OFF",
     "-DLLAMA_OPENSSL=OFF",
 )
-
-
-class BuildError(Exception):
-    """Fetching, extracting, patching, configuring or compiling failed; the message is one line."""
 
 
 # --------------------------------------------------------------------------------------------
@@ -487,10 +480,6 @@ def _build_locked(
 # --------------------------------------------------------------------------------------------
 
 
-class ServerStartError(Exception):
-    """``llama-server`` did not come up; the message is one line naming the log file and its tail."""
-
-
 _LIVE: set[ServerProcess] = set()
 _LIVE_LOCK = threading.Lock()
 
@@ -777,26 +766,3 @@ class ServerProcess:
 # --------------------------------------------------------------------------------------------
 # command
 # --------------------------------------------------------------------------------------------
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--flavour",
-        choices=FLAVOURS,
-        default="pr",
-        help="master: vendored tree; pr: + fixtures/pr-27451.patch; asan: the pr source with ASan+UBSan (default: pr)",
-    )
-    parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: min(cpus, 2))")
-    parser.add_argument("--force", action="store_true", help="rebuild even if a cached binary exists")
-
-
-def run(args: argparse.Namespace) -> int:
-    if args.jobs is not None and args.jobs < 1:
-        raise UsageError("--jobs must be >= 1")
-    try:
-        path = build_server(args.flavour, jobs=args.jobs, force=args.force, log=lambda m: print(m, file=sys.stderr))
-    except BuildError as e:
-        print(f"error: build failed: {e}", file=sys.stderr)
-        return EXIT_BUILD_FAILED
-    print(path)
-    return 0

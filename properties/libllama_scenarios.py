@@ -1,119 +1,28 @@
-"""The gate's ``llama`` backend: the same state machines on real libllama state, one model per arch.
+"""Scenarios on real libllama state that a state machine cannot reach, each checked against a fresh evaluation.
 
-For each tiny fixtures model (``llama``, ``mamba``, ``jamba``, ``lfm2``, ``gemma2``) this runs
+* :func:`full_context_run`: the whole context of a model decoded, its full and partial state saved,
+  restored into another sequence, and the next token's logits compared bit for bit with a fresh
+  evaluation; the state sizes at full context are reported.
+* :func:`memray_figures`: memray (native traces) peaks of one save and one load per semantics.
+* :func:`draft_recovery_run`: a draft context out of KV room mid-prompt, upstream against the
+  recovery proposed in PR #27451's discussion (property ``draft_recovery``).
 
-* the stateful machine of :mod:`properties.machine` on :class:`~harness.llama_provider.LlamaProvider`
-  contexts (fewer examples than the synthetic backend; a draft model on the transformer and one
-  hybrid), with ``restore_equivalence`` checked at the first decode after every restore, and
-* one scenario at the model's full context (:func:`full_context_run`): the whole context decoded,
-  its full and partial state saved, restored into another sequence, and the next token's logits
-  compared bit for bit with a fresh evaluation; the state sizes at full context are reported.
-
-Every mismatch fails the gate. A difference that disappears when the very same state is decoded
-from a contiguous cell layout is not a mismatch but the known finding :data:`LAYOUT_FINDING`
-(counted per model as ``layout_diffs``, reproducer in ``fixtures/findings/``).
+May import: ``harness.model``, ``harness.targets``, ``fixtures``, ``properties``.
 """
 
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from fixtures.models import ARCHS, model_path
-from harness.llama_provider import LlamaProvider, load_model
-from harness.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY
+from fixtures.models import draft_path, model_path
+from harness.model.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY
+from harness.model.server_context import ServerParams
+from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
+from properties import invariants as inv
 
-from .machine import MachineConfig
-
-__all__ = [
-    "LAYOUT_FINDING",
-    "LLAMA_PROFILES",
-    "NATIVE_FINDINGS",
-    "classify_native",
-    "full_context_run",
-    "llama_machines",
-]
-
-
-@dataclass(frozen=True)
-class LlamaFinding:
-    id: str
-    title: str
-    reproducer: str
-
-
-LAYOUT_FINDING = LlamaFinding(
-    "kv-layout-dependent-logits",
-    "llama.cpp's logits depend on where a sequence's cells sit in the KV cache: after a seq_rm rollback "
-    "(new tokens go to cells past the hole) or beside other sequences in a unified KV, the same state gives "
-    "logits that differ in the last bits from a fresh evaluation, because attention (flash-attn or soft_max) "
-    "reduces over all n_kv cells in cell order; the restored state itself is bit-identical",
-    "fixtures/findings/kv_layout_logits.py",
-)
-
-NATIVE_FINDINGS: list[LlamaFinding] = [
-    LlamaFinding(
-        "state-io-alloc-outside-try",
-        "llama_state_seq_get_data_ext/set_data_ext allocate their io object (std::make_unique) before the try "
-        "that turns exceptions into a 0 return, so a bad_alloc there terminates the process instead of failing "
-        "the call (src/llama-context.cpp:3204-3227); every later allocation in these calls is reported as 0",
-        "fixtures/findings/state_io_alloc_outside_try.py",
-    ),
-    LlamaFinding(
-        "decode-bad-alloc-terminates",
-        "llama_decode has no catch: a std::bad_alloc from any allocation inside it (batch conversion, ubatch "
-        "split, KV slot search, graph build, input masks) escapes the C API and terminates the process; "
-        "llama-server's update_slots has no catch around it either (src/llama-context.cpp:4401)",
-        "fixtures/findings/decode_bad_alloc_terminates.py",
-    ),
-    LlamaFinding(
-        "graph-compute-segv",
-        "two allocations inside ggml_graph_compute (ggml-cpu) are used without a NULL check: failing either "
-        "crashes llama_decode with SIGSEGV",
-        "fixtures/findings/graph_compute_segv.py",
-    ),
-]
-
-
-def classify_native(op: str, group: dict[str, Any]) -> str | None:
-    """The known finding a native-fault group belongs to, or None (an unexpected outcome: a gate failure)."""
-    outcome, site = group["outcome"], group["site"]
-    if op != "decode" and outcome == "aborted" and "state_seq_" in site:
-        return "state-io-alloc-outside-try"
-    if op == "decode" and outcome == "aborted":
-        return "decode-bad-alloc-terminates"
-    if op == "decode" and outcome == "crashed" and site.startswith("ggml_graph_compute"):
-        return "graph-compute-segv"
-    return None
-
-
-# examples per machine and steps per example on real state
-LLAMA_PROFILES: dict[str, dict[str, int]] = {
-    "ci": {"max_examples": 150, "steps": 25},
-    "fuzz": {"max_examples": 300, "steps": 40},
-}
-
-
-def llama_machines(variant: str, archs: Sequence[str] | None = None) -> list[MachineConfig]:
-    """One machine per architecture; drafts on ``llama`` and ``jamba``, a unified KV on ``mamba``/``lfm2``.
-
-    (A draft context cannot be made smaller than 256 cells per sequence in libllama, so the draft-KV
-    exhaustion runs as its own scenario, :func:`draft_recovery_run`.)
-    """
-    out = []
-    for arch in archs or ARCHS:
-        out.append(
-            MachineConfig(
-                variant,
-                kind="",
-                arch=arch,
-                draft=arch in ("llama", "jamba"),
-                kv_unified=arch in ("mamba", "lfm2"),
-            )
-        )
-    return out
+__all__ = ["FullContextResult", "MemoryFigures", "draft_recovery_run", "full_context_run", "memray_figures"]
 
 
 @dataclass
@@ -176,43 +85,6 @@ def full_context_run(arch: str, *, n_ctx: int | None = None) -> FullContextResul
         )
 
 
-def model_rows(
-    archs: Sequence[str], machine_stats: dict[str, Any], full: dict[str, FullContextResult]
-) -> list[dict[str, Any]]:
-    """The ``"llama"`` list of the gate's JSON: one object per model."""
-    rows = []
-    for arch in archs:
-        st = machine_stats.get(arch, {})
-        fc = full.get(arch)
-        rows.append(
-            {
-                "arch": load_model(model_path(arch)).arch,
-                "state_bytes": max(st.get("state_bytes", 0), fc.state_bytes if fc else 0),
-                "partial_bytes": max(st.get("partial_bytes", 0), fc.partial_bytes if fc else 0),
-                "restore_checks": st.get("restore_checks", 0) + (fc.restore_checks if fc else 0),
-                "mismatches": st.get("mismatches", 0) + (len(fc.mismatches) if fc else 0),
-                "layout_diffs": st.get("layout_diffs", 0),
-                "restores_by": _merge(
-                    {k.split(":", 1)[1]: v for k, v in st.items() if k.startswith("restores_by:")},
-                    fc.restores_by if fc else {},
-                ),
-                "full_context": None
-                if fc is None
-                else {
-                    "n_ctx": fc.n_ctx,
-                    "state_bytes": fc.state_bytes,
-                    "partial_bytes": fc.partial_bytes,
-                    "seconds": round(fc.seconds, 3),
-                },
-            }
-        )
-    return rows
-
-
-def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
-    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
-
-
 @dataclass
 class MemoryFigures:
     """memray (native traces) figures of one save and one load on real state, per semantics."""
@@ -256,8 +128,6 @@ def memray_figures(arch: str, *, n_tokens: int = 768, workdir: str | None = None
 
     import memray
 
-    from harness.build import close_server, make_llama_server
-    from harness.server import ServerParams
 
     save: dict[str, int] = {}
     load: dict[str, int] = {}
@@ -313,11 +183,6 @@ def draft_recovery_run(arch: str, *, recovery: bool = True) -> dict[str, Any]:
     fresh evaluation, on both contexts. With ``recovery=False`` the same requests run as upstream
     handles them (abort every processing slot) and only the failed requests are reported.
     """
-    from fixtures.models import draft_path
-    from harness.build import close_server, make_llama_server
-    from harness.server import ServerParams
-
-    from . import invariants as inv
 
     params = ServerParams(
         n_slots=2,
@@ -355,7 +220,7 @@ def draft_recovery_run(arch: str, *, recovery: bool = True) -> dict[str, Any]:
             "recoveries": dict(server.draft_recoveries),
             "errors": list(server.errors),
             "verified": verified,
-            "layout_diffs": sum(len(c.layout_diffs) for c in (server.ctx_tgt, server.ctx_dft)),  # type: ignore[union-attr]
+            "layout_diffs": sum(len(c.layout_diffs) for c in (server.ctx_tgt, server.ctx_dft)),  # type: ignore[union-attr,misc]
         }
     finally:
         close_server(server)

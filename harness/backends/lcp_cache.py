@@ -57,11 +57,18 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any
 
-import hypothesis.core
 import numpy as np
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from fixtures.models import model_path
+from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
+from harness.child import child_setup, run_child
+from harness.errors import PropertyFailure
+from harness.findings import finding
+from properties.machine import MachineConfig
+from properties.run import run_seeded
 
 __all__ = [
     "CACHES",
@@ -75,7 +82,7 @@ __all__ = [
     "run_lcp_gate",
 ]
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(__file__).resolve().parents[2]
 CACHES = ("ram", "disk")
 PROPERTIES = ("capacity", "accounting", "lookup", "restore", "eviction", "oversize", "fault_atomic")
 N_CTX = 128
@@ -153,13 +160,12 @@ KNOWN_LCP_FINDINGS: list[LcpFinding] = [
 KNOWN_BY_NAME = {f.name: f for f in KNOWN_LCP_FINDINGS}
 
 
-class LcpViolation(AssertionError):
+class LcpViolation(PropertyFailure):
     """A property failed; ``finding`` names the known finding it shows, or ``None`` when undiagnosed."""
 
     def __init__(self, prop: str, message: str, finding: str | None = None) -> None:
-        super().__init__(f"{prop}: {message}" + (f" [{finding}]" if finding else ""))
+        super().__init__(prop, message, f"{prop}: {message}" + (f" [{finding}]" if finding else ""))
         self.prop = prop
-        self.message = message
         self.finding = finding
 
 
@@ -186,7 +192,6 @@ class ModelEnv:
     """Two ``Llama`` contexts of one tiny model: ``src`` saves states and evaluates fresh, ``dst`` restores."""
 
     def __init__(self, arch: str, n_ctx: int = N_CTX) -> None:
-        from fixtures.models import model_path
 
         lc = _llama_cpp()
         kw: dict[str, Any] = {
@@ -726,7 +731,6 @@ def _testcapi() -> ModuleType | None:
 
 
 def _pymem_child(spec: dict[str, Any]) -> int:
-    from faults.child import child_setup
 
     global _TMP
     _TMP = spec["tmp"]  # the parent removes it, even when this child dies
@@ -808,12 +812,13 @@ def sweep_pymem(
 def _sweep_points(
     cache: str, act: str, points: list[int], tmp: str, env: dict[str, str], rows: list[dict[str, Any]], timeout: float
 ) -> None:
-    from faults.child import run_child
 
     while points:
         spec = {"cache": cache, "act": act, "points": points, "tmp": tmp}
         child = run_child(
-            [sys.executable, "-m", "properties.lcp_cache", "--pymem-child", json.dumps(spec)], env=env, timeout=timeout
+            [sys.executable, "-m", "harness.backends.lcp_cache", "--pymem-child", json.dumps(spec)],
+            env=env,
+            timeout=timeout,
         )
         got = [json.loads(ln) for ln in child.stdout.splitlines() if ln.startswith("{")]
         if got and "unavailable" in got[0]:
@@ -848,14 +853,12 @@ def _rlimit_child(spec: dict[str, Any]) -> int:
     """Build a big re-insert scenario, then fork once per headroom: limit, re-insert, report."""
     import resource
 
-    from faults.child import child_setup
 
     global _TMP
     _TMP = spec["tmp"]
 
     child_setup(watchdog=False)
     lc = _llama_cpp()
-    from fixtures.models import model_path
 
     n_ctx = 1024
     llm = lc.Llama(
@@ -927,7 +930,6 @@ def _rlimit_child(spec: dict[str, Any]) -> int:
 
 
 def run_rlimit(cache: str, headrooms: Sequence[int | None], timeout: float = 90.0) -> list[dict[str, Any]]:
-    from faults.child import run_child
 
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
@@ -937,7 +939,9 @@ def run_rlimit(cache: str, headrooms: Sequence[int | None], timeout: float = 90.
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, tmp, True)
         child = run_child(
-            [sys.executable, "-m", "properties.lcp_cache", "--rlimit-child", json.dumps(spec)], env=env, timeout=timeout
+            [sys.executable, "-m", "harness.backends.lcp_cache", "--rlimit-child", json.dumps(spec)],
+            env=env,
+            timeout=timeout,
         )
     rows = [json.loads(ln) for ln in child.stdout.splitlines() if ln.startswith("{")]
     if child.crashed or len(rows) < len(headrooms):
@@ -1023,10 +1027,9 @@ def run_lcp_gate(
         try:
             for _ in range(len(KNOWN_LCP_FINDINGS) + 1):
                 cls = machine_class(env, adapter, frozenset(tolerate), stats)
-                hypothesis.core.global_force_seed = seed  # type: ignore[attr-defined]
                 t1 = time.perf_counter()
                 try:
-                    run_state_machine_as_test(cls, settings=_settings(n))
+                    run_seeded(cls, _settings(n), seed)
                     out(
                         f"  machine {cls.__name__}: passed in {time.perf_counter() - t1:.1f}s "
                         f"(tolerating {sorted(tolerate) or 'nothing'})"
@@ -1062,8 +1065,6 @@ def run_lcp_gate(
                     )
                     out(f"  FAIL crash: {type(e).__name__}: {e}\n{program}\n  replay: {replay}")
                     break
-                finally:
-                    hypothesis.core.global_force_seed = None  # type: ignore[attr-defined]
         finally:
             adapter.cleanup()
             env.close()
@@ -1157,6 +1158,46 @@ def _main(argv: list[str]) -> int:
     cache = argv[0] if argv else "ram"
     res = run_lcp_gate(cache)
     return 1 if res["failures"] else 0
+
+
+
+
+def _run_lcp(
+    report: GateReport, variant: str, cache: str, seed: int, max_examples: int | None, out: Out
+) -> None:
+    """llama-cpp-python's own prompt caches (LlamaRAMCache / LlamaDiskCache) under the generic properties."""
+    out(f"gate: backend=llama-cpp-python-cache cache={cache} seed={seed} commit={report.commit}")
+    res = run_lcp_gate(cache, seed=seed, max_examples=max_examples, out=lambda line: out("  " + line))
+    report.extra["llama_cpp_cache"] = {
+        "cache": res["cache"],
+        "checks": res["checks"],
+        "properties": res["properties"],
+        "findings": [
+            {k: f[k] for k in ("name", "property", "reproducer", "title", "evidence")} for f in res["findings"]
+        ],
+        "out_of_scope": res["out_of_scope"],
+        "seconds": res["seconds"],
+    }
+    for f in res["findings"]:
+        report.known.append(
+            finding(f["name"]).entry(
+                f"llama-cpp-python {cache} cache", "reproduced", property=f["property"], message=f["evidence"]
+            )
+        )
+    for f in res["failures"]:
+        failure = Failure(
+            f["property"], "violation", f["message"], f.get("program", ""), f["replay"], f.get("machine", "lcp"), 0
+        )
+        report.machines.append(MachineResult(MachineConfig(variant), res["seconds"], failure, Counter(), Counter(), []))
+
+
+class LcpCacheBackend(Backend):
+    name = "llama-cpp-python-cache"
+    flags = frozenset({"cache"})
+    semantics_axis = False
+
+    def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        _run_lcp(report, opts.semantics, opts.cache, opts.seed, opts.max_examples, out)
 
 
 if __name__ == "__main__":

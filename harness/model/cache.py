@@ -22,11 +22,11 @@ import struct
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 
-from .checkpoint import CheckpointList
-from .errors import BadAlloc
-from .memory import ENTRY_HEADER_BYTES, LIST_NODE_BYTES, TOKEN_BYTES, Host, Payload
-from .provider import STATE_SEQ_FLAGS_NONE, StateProvider
-from .semantics import Semantics
+from harness.errors import BadAlloc
+from harness.model.checkpoint import CheckpointList
+from harness.model.memory import ENTRY_HEADER_BYTES, LIST_NODE_BYTES, TOKEN_BYTES, Host, Payload
+from harness.model.provider import STATE_SEQ_FLAGS_NONE, StateProvider
+from harness.model.semantics import Semantics
 
 __all__ = [
     "ServerPrompt",

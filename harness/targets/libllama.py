@@ -1,4 +1,4 @@
-"""The libllama state provider: :class:`~harness.provider.StateProvider` on a real ``llama_context``.
+"""The libllama state provider: :class:`~harness.model.provider.StateProvider` on a real ``llama_context``.
 
 :class:`LlamaProvider` answers the server's state calls with llama-cpp-python 0.3.36's low-level
 bindings (the vendored llama.cpp at 0c1e570), exactly the calls ``server_slot::prompt_save`` /
@@ -46,13 +46,21 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from .provider import STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, SeqRmType
+from harness.errors import ModelLoadError
+from harness.model.memory import Host
+from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, SeqRmType
+from harness.model.semantics import Semantics, get_semantics
+from harness.model.server_context import ServerContext, ServerParams
 
-__all__ = ["LlamaModel", "LlamaProvider", "Mismatch", "ModelLoadError", "load_model"]
-
-
-class ModelLoadError(RuntimeError):
-    """A model file is missing or libllama refused it."""
+__all__ = [
+    "LlamaModel",
+    "LlamaProvider",
+    "Mismatch",
+    "ModelLoadError",
+    "close_server",
+    "load_model",
+    "make_llama_server",
+]
 
 
 def _lib() -> Any:
@@ -562,3 +570,49 @@ class LlamaProvider:
 
 def _digest(data: bytes, flags: int) -> bytes:
     return hashlib.blake2b(data, digest_size=16, person=b"flags%d" % flags).digest()
+
+
+def make_llama_server(
+    semantics: str | Semantics,
+    model: str | os.PathLike[str],
+    *,
+    draft_model: str | os.PathLike[str] | None = None,
+    params: ServerParams | None = None,
+    n_ctx: int = 512,
+    n_ctx_dft: int | None = None,
+    check_restores: bool = True,
+) -> ServerContext:
+    """The same modelled server on real libllama contexts (:class:`~harness.targets.libllama.LlamaProvider`).
+
+    The contexts are made as llama-server makes them where it matters: ``n_seq_max`` = slots,
+    ``kv_unified``, ``n_batch`` and ``n_ubatch`` from ``params``, ``swa_full`` false, one thread.
+    Close the server's providers with :func:`close_server` when done.
+    """
+    sem = get_semantics(semantics) if isinstance(semantics, str) else semantics
+    params = params or ServerParams(cache_ram_unit=1024)
+    common = {
+        "n_seq": params.n_slots,
+        "n_batch": params.n_batch,
+        "n_ubatch": params.n_ubatch,
+        "kv_unified": params.kv_unified,
+        "check_restores": check_restores,
+    }
+    tgt = LlamaProvider(load_model(model), name="tgt", n_ctx=n_ctx, **common)  # type: ignore[arg-type]
+    dft = None
+    if draft_model is not None:
+        dft = LlamaProvider(
+            load_model(draft_model),
+            name="dft",
+            n_ctx=n_ctx if n_ctx_dft is None else n_ctx_dft,
+            **common,  # type: ignore[arg-type]
+        )
+    server_cls: type[ServerContext] = sem.server_cls or ServerContext
+    return server_cls(params, Host(), sem, tgt, dft)
+
+
+def close_server(server: ServerContext) -> None:
+    """Free the native contexts of a server made by :func:`make_llama_server` (no-op for synthetic ones)."""
+    for ctx in (server.ctx_tgt, server.ctx_dft):
+        close = getattr(ctx, "close", None)
+        if close is not None:
+            close()

@@ -27,7 +27,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
-from .errors import BadAlloc
+from harness.errors import BadAlloc
 
 __all__ = [
     "AllocationSeam",

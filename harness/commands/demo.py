@@ -13,8 +13,8 @@ import argparse
 import json
 from dataclasses import asdict, dataclass
 
-from .build import make_server
-from .server import ServerParams
+from harness.model.server_context import ServerParams
+from harness.targets.synthetic import make_server
 
 __all__ = ["ClaimFigures", "add_arguments", "central_claim", "run"]
 

@@ -31,12 +31,12 @@ import struct
 from collections import Counter
 from dataclasses import dataclass, field, replace
 
-from .cache import ServerPrompt, ServerPromptCache, Tokens, f32, get_common_prefix
-from .checkpoint import CommonPromptCheckpoint
-from .errors import GgmlAbort
-from .memory import Host
-from .provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, SeqRmType, StateProvider
-from .semantics import Semantics
+from harness.errors import GgmlAbort
+from harness.model.cache import ServerPrompt, ServerPromptCache, Tokens, f32, get_common_prefix
+from harness.model.checkpoint import CommonPromptCheckpoint
+from harness.model.memory import Host
+from harness.model.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, SeqRmType, StateProvider
+from harness.model.semantics import Semantics
 
 __all__ = ["ServerContext", "ServerParams", "ServerSlot", "SlotState", "Task"]
 

@@ -15,10 +15,9 @@ import time
 from dataclasses import replace
 from typing import Any
 
-from harness.cli import EXIT_FAILED, EXIT_OK, UsageError
-
-from .gate import machines_for, make_settings, run_machine
-from .mutants import MUTANTS, config, resolve
+from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
+from properties.mutants import MUTANTS, config, resolve
+from properties.run import machines_for, make_settings, run_machine
 
 __all__ = ["add_arguments", "kill", "run"]
 

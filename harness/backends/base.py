@@ -1,0 +1,121 @@
+"""What every backend shares: the options of a gate run, the report it fills, the base class.
+
+A backend is a :class:`Backend` subclass in its own module of :mod:`harness.backends`, listed in
+:data:`harness.backends.BACKENDS`. The gate calls every selected backend the same way,
+``backend.run(report, options, out)``: the backend appends its :class:`MachineResult` rows (a
+failing row carries a :class:`Failure` with its program and replay line), its ``known_findings``
+rows and its own JSON section (``report.extra[...]``).
+
+``Backend.flags`` names the backend-specific options it reads; ``python -m harness gate`` rejects
+an option no selected backend reads, naming the backend that would.
+
+May import: ``harness.model``, ``harness.targets``, ``properties``, ``faults``, ``harness.findings``,
+``harness.errors``, ``fixtures``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, ClassVar
+
+from properties.invariants import INVARIANTS
+from properties.run import Failure, MachineResult
+
+__all__ = ["Backend", "Failure", "GateOptions", "GateReport", "MachineResult", "Out"]
+
+Out = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class GateOptions:
+    """One gate run's options, the same object for every backend.
+
+    ``semantics`` is the master/PR axis everywhere: ``shared`` (PR #27451) or ``master``; for the
+    server backend it also chooses which build of llama-server runs (with the PR patch or not).
+    """
+
+    semantics: str = "shared"
+    profile: str = "ci"
+    seed: int = 0
+    db: str | None = None
+    max_examples: int | None = None
+    archs: tuple[str, ...] | None = None  # llama backend
+    cache: str = "ram"  # llama-cpp-python-cache backend
+    asan: bool = False  # server backend: the sanitizer build
+    source: Path | None = None  # server backend: a llama.cpp tree to build and test
+    server_bin: Path | None = None  # server backend: a llama-server binary built elsewhere
+
+
+@dataclass
+class GateReport:
+    variant: str  # the semantics; the JSON keeps the key "variant" and adds "semantics"
+    backend: str
+    profile: str
+    seed: int
+    commit: str
+    machines: list[MachineResult] = field(default_factory=list)
+    known: list[dict[str, Any]] = field(default_factory=list)
+    extra: dict[str, Any] = field(default_factory=dict)  # per-backend sections: "llama", "server", ...
+
+    @property
+    def failures(self) -> list[Failure]:
+        return [m.failure for m in self.machines if m.failure is not None]
+
+    @property
+    def passed(self) -> bool:
+        return not self.failures
+
+    def properties(self) -> list[dict[str, Any]]:
+        out = []
+        failed = {f.property for f in self.failures}
+        for name in INVARIANTS:
+            examples = sum(m.checked[name] for m in self.machines)
+            seconds = sum(m.check_seconds[name] for m in self.machines)
+            status = "failed" if name in failed else ("passed" if examples else "not-checked")
+            out.append({"name": name, "status": status, "examples": examples, "seconds": round(seconds, 3)})
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        peaks = [p for m in self.machines for p in m.peaks]
+        worst = max(peaks, key=lambda p: p[0] - p[1], default=None)
+        return {
+            "passed": self.passed,
+            "variant": self.variant,
+            "semantics": self.variant,
+            "backend": self.backend,
+            "profile": self.profile,
+            "seed": self.seed,
+            "commit": self.commit,
+            "properties": self.properties(),
+            "failures": [
+                {
+                    "property": f.property,
+                    "kind": f.kind,
+                    "message": f.message,
+                    "machine": f.machine,
+                    "program": f.program,
+                    "replay": f.replay,
+                }
+                for f in self.failures
+            ],
+            "known_findings": self.known,
+            "transient_peak": {
+                "saves": len(peaks),
+                "worst_excess_over_bound": 0 if worst is None else max(0, worst[0] - worst[1]),
+            },
+            **self.extra,
+        }
+
+
+class Backend:
+    """One backend of the gate. Subclasses set ``name`` (the ``--backend`` value) and ``flags`` (the
+    backend-specific options it reads) and implement :meth:`run`."""
+
+    name: ClassVar[str]
+    flags: ClassVar[frozenset[str]] = frozenset()
+    semantics_axis: ClassVar[bool] = True  # False: the target has no master/PR axis
+
+    def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        raise NotImplementedError

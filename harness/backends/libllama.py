@@ -1,0 +1,340 @@
+"""The gate's ``llama`` backend: the same state machines on real libllama state, one model per arch.
+
+For each tiny fixtures model (``llama``, ``mamba``, ``jamba``, ``lfm2``, ``gemma2``) this runs
+
+* the stateful machine of :mod:`properties.machine` on :class:`~harness.targets.libllama.LlamaProvider`
+  contexts (fewer examples than the synthetic backend; a draft model on the transformer and one
+  hybrid), with ``restore_equivalence`` checked at the first decode after every restore, and
+* the scenarios of :mod:`properties.libllama_scenarios`: one save/restore at the model's full
+  context, memray figures of a save and a load per semantics, the draft-KV exhaustion recovery, and
+* native allocation failures swept through libllama's state calls and ``llama_decode``
+  (:mod:`faults.llama_native`), each outcome classified against the registered findings.
+
+Every mismatch fails the gate. A difference that disappears when the very same state is decoded
+from a contiguous cell layout is not a mismatch but the known finding ``kv-layout-dependent-logits``
+(counted per model as ``layout_diffs``, reproducer in ``fixtures/findings/``).
+
+The target is :mod:`harness.targets.libllama`.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+from hypothesis import settings
+
+from faults.llama_native import OPS, sweep_llama_native
+from fixtures.models import ARCHS, model_path
+from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
+from harness.errors import PropertyFailure
+from harness.findings import FINDINGS, finding
+from harness.targets.libllama import load_model
+from properties.libllama_scenarios import FullContextResult, draft_recovery_run, full_context_run, memray_figures
+from properties.machine import MachineConfig, machine_class
+from properties.run import make_settings, run_machine
+
+__all__ = ["LLAMA_PROFILES", "LlamaBackend", "classify_native", "llama_machines"]
+
+NATIVE_FINDINGS = [f for f in FINDINGS.values() if f.backend == "llama" and f.property == "native_fault"]
+
+
+def classify_native(op: str, group: dict[str, Any]) -> str | None:
+    """The known finding a native-fault group belongs to, or None (an unexpected outcome: a gate failure)."""
+    outcome, site = group["outcome"], group["site"]
+    if op != "decode" and outcome == "aborted" and "state_seq_" in site:
+        return "state-io-alloc-outside-try"
+    if op == "decode" and outcome == "aborted":
+        return "decode-bad-alloc-terminates"
+    if op == "decode" and outcome == "crashed" and site.startswith("ggml_graph_compute"):
+        return "graph-compute-segv"
+    return None
+
+
+# examples per machine and steps per example on real state
+LLAMA_PROFILES: dict[str, dict[str, int]] = {
+    "ci": {"max_examples": 150, "steps": 25},
+    "fuzz": {"max_examples": 300, "steps": 40},
+}
+
+
+def llama_machines(variant: str, archs: Sequence[str] | None = None) -> list[MachineConfig]:
+    """One machine per architecture; drafts on ``llama`` and ``jamba``, a unified KV on ``mamba``/``lfm2``.
+
+    (A draft context cannot be made smaller than 256 cells per sequence in libllama, so the draft-KV
+    exhaustion runs as its own scenario, :func:`draft_recovery_run`.)
+    """
+    out = []
+    for arch in archs or ARCHS:
+        out.append(
+            MachineConfig(
+                variant,
+                kind="",
+                arch=arch,
+                draft=arch in ("llama", "jamba"),
+                kv_unified=arch in ("mamba", "lfm2"),
+            )
+        )
+    return out
+
+
+def model_rows(
+    archs: Sequence[str], machine_stats: dict[str, Any], full: dict[str, FullContextResult]
+) -> list[dict[str, Any]]:
+    """The ``"llama"`` list of the gate's JSON: one object per model."""
+    rows = []
+    for arch in archs:
+        st = machine_stats.get(arch, {})
+        fc = full.get(arch)
+        rows.append(
+            {
+                "arch": load_model(model_path(arch)).arch,
+                "state_bytes": max(st.get("state_bytes", 0), fc.state_bytes if fc else 0),
+                "partial_bytes": max(st.get("partial_bytes", 0), fc.partial_bytes if fc else 0),
+                "restore_checks": st.get("restore_checks", 0) + (fc.restore_checks if fc else 0),
+                "mismatches": st.get("mismatches", 0) + (len(fc.mismatches) if fc else 0),
+                "layout_diffs": st.get("layout_diffs", 0),
+                "restores_by": _merge(
+                    {k.split(":", 1)[1]: v for k, v in st.items() if k.startswith("restores_by:")},
+                    fc.restores_by if fc else {},
+                ),
+                "full_context": None
+                if fc is None
+                else {
+                    "n_ctx": fc.n_ctx,
+                    "state_bytes": fc.state_bytes,
+                    "partial_bytes": fc.partial_bytes,
+                    "seconds": round(fc.seconds, 3),
+                },
+            }
+        )
+    return rows
+
+
+def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
+    return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
+
+
+class LlamaBackend(Backend):
+    name = "llama"
+    flags = frozenset({"archs"})
+
+    def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        replay = f"python -m harness gate --semantics {opts.semantics} --profile {opts.profile} --seed {opts.seed}"
+        _run_llama(report, opts.semantics, opts.profile, opts.seed, opts.db, opts.max_examples, opts.archs, replay, out)
+
+
+def _run_llama(
+    report: GateReport,
+    variant: str,
+    profile: str,
+    seed: int,
+    db: str | None,
+    max_examples: int | None,
+    archs: Sequence[str] | None,
+    replay: str,
+    out: Out,
+) -> None:
+    """Machines per model, full context, memray, draft recovery, native faults; then the layout finding."""
+    archs = list(archs or ARCHS)
+    lp = LLAMA_PROFILES[profile]
+    cfg_settings = make_settings(profile, db, max_examples or lp["max_examples"])
+    cfg_settings = settings(cfg_settings, stateful_step_count=lp["steps"])
+    replay = replay + " --backend llama --arch " + " ".join(archs)
+    out(
+        f"gate: variant={variant} backend=llama archs={','.join(archs)} profile={profile} seed={seed} "
+        f"commit={report.commit} max_examples={cfg_settings.max_examples} steps={cfg_settings.stateful_step_count}"
+    )
+    stats: dict[str, dict[str, int]] = {}
+    full: dict[str, Any] = {}
+    layout_examples: list[str] = []
+    for cfg in llama_machines(variant, archs):
+        r = run_machine(cfg, cfg_settings, seed, replay)
+        report.machines.append(r)
+        mcls = machine_class(cfg)
+        st = dict(mcls.llama_stats)
+        layout_examples.extend(f"{cfg.class_name}: {x}" for x in mcls.layout_example)
+        st["mismatches"] = int(r.failure is not None and r.failure.property == "restore_equivalence")
+        stats[cfg.arch] = st
+        status = "ok  " if r.failure is None else "FAIL"
+        out(
+            f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks "
+            f"{st.get('restore_checks', 0):>5} restores {r.seconds:6.1f}s"
+        )
+    for arch in archs:
+        try:
+            fc = full_context_run(arch)
+        except RuntimeError as e:
+            f = Failure(
+                "restore_equivalence",
+                "error",
+                str(e),
+                "",
+                f"python -m harness gate --backend llama --arch {arch}",
+                f"full-context-{arch}",
+                0,
+            )
+            report.machines.append(MachineResult(MachineConfig(variant, arch=arch), 0.0, f, Counter(), Counter(), []))
+            continue
+        full[arch] = fc
+        status = "ok  " if not fc.mismatches else "FAIL"
+        out(
+            f"  [{status}] full context {arch:<8} n_ctx={fc.n_ctx} state={fc.state_bytes} B "
+            f"partial={fc.partial_bytes} B restores={fc.restore_checks} {fc.seconds:5.1f}s"
+        )
+        if fc.mismatches:
+            f = Failure(
+                "restore_equivalence",
+                "violation",
+                fc.mismatches[0],
+                "",
+                f"python -m harness gate --backend llama --arch {arch}",
+                f"full-context-{arch}",
+                0,
+            )
+            report.machines.append(
+                MachineResult(MachineConfig(variant, arch=arch), fc.seconds, f, Counter(), Counter(), [])
+            )
+    report.extra["llama"] = rows = model_rows(archs, stats, full)
+    for arch, row in zip(archs, rows, strict=True):
+        mem = memray_figures(arch)
+        row["memory"] = mem.to_json()
+        sp = mem.save_peak_bytes
+        out(
+            f"  [ok  ] memray {arch:<8} save peak master {sp['master']} B, shared {sp['shared']} B "
+            f"(difference {sp['master'] - sp['shared']} B; checkpoints C = {mem.checkpoint_bytes} B), "
+            f"load peak {mem.load_peak_bytes['shared']} B"
+        )
+    _run_draft_recovery(report, variant, archs, rows, out)
+    _run_llama_native(report, variant, archs, rows, out)
+    n_layout = sum(r["layout_diffs"] for r in rows)
+    entry = finding("kv-layout-dependent-logits").entry(
+        "llama backend", "reproduced" if n_layout else "not-reproduced", count=n_layout
+    )
+    if layout_examples:
+        entry.update(property="restore_equivalence", message=layout_examples[0])
+    report.known.append(entry)
+
+
+def _run_draft_recovery(
+    report: GateReport, variant: str, archs: Sequence[str], rows: list[dict[str, Any]], out: Out
+) -> None:
+    """Draft context out of KV room mid-prompt on real state: upstream fails requests, the proposal must not."""
+    failed_upstream = 0
+    for arch, row in zip(archs, rows, strict=True):
+        t0 = time.perf_counter()
+        upstream = draft_recovery_run(arch, recovery=False)
+        failed_upstream += len(upstream["errors"])
+        try:
+            rec = draft_recovery_run(arch)
+        except (RuntimeError, PropertyFailure) as e:
+            f = Failure(
+                "draft_recovery",
+                "violation",
+                f"{arch}: {e}",
+                "",
+                "python -c 'from properties.libllama_scenarios import draft_recovery_run as r; "
+                f"print(r({arch!r}))'",
+                f"draft-recovery-{arch}",
+                0,
+            )
+            report.machines.append(MachineResult(MachineConfig(variant, arch=arch), 0.0, f, Counter(), Counter(), []))
+            out(f"  [FAIL] draft recovery {arch:<8} {e}")
+            continue
+        secs = time.perf_counter() - t0
+        row["draft_recovery"] = {
+            "upstream_failed_requests": len(upstream["errors"]),
+            "recoveries": rec["recoveries"],
+            "verified": rec["verified"],
+        }
+        report.machines.append(
+            MachineResult(
+                MachineConfig(variant, arch=arch),
+                secs,
+                None,
+                Counter({"draft_recovery": 1, "restore_equivalence": rec["verified"]}),
+                Counter({"draft_recovery": secs}),
+                [],
+            )
+        )
+        out(
+            f"  [ok  ] draft recovery {arch:<8} upstream failed {len(upstream['errors'])} request(s); with the "
+            f"recovery: {dict(rec['recoveries'])}, no failed request, {rec['verified']} fresh-evaluation checks "
+            f"{secs:4.1f}s"
+        )
+    report.known.append(
+        finding("draft-kv-exhaustion (real state)").entry(
+            "llama backend, draft of 256 cells shared by two slots",
+            "reproduced" if failed_upstream else "not-reproduced",
+            count=failed_upstream,
+        )
+    )
+
+
+def _run_llama_native(
+    report: GateReport, variant: str, archs: Sequence[str], rows: list[dict[str, Any]], out: Out
+) -> None:
+    """Sweep native allocation failures through libllama's state calls and decode, per model."""
+    seen: dict[str, list[str]] = {f.id: [] for f in NATIVE_FINDINGS}
+    for arch, row in zip(archs, rows, strict=True):
+        row["native_faults"] = []
+        t0 = time.perf_counter()
+        for op in OPS:
+            rep = sweep_llama_native(arch, op)
+            j = rep.to_json()
+            row["native_faults"].append(j)
+            for g in j["findings"]:
+                known = classify_native(op, g)
+                g["known_finding"] = known
+                if known is not None:
+                    seen[known].append(g["first_case"])
+                    continue
+                msg = f"{g['outcome']} at {g['site']} ({g['count']} allocations, first {g['first_case']})"
+                f = Failure(
+                    "native_fault",
+                    "crash" if g["outcome"] in ("aborted", "crashed") else "violation",
+                    msg + "\n" + g.get("stack", ""),
+                    "",
+                    f"python -m harness native --case {g['first_case']}",
+                    f"native-{arch}-{op}",
+                    0,
+                )
+                report.machines.append(
+                    MachineResult(MachineConfig(variant, arch=arch), 0.0, f, Counter(), Counter(), [])
+                )
+            if rep.capped:
+                out(f"  [warn] native {arch}.{op}: sweep capped at {j['allocations_swept']} allocations")
+        outcomes = Counter[str]()
+        for j in row["native_faults"]:
+            outcomes.update(j["outcomes"])
+        secs = time.perf_counter() - t0
+        report.machines.append(
+            MachineResult(
+                MachineConfig(variant, arch=arch),
+                secs,
+                None,
+                Counter({"native_fault": sum(outcomes.values())}),
+                Counter({"native_fault": secs}),
+                [],
+            )
+        )
+        out(
+            f"  [ok  ] native faults {arch:<8} "
+            + " ".join(f"{k}={v}" for k, v in sorted(outcomes.items()))
+            + f" {time.perf_counter() - t0:5.1f}s"
+        )
+    for fnd in NATIVE_FINDINGS:
+        cases = seen[fnd.id]
+        entry = fnd.entry(
+            "llama backend, native faults", "reproduced" if cases else "not-reproduced", count=len(cases)
+        )
+        if cases:
+            entry.update(
+                property="native_fault",
+                message="first case " + cases[0] + f" (replay: python -m harness native --case {cases[0]})",
+            )
+        report.known.append(entry)
+
+

@@ -1,0 +1,96 @@
+"""``gate --backend synthetic``: the reference model's state machines on synthetic state.
+
+The target is :mod:`harness.targets.synthetic` (the model on deterministic synthetic state of four
+memory kinds). The backend runs the machines of :func:`properties.run.machines_for`, then one
+machine per known finding of this backend, each with the pattern that reaches the suspected
+upstream bug switched on (``MachineConfig.known``): a finding is ``reproduced`` when that machine
+fails on exactly the property the finding names, and a failure on any other property is a new
+failure of the gate.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from hypothesis import settings
+
+from harness.backends.base import Backend, GateOptions, GateReport, Out
+from harness.findings import finding
+from properties.machine import MachineConfig
+from properties.run import machines_for, make_settings, run_machine
+
+__all__ = ["KNOWN_MACHINES", "SyntheticBackend"]
+
+# finding id -> (the machine that reaches it, the properties it is allowed to fail)
+KNOWN_MACHINES: dict[str, tuple[Callable[[str], MachineConfig], frozenset[str]]] = {
+    "busy-slot-by-id": (
+        lambda v: MachineConfig(v, "hybrid", known=frozenset({"busy-slot-by-id"})),
+        frozenset({"busy_slot_untouched"}),
+    ),
+    "draft-kv-exhaustion": (
+        lambda v: MachineConfig(v, "hybrid", draft=True, known=frozenset({"small-draft-ctx"})),
+        frozenset({"load_transfer", "draft_in_step"}),
+    ),
+    "swa-checkpoint-order": (
+        lambda v: MachineConfig(v, "iswa", known=frozenset({"strict-swa-order"})),
+        frozenset({"checkpoint_lists"}),
+    ),
+}
+
+
+def replay_line(opts: GateOptions) -> str:
+    return f"python -m harness gate --semantics {opts.semantics} --profile {opts.profile} --seed {opts.seed}"
+
+
+class SyntheticBackend(Backend):
+    """``machines`` replaces the gate's list (tests run a few); ``known=False`` skips the finding runs."""
+
+    name = "synthetic"
+
+    def __init__(self, machines: list[MachineConfig] | None = None, *, known: bool = True) -> None:
+        self.machines = machines
+        self.known = known
+
+    def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        cfg_settings = make_settings(opts.profile, opts.db, opts.max_examples)
+        replay = replay_line(opts) + " --backend synthetic"
+        configs = self.machines if self.machines is not None else machines_for(opts.semantics, opts.profile)
+        out(
+            f"gate: semantics={opts.semantics} backend=synthetic profile={opts.profile} seed={opts.seed} "
+            f"commit={report.commit} machines={len(configs)} max_examples={cfg_settings.max_examples} "
+            f"steps={cfg_settings.stateful_step_count}"
+        )
+        for cfg in configs:
+            r = run_machine(cfg, cfg_settings, opts.seed, replay)
+            report.machines.append(r)
+            status = "ok  " if r.failure is None else "FAIL"
+            out(f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks {r.seconds:6.1f}s")
+        if self.known:
+            run_known(report, opts.semantics, cfg_settings, opts.seed, replay)
+
+
+def run_known(report: GateReport, semantics: str, cfg_settings: settings, seed: int, replay: str) -> None:
+    """One machine per known finding of the model; each must fail only where its finding says."""
+    for fid, (config, expects) in KNOWN_MACHINES.items():
+        kcfg = config(semantics)
+        r = run_machine(kcfg, cfg_settings, seed, replay)
+        f = finding(fid)
+        if r.failure is None:
+            report.known.append(f.entry(kcfg.class_name, "not-reproduced"))
+        elif r.failure.property in expects:
+            report.known.append(
+                f.entry(
+                    kcfg.class_name,
+                    "reproduced",
+                    property=r.failure.property,
+                    message=r.failure.message,
+                    program=r.failure.program,
+                    steps=r.failure.steps,
+                )
+            )
+        else:
+            # a failure the known-finding run did not expect is a new failure of the gate
+            report.machines.append(r)
+            report.known.append(
+                f.entry(kcfg.class_name, "unexpected", property=r.failure.property, message=r.failure.message)
+            )

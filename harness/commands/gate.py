@@ -1,0 +1,216 @@
+"""``python -m harness gate``: the stateful properties as a CI gate, on one or more backends.
+
+A run prints every parameter it derived from its seed first (semantics, backend, profile, seed,
+commit, machines and their budgets), then one line per machine, then one line per property, then
+the known findings, and ends with ``PASS``/``FAIL``. A failure prints the property, the shrunk
+program (faults included as steps) ready to paste into ``python``, and one line that replays it.
+
+The ``ci`` profile is deterministic for a seed (the example database is off). The ``fuzz`` profile
+runs more machines and many more examples, and keeps Hypothesis' example database in
+``.hypothesis/gate`` (or ``--db``) so a failure found once is replayed first.
+
+One word for the master/PR axis: ``--semantics shared|master`` (``shared`` is PR #27451). The
+older ``--variant`` and ``--flavour pr|master|asan`` are still accepted, with a one-line note.
+Exit codes: see :mod:`harness.errors` (0 pass, 1 a property failed, 2 usage, 3 the target crashed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import xml.etree.ElementTree as ET
+from collections.abc import Callable, Sequence
+
+from fixtures.models import ARCHS
+from harness.backends import BACKENDS, DEFAULT_BACKENDS
+from harness.backends.base import Backend, GateOptions, GateReport
+from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from properties.run import PROFILES, commit
+
+__all__ = ["add_arguments", "options_from_args", "run", "run_gate"]
+
+SEMANTICS = ("shared", "master")
+# flag (GateOptions field) -> the command-line spelling, for messages
+_FLAG_NAMES = {
+    "archs": "--arch",
+    "cache": "--cache",
+    "asan": "--asan",
+    "source": "--source",
+    "server_bin": "--server-bin",
+}
+
+
+def run_gate(
+    opts: GateOptions, backends: Sequence[str | Backend], out: Callable[[str], None] = print
+) -> GateReport:
+    """Run the gate on ``backends`` (names in :data:`BACKENDS`, or instances) and return its report;
+    ``out`` receives the human-readable lines."""
+    runners = [BACKENDS[b] if isinstance(b, str) else b for b in backends]
+    report = GateReport(opts.semantics, "+".join(b.name for b in runners), opts.profile, opts.seed, commit())
+    for b in runners:
+        b.run(report, opts, out)
+    _print_report(report, out)
+    return report
+
+
+def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
+    props = report.properties()
+    if any(p["status"] != "not-checked" for p in props):
+        out("properties:")
+    for p in props if any(p["status"] != "not-checked" for p in props) else []:
+        out(f"  {p['name']:<20} {p['status']:<12} {p['examples']:>8} checks {p['seconds']:8.3f}s")
+    peaks = [p for m in report.machines for p in m.peaks]
+    if peaks:
+        worst = max(peaks, key=lambda p: p[0] - p[1])
+        out(
+            f"transient peak: {len(peaks)} saves; worst peak excess {worst[0]} B against bound {worst[1]} B "
+            f"(S = {worst[2]} B)"
+        )
+    if report.known:
+        out("known findings (reported, not failing the gate):")
+        for k in report.known:
+            out(f"  {k['id']}: {k['status']}" + (f" ({k['property']}: {k['message']})" if "property" in k else ""))
+            if k.get("program"):
+                out("    " + k["program"].replace("\n", "\n    "))
+    for f in report.failures:
+        out("")
+        out(f"FAILED {f.property} ({f.kind}) in {f.machine}: {f.message}")
+        if f.program:
+            out("--- shrunk program (paste into python from the repository root) ---")
+            out(f.program)
+        out("--- replay ---")
+        out(f"{f.replay}    # commit {report.commit}")
+    out("PASS" if report.passed else "FAIL")
+
+
+def _write_junit(report: GateReport, path: str) -> None:
+    props = report.properties()
+    suite = ET.Element(
+        "testsuite",
+        name=f"gate-{report.variant}",
+        tests=str(len(props)),
+        failures=str(sum(p["status"] == "failed" for p in props)),
+    )
+    for p in props:
+        case = ET.SubElement(
+            suite, "testcase", classname=f"gate.{report.variant}", name=p["name"], time=str(p["seconds"])
+        )
+        for f in report.failures:
+            if f.property == p["name"]:
+                el = ET.SubElement(case, "failure", message=f.message)
+                el.text = f"{f.program}\n\n{f.replay}"
+    ET.ElementTree(suite).write(path, encoding="unicode", xml_declaration=True)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--semantics",
+        choices=SEMANTICS,
+        help="master or shared (PR #27451) semantics; on the server backend also which build runs (default shared)",
+    )
+    parser.add_argument("--variant", choices=SEMANTICS, help=argparse.SUPPRESS)  # deprecated: --semantics
+    parser.add_argument("--flavour", choices=["master", "pr", "asan"], help=argparse.SUPPRESS)  # deprecated
+    parser.add_argument(
+        "--backend",
+        choices=list(BACKENDS),
+        help="run one backend (default: " + " and ".join(DEFAULT_BACKENDS) + ")",
+    )
+    parser.add_argument(
+        "--arch", nargs="+", metavar="NAME", help="llama backend: the fixtures models to run (default: all five)"
+    )
+    parser.add_argument(
+        "--cache", choices=["ram", "disk"], help="llama-cpp-python-cache backend: which cache (default: ram)"
+    )
+    parser.add_argument("--asan", action="store_true", help="server backend: the AddressSanitizer build (shared)")
+    parser.add_argument("--profile", default="ci", choices=sorted(PROFILES))
+    parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
+    parser.add_argument("--db", metavar="DIR", help="example database directory (fuzz profile)")
+    parser.add_argument("--max-examples", type=int, help="override the profile's examples per machine")
+    parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
+
+
+def _semantics(args: argparse.Namespace, warn: Callable[[str], None]) -> tuple[str | None, bool]:
+    """The semantics asked for (None when left to the default) and --asan, old spellings folded in."""
+    semantics: str | None = args.semantics
+    asan: bool = args.asan
+    if args.variant is not None:
+        warn(f"note: --variant is deprecated; use --semantics {args.variant}")
+        if semantics is not None and semantics != args.variant:
+            raise UsageError(f"--variant {args.variant} contradicts --semantics {semantics}; use --semantics only")
+        semantics = args.variant
+    if args.flavour is not None:
+        new = {"pr": "--semantics shared", "master": "--semantics master", "asan": "--asan"}[args.flavour]
+        warn(f"note: --flavour is deprecated; use {new}")
+        implied = "master" if args.flavour == "master" else "shared"
+        if semantics is not None and semantics != implied:
+            raise UsageError(f"--flavour {args.flavour} contradicts --semantics {semantics}; use --semantics only")
+        semantics = implied
+        asan = asan or args.flavour == "asan"
+    return semantics, asan
+
+
+def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> tuple[GateOptions, list[str]]:
+    """Check the flags against the backends they apply to; a flag no selected backend reads is an error."""
+    if args.max_examples is not None and args.max_examples < 1:
+        raise UsageError("--max-examples must be >= 1")
+    backends = [args.backend] if args.backend else list(DEFAULT_BACKENDS)
+    semantics, asan = _semantics(args, warn)
+    if args.arch:
+        bad = [a for a in args.arch if a not in ARCHS]
+        if bad:
+            raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
+    given = {
+        "archs": bool(args.arch),
+        "cache": args.cache is not None,
+        "asan": asan,
+        "source": getattr(args, "source", None) is not None,
+        "server_bin": getattr(args, "server_bin", None) is not None,
+    }
+    for flag, on in given.items():
+        if on and not any(flag in BACKENDS[b].flags for b in backends):
+            owner = next(n for n, b in BACKENDS.items() if flag in b.flags)
+            raise UsageError(f"{_FLAG_NAMES[flag]} applies to the {owner} backend; add --backend {owner}")
+    if semantics is not None and not any(BACKENDS[b].semantics_axis for b in backends):
+        raise UsageError(
+            f"--semantics does not apply to the {' and '.join(backends)} backend (no master/PR axis); drop it"
+        )
+    opts = GateOptions(
+        semantics=semantics or "shared",
+        profile=args.profile,
+        seed=args.seed,
+        db=args.db,
+        max_examples=args.max_examples,
+        archs=tuple(args.arch) if args.arch else None,
+        cache=args.cache or "ram",
+        asan=asan,
+    )
+    return opts, backends
+
+
+def run(args: argparse.Namespace) -> int:
+    _writable(args.json)
+    _writable(args.junit)
+    opts, backends = options_from_args(args, lambda line: print(line, file=sys.stderr))
+    report = run_gate(opts, backends)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(report.to_json(), f, indent=2)
+    if args.junit:
+        _write_junit(report, args.junit)
+    sys.stdout.flush()
+    if report.passed:
+        return EXIT_OK
+    if any(f.kind == "crash" for f in report.failures):
+        return EXIT_CRASH
+    return EXIT_FAILED if report.failures else EXIT_USAGE
+
+
+def _writable(path: str | None) -> None:
+    if path is None:
+        return
+    d = os.path.dirname(os.path.abspath(path))
+    if not os.path.isdir(d) or not os.access(d, os.W_OK):
+        raise UsageError(f"cannot write {path!r}: directory {d!r} does not exist or is not writable")

@@ -1,0 +1,47 @@
+"""``python -m harness native``: native malloc failures inside libllama, one forked child per allocation.
+
+The runner is :mod:`faults.llama_native`: allocation 1, 2, ... inside one ``get``/``get-part``/
+``set``/``decode`` call of a tiny model fails until the call completes; ``--case ARCH.OP.NTH``
+replays one trial. Exit 1 when an outcome is a finding (an abort, a crash or a silent wrong
+result), 0 when every allocation failure was handled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from faults.llama_native import OPS, _first_frames, sweep_llama_native
+from fixtures.models import ARCHS
+from harness.errors import UsageError
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--case", help="replay one trial: ARCH.OP.NTH (e.g. lfm2.set.7)")
+    parser.add_argument("--arch", default="llama", choices=ARCHS)
+    parser.add_argument("--op", default="set", choices=OPS)
+    parser.add_argument("--max-nth", type=int, default=3000)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.case:
+        try:
+            arch, op, n = args.case.rsplit(".", 2)
+            nth = int(n)
+        except ValueError:
+            raise UsageError(f"--case must look like ARCH.OP.NTH, got {args.case!r}") from None
+        if arch not in ARCHS or op not in OPS:
+            raise UsageError(f"--case {args.case!r}: ARCH is one of {', '.join(ARCHS)}, OP one of {', '.join(OPS)}")
+        rep = sweep_llama_native(arch, op, first=nth, max_nth=nth)
+    else:
+        rep = sweep_llama_native(args.arch, args.op, max_nth=args.max_nth)
+    for t in rep.trials:
+        print(f"{t.case:<24} {t.outcome:<12} {t.detail}")
+        if t.stacks:
+            print("    " + _first_frames(t.stacks, 20).replace("\n", "\n    "))
+    print(json.dumps(rep.to_json()))
+    return 1 if rep.findings else 0
+
+

@@ -1,0 +1,193 @@
+"""The one registry of known findings: suspected upstream bugs the gate reports and does not fail on.
+
+A :class:`Finding` names the property it violates, the backend that sees it, where upstream's code
+is at fault (file:line at 0c1e570 unless said otherwise) and, where one exists, the standalone
+reproducer under ``fixtures/findings/`` that exits 1 while the bug is present. Each backend decides
+*whether* a run shows a finding (matched by the violated property and the state that makes it, never
+by a broad tolerance); this table says *what* each one is, once. :meth:`Finding.entry` renders the
+``known_findings`` row of the gate's JSON.
+
+Imports nothing of the project: every floor may use it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["FINDINGS", "Finding", "finding"]
+
+
+@dataclass(frozen=True)
+class Finding:
+    """A suspected upstream bug: ``id`` is its name everywhere (JSON, reproducer, replay lines)."""
+
+    id: str
+    backend: str  # "synthetic" | "llama" | "server" | "llama-cpp-python-cache"
+    property: str  # the property it violates
+    title: str
+    reproducer: str | None = None  # path of the standalone reproducer, relative to the repository
+    scope: tuple[str, ...] = ()  # where it applies, when narrower than the backend (e.g. the cache kind)
+
+    def entry(self, machine: str, status: str, **extra: Any) -> dict[str, Any]:
+        """The ``known_findings`` row: id, title, machine, reproducer (if any), status, then ``extra``."""
+        row: dict[str, Any] = {"id": self.id, "title": self.title, "machine": machine}
+        if self.reproducer is not None:
+            row["reproducer"] = self.reproducer
+        row["status"] = status
+        row.update(extra)
+        return row
+
+
+_ALL = [
+    # ---- the model's machines (synthetic backend): upstream's logic, modelled ----
+    Finding(
+        "busy-slot-by-id",
+        "synthetic",
+        "busy_slot_untouched",
+        "get_available_slot saves/loads the cache into a slot that is processing when the request names "
+        "that slot by id (server-context.cpp:1532-1633, with slot_prompt_similarity != 0)",
+    ),
+    Finding(
+        "draft-kv-exhaustion",
+        "synthetic",
+        "draft_in_step",
+        "a draft context with less KV room than the target: a cache load whose draft restore fails after the "
+        "target restore succeeded leaves the entry without its main state (server-task.cpp:1842-1856), and a "
+        "draft decode failure aborts every slot without clearing it, leaving target and draft out of step "
+        "(server-context.cpp:3731, 2735)",
+    ),
+    Finding(
+        "swa-checkpoint-order",
+        "synthetic",
+        "checkpoint_lists",
+        "after an SWA checkpoint restore the slot resumes at pos_max = n_tokens - 1 but the restored checkpoint "
+        "is kept (invalidation erases only pos_max > pos_next), so the next checkpoint is created below it and "
+        "the list is no longer ascending in n_tokens (server-context.cpp:3338-3380, 2290-2345)",
+    ),
+    # ---- libllama (llama backend) ----
+    Finding(
+        "kv-layout-dependent-logits",
+        "llama",
+        "restore_equivalence",
+        "llama.cpp's logits depend on where a sequence's cells sit in the KV cache: after a seq_rm rollback "
+        "(new tokens go to cells past the hole) or beside other sequences in a unified KV, the same state gives "
+        "logits that differ in the last bits from a fresh evaluation, because attention (flash-attn or soft_max) "
+        "reduces over all n_kv cells in cell order; the restored state itself is bit-identical",
+        "fixtures/findings/kv_layout_logits.py",
+    ),
+    Finding(
+        "draft-kv-exhaustion (real state)",
+        "llama",
+        "draft_recovery",
+        "a draft context without room for a batch the target took fails every processing request "
+        "(abort_all_slots, server-context.cpp:3731); the purge/retry/resync recovery proposed in the PR's "
+        "discussion serves them instead",
+    ),
+    Finding(
+        "state-io-alloc-outside-try",
+        "llama",
+        "native_fault",
+        "llama_state_seq_get_data_ext/set_data_ext allocate their io object (std::make_unique) before the try "
+        "that turns exceptions into a 0 return, so a bad_alloc there terminates the process instead of failing "
+        "the call (src/llama-context.cpp:3204-3227); every later allocation in these calls is reported as 0",
+        "fixtures/findings/state_io_alloc_outside_try.py",
+    ),
+    Finding(
+        "decode-bad-alloc-terminates",
+        "llama",
+        "native_fault",
+        "llama_decode has no catch: a std::bad_alloc from any allocation inside it (batch conversion, ubatch "
+        "split, KV slot search, graph build, input masks) escapes the C API and terminates the process; "
+        "llama-server's update_slots has no catch around it either (src/llama-context.cpp:4401)",
+        "fixtures/findings/decode_bad_alloc_terminates.py",
+    ),
+    Finding(
+        "graph-compute-segv",
+        "llama",
+        "native_fault",
+        "two allocations inside ggml_graph_compute (ggml-cpu) are used without a NULL check: failing either "
+        "crashes llama_decode with SIGSEGV",
+        "fixtures/findings/graph_compute_segv.py",
+    ),
+    # ---- a real llama-server (server backend) ----
+    Finding(
+        "greedy-flip-on-cache-path",
+        "server",
+        "output_equivalence",
+        "a prompt served partly from a slot, the cache or a checkpoint is evaluated in other batch "
+        "shapes and cell layouts than from scratch; where the two best tokens are within "
+        "0.02 logprob the greedy choice can differ from a fresh server's "
+        "(the same root cause as kv-layout-dependent-logits)",
+        "fixtures/findings/kv_layout_logits.py",
+    ),
+    Finding(
+        "checkpoint-alloc-terminates",
+        "server",
+        "native_fault",
+        "a std::bad_alloc while creating a context checkpoint (common_prompt_checkpoint::update_tgt, "
+        "outside any try in update_slots) terminates llama-server, with or without PR #27451 (out of its scope)",
+    ),
+    # ---- llama-cpp-python 0.3.36's own caches ----
+    Finding(
+        "ram_size_ignores_scores",
+        "llama-cpp-python-cache",
+        "accounting",
+        "LlamaRAMCache.cache_size sums llama_state_size only; every entry also holds the state's scores "
+        "(n_tokens x n_vocab float32) and input_ids (n_ctx int32), so capacity_bytes does not bound the memory",
+        "fixtures/findings/lcp_ram_size_ignores_scores.py",
+        ("ram",),
+    ),
+    Finding(
+        "oversize_flushes_cache",
+        "llama-cpp-python-cache",
+        "oversize",
+        "inserting an entry larger than capacity_bytes evicts every cached entry and then the new one: "
+        "the cache ends empty",
+        "fixtures/findings/lcp_oversize_flushes_cache.py",
+        ("ram", "disk"),
+    ),
+    Finding(
+        "disk_lookup_removes_entry",
+        "llama-cpp-python-cache",
+        "lookup",
+        "LlamaDiskCache.__getitem__ pops the entry it returns: a second lookup of the same prompt misses",
+        "fixtures/findings/lcp_disk_lookup_removes_entry.py",
+        ("disk",),
+    ),
+    Finding(
+        "lookup_unusable_for_recurrent",
+        "llama-cpp-python-cache",
+        "lookup",
+        "_find_longest_prefix_key returns the key with the longest common prefix even when it diverges from "
+        "the prompt; a recurrent model cannot truncate the loaded state, so Llama re-evaluates everything while "
+        "a stored key that is a prefix of the prompt was usable",
+        "fixtures/findings/lcp_lookup_unusable_for_recurrent.py",
+        ("ram", "disk"),
+    ),
+    Finding(
+        "fault_leaves_over_capacity",
+        "llama-cpp-python-cache",
+        "fault_atomic",
+        "a MemoryError from the size computation in __setitem__'s eviction loop leaves the new entry in and the "
+        "cache above capacity_bytes",
+        "fixtures/findings/lcp_fault_leaves_over_capacity.py",
+        ("ram", "disk"),
+    ),
+    Finding(
+        "reinsert_fault_loses_entry",
+        "llama-cpp-python-cache",
+        "fault_atomic",
+        "__setitem__ deletes an existing key before storing the new value; a failure in between (disk: "
+        "pickling, e.g. under an address-space limit; RAM: the OrderedDict insertion) loses the cached entry",
+        "fixtures/findings/lcp_reinsert_fault_loses_entry.py",
+        ("ram", "disk"),
+    ),
+]
+
+FINDINGS: dict[str, Finding] = {f.id: f for f in _ALL}
+
+
+def finding(id: str) -> Finding:
+    """The registered finding ``id`` (a KeyError names a finding nobody registered: a harness bug)."""
+    return FINDINGS[id]

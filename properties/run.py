@@ -1,0 +1,186 @@
+"""Running one state machine: the settings profiles, the seed, the shrunk program of a failure.
+
+Everything that runs a Hypothesis machine goes through :func:`run_seeded`, which seeds Hypothesis
+through its public API (``hypothesis.seed`` on the test of
+``hypothesis.stateful.get_state_machine_test``): a seed gives the same examples on a developer's
+machine and in CI (Hypothesis' own ``ci`` profile, chosen when ``CI`` is set, derandomizes, so the
+profiles below set ``derandomize=False`` explicitly). The two gate profiles are registered once,
+here, as Hypothesis settings profiles ``harness-ci`` and ``harness-fuzz``.
+
+:func:`run_machine` turns a run into a :class:`MachineResult`; a failure carries the shrunk program
+(ready to paste into ``python`` from the repository root), its number of steps and the replay line.
+
+May import: ``harness.model``, ``harness.targets``, ``harness.errors``, ``properties``.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+from typing import Any
+
+from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis.database import DirectoryBasedExampleDatabase
+from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
+
+from harness.errors import PropertyFailure, UsageError
+from properties.machine import MachineConfig, TargetCrash, machine_class
+
+__all__ = [
+    "PROFILES",
+    "Failure",
+    "MachineResult",
+    "commit",
+    "machines_for",
+    "make_settings",
+    "run_machine",
+    "run_seeded",
+]
+
+PROFILES: dict[str, dict[str, int]] = {
+    "ci": {"max_examples": 300, "steps": 30},
+    "fuzz": {"max_examples": 1500, "steps": 60},
+}
+
+for _name, _p in PROFILES.items():
+    settings.register_profile(
+        f"harness-{_name}",
+        max_examples=_p["max_examples"],
+        stateful_step_count=_p["steps"],
+        deadline=None,
+        database=None,
+        report_multiple_bugs=False,
+        derandomize=False,  # Hypothesis' own "ci" profile (CI=true) derandomizes; the seed must rule
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        print_blob=False,
+    )
+
+
+def make_settings(profile: str, db: str | None, max_examples: int | None = None) -> settings:
+    """The registered profile, with the example database of the fuzz profile and an example budget."""
+    base = settings.get_profile(f"harness-{profile}")
+    if profile != "fuzz":
+        return settings(base, max_examples=max_examples or base.max_examples)
+    path = db or os.path.join(".hypothesis", "gate")
+    try:
+        os.makedirs(path, exist_ok=True)
+        probe = os.path.join(path, ".probe")
+        with open(probe, "w") as f:
+            f.write("")
+        os.unlink(probe)
+    except OSError as e:
+        raise UsageError(f"example database {path!r} is not usable: {e.strerror or e}") from None
+    return settings(
+        base,
+        max_examples=max_examples or base.max_examples,
+        database=DirectoryBasedExampleDatabase(path),
+        phases=[Phase.explicit, Phase.reuse, Phase.generate, Phase.shrink],
+    )
+
+
+def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
+    """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``."""
+    test: Any = get_state_machine_test(factory, settings=cfg_settings)  # type: ignore[no-untyped-call]
+    seed(seed_value)(test)
+    test()
+
+
+def machines_for(variant: str, profile: str) -> list[MachineConfig]:
+    """The machine configurations one gate run covers."""
+    base = [
+        MachineConfig(variant, "hybrid"),
+        MachineConfig(variant, "hybrid", draft=True),
+        MachineConfig(variant, "recurrent", kv_unified=True),
+        MachineConfig(variant, "iswa"),
+        MachineConfig(variant, "transformer", draft=True, kv_unified=True),
+    ]
+    if profile == "fuzz":
+        base += [
+            MachineConfig(variant, kind, draft=d, kv_unified=k, n_slots=n)
+            for kind in ("transformer", "recurrent", "hybrid", "iswa")
+            for d in (False, True)
+            for k in (False, True)
+            for n in (2, 3)
+            if MachineConfig(variant, kind, draft=d, kv_unified=k, n_slots=n) not in base
+        ]
+    return base
+
+
+@dataclass
+class Failure:
+    property: str
+    kind: str  # "violation" | "crash" | "error"
+    message: str
+    program: str
+    replay: str
+    machine: str
+    steps: int
+
+
+@dataclass
+class MachineResult:
+    config: MachineConfig
+    seconds: float
+    failure: Failure | None
+    checked: Counter[str]
+    check_seconds: Counter[str]
+    peaks: list[tuple[int, int, int]]
+
+
+def commit() -> str:
+    here = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    try:
+        out = subprocess.run(
+            ["git", "-C", here, "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True, timeout=10
+        )
+        dirty = subprocess.run(
+            ["git", "-C", here, "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        )
+    except (OSError, subprocess.TimeoutExpired):
+        return "unknown"
+    sha = out.stdout.strip() or "unknown"
+    return sha + ("+dirty" if dirty.stdout.strip() else "")
+
+
+def _program(cfg: MachineConfig, notes: Iterable[str]) -> tuple[str, int]:
+    lines = [n for n in notes if n.startswith("state")]
+    head = ["from properties.machine import MachineConfig, machine_class"]
+    config = repr(cfg)  # resolve is not part of the repr
+    if cfg.resolve is not None:
+        head.insert(0, "import properties.mutants")
+        config = config[:-1] + ", resolve=properties.mutants.resolve)"
+    head.append(f"{cfg.class_name} = machine_class({config})")
+    steps = sum(1 for n in lines if n.startswith("state.") and not n.startswith(("state.teardown", "state.state_inv")))
+    return "\n".join(head + lines), steps
+
+
+def run_machine(cfg: MachineConfig, cfg_settings: settings, seed_value: int, replay: str) -> MachineResult:
+    """Run the machine of ``cfg`` with ``seed_value``; a failure is caught and returned with its program."""
+    cls = machine_class(cfg)
+    cls.stats_checked.clear()
+    cls.stats_seconds.clear()
+    cls.peaks.clear()
+    cls.llama_stats.clear()
+    cls.layout_example.clear()
+    t0 = time.perf_counter()
+    failure: Failure | None = None
+    try:
+        run_seeded(cls, cfg_settings, seed_value)
+    except PropertyFailure as e:
+        program, steps = _program(cfg, getattr(e, "__notes__", []))
+        kind = "crash" if isinstance(e, TargetCrash) else "violation"
+        failure = Failure(e.name, kind, e.message, program, replay, cfg.class_name, steps)
+    except Exception as e:  # a bug of the harness or the model itself: still a reproducible failure
+        program, steps = _program(cfg, getattr(e, "__notes__", []))
+        failure = Failure("crash", "error", f"{type(e).__name__}: {e}", program, replay, cfg.class_name, steps)
+    return MachineResult(
+        cfg, time.perf_counter() - t0, failure, Counter(cls.stats_checked), Counter(cls.stats_seconds), list(cls.peaks)
+    )
