@@ -201,6 +201,17 @@ FINDINGS: list[ContractFinding] = [
         "src/llama-memory-recurrent.cpp:172 (and src/llama-memory-hybrid.cpp:146)",
         "fixtures/findings/recurrent_seq_rm_any_seq.py",
     ),
+    ContractFinding(
+        "recurrent-seq-rm-range-silent",
+        "seq_rm_range",
+        frozenset({"mamba", "jamba", "lfm2"}),
+        "recurrent_not_tail",
+        "llama_memory_seq_rm of a range that ends before the tail (a prefix or a middle range) returns true on "
+        "recurrent memory and removes nothing from the recurrent state (the refusal test only covers ranges "
+        "that contain the tail cell); a hybrid then removes the attention cells, so its parts disagree",
+        "src/llama-memory-recurrent.cpp:194 (test), :218-246 (no cell matches, returns true)",
+        "fixtures/findings/recurrent_seq_rm_range_silent.py",
+    ),
 ]
 
 
