@@ -212,6 +212,26 @@ FINDINGS: list[ContractFinding] = [
         "src/llama-memory-recurrent.cpp:194 (test), :218-246 (no cell matches, returns true)",
         "fixtures/findings/recurrent_seq_rm_range_silent.py",
     ),
+    ContractFinding(
+        "seq-add-moves-shared-cells",
+        "seq_add",
+        frozenset(ARCHS),
+        "shared_cells",
+        "llama_memory_seq_add shifts cells that seq_cp made shared (one KV stream, or a recurrent tail cell), "
+        "so every sequence sharing them is shifted too, not only seq_id",
+        "src/llama-kv-cache.cpp:606-607 (pos_add on shared cells), src/llama-memory-recurrent.cpp:342",
+        "fixtures/findings/seq_add_moves_shared_cells.py",
+    ),
+    ContractFinding(
+        "recurrent-seq-cp-ignores-range",
+        "seq_cp_prefix",
+        frozenset({"mamba", "jamba", "lfm2"}),
+        "recurrent",
+        "llama_memory_seq_cp with a range copies the whole recurrent state (p0/p1 are never used, and the void "
+        "call cannot refuse): the destination silently gets the entire source history",
+        "src/llama-memory-recurrent.cpp:249-284",
+        "fixtures/findings/recurrent_seq_cp_ignores_range.py",
+    ),
 ]
 
 
@@ -423,6 +443,7 @@ class ContractMachine(RuleBasedStateMachine):
         self.ref = _reference(self.model, self.cfg)
         self.seqs = [Seq() for _ in range(N_SEQ)]
         self.blobs: list[Blob] = []
+        self.shared: list[set[int]] = [set() for _ in range(N_SEQ)]  # seq_cp made cells common to these
         self.unflushed: set[str] = set()  # "shift" / "cp": pending work libllama does at the next decode
         ll = self.eng.ll
         self.can_shift = bool(ll.llama_memory_can_shift(self.eng.mem))
@@ -461,6 +482,17 @@ class ContractMachine(RuleBasedStateMachine):
     def _reset(self, s: int) -> None:
         self.eng.rm(s, -1, -1)
         self.seqs[s] = Seq()
+        self._unshare(s)
+
+    def _unshare(self, s: int) -> None:
+        for t in self.shared[s]:
+            self.shared[t].discard(s)
+        self.shared[s] = set()
+
+    def _check_all(self, op: str) -> None:
+        """``seq_pos_max`` of every sequence after ``op`` (a call may touch sequences it was not given)."""
+        for t in range(N_SEQ):
+            self._check_pos(t, op)
 
     def _flush_if_needed(self) -> None:
         if self.unflushed:
@@ -572,7 +604,7 @@ class ContractMachine(RuleBasedStateMachine):
             q.recipe = cut(q.recipe, p0)
         else:
             self._refusal(s, "seq_rm_tail", partial=True)
-        self._check_pos(s, "seq_rm_tail")
+        self._check_all("seq_rm_tail")
 
     def _refusal(self, s: int, op: str, *, partial: bool) -> None:
         if not partial:
@@ -599,7 +631,7 @@ class ContractMachine(RuleBasedStateMachine):
         self._op("seq_rm_range", [s], *(["recurrent_not_tail"] if self.recurrent and hit else []))
         if not ok:
             self._refusal(s, "seq_rm_range", partial=True)
-            self._check_pos(s, "seq_rm_range")
+            self._check_all("seq_rm_range")
             return
         q.recipe = (*q.recipe, ("rm", p0, p1))
         if before and self.eng.get(s, PARTIAL) == before:
@@ -609,7 +641,7 @@ class ContractMachine(RuleBasedStateMachine):
                 f"seq_rm({p0}, {p1}) returned true but the recurrent state of the {len(hit)} tokens is unchanged",
             )
             return
-        self._check_pos(s, "seq_rm_range")
+        self._check_all("seq_rm_range")
 
     @rule(s=st.integers(-1, N_SEQ - 1))
     def rm_whole(self, s: int) -> None:
@@ -622,7 +654,8 @@ class ContractMachine(RuleBasedStateMachine):
             return
         for t in targets:
             self.seqs[t].recipe = ()
-            self._check_pos(t, "seq_rm_whole")
+            self._unshare(t)
+        self._check_all("seq_rm_whole")
 
     @rule(src=st.integers(0, N_SEQ - 1), dst=st.integers(0, N_SEQ - 1), prefix=st.integers(0, MAX_POS))
     def cp(self, src: int, dst: int, prefix: int) -> None:
@@ -640,7 +673,11 @@ class ContractMachine(RuleBasedStateMachine):
         op = "seq_cp_prefix" if ranged else "seq_cp"
         self._op(op, [dst], *(["recurrent"] if ranged and self.recurrent else []))
         self.seqs[dst].recipe = cut(self.seqs[src].recipe, prefix) if ranged else self.seqs[src].recipe
-        self._check_pos(dst, op)
+        if self.cfg.kv_unified or self.recurrent:  # no data copied: the cells are now common
+            group = {src, dst} | self.shared[src]
+            for t in group:
+                self.shared[t] = group - {t}
+        self._check_all(op)
 
     @rule(s=st.integers(0, N_SEQ - 1))
     def keep(self, s: int) -> None:
@@ -649,7 +686,8 @@ class ContractMachine(RuleBasedStateMachine):
         for t in range(N_SEQ):
             if t != s:
                 self.seqs[t].recipe = ()
-            self._check_pos(t, "seq_keep")
+                self._unshare(t)
+        self._check_all("seq_keep")
 
     @precondition(lambda self: self.can_shift)
     @rule(s=st.integers(0, N_SEQ - 1), a=st.integers(0, MAX_POS), delta=st.integers(-12, 6), flush=st.booleans())
@@ -666,11 +704,11 @@ class ContractMachine(RuleBasedStateMachine):
             return
         self.eng.ll.llama_memory_seq_add(self.eng.mem, s, p0, -1, delta)
         self.unflushed.add("shift")
-        self._op("seq_add", [s])
+        self._op("seq_add", [s, *self.shared[s]], *(["shared_cells"] if self.shared[s] else []))
         self.seqs[s].recipe = (*self.seqs[s].recipe, ("add", p0, -1, delta))
         if flush:
             self._flush_if_needed()
-        self._check_pos(s, "seq_add")
+        self._check_all("seq_add")
 
     @rule(s=st.integers(0, N_SEQ - 1), partial=st.booleans())
     def state_get(self, s: int, partial: bool) -> None:
@@ -694,6 +732,7 @@ class ContractMachine(RuleBasedStateMachine):
             return
         b = full[i % len(full)]
         ret = self.eng.set(dst, b.data, 0)
+        self._unshare(dst)
         self._op("state_set", [dst], *(t.split(":", 1)[1] for t in b.tags))
         self.seqs[dst].pending.extend(",".join([t.split(":")[0], t]) for t in b.tags)
         if ret == 0:
@@ -704,7 +743,7 @@ class ContractMachine(RuleBasedStateMachine):
             return
         else:
             self.seqs[dst].recipe = b.recipe
-        self._check_pos(dst, "state_set")
+        self._check_all("state_set")
 
     @precondition(lambda self: any(b.flags == PARTIAL for b in self.blobs))
     @rule(i=st.integers(0, 3), dst=st.integers(0, N_SEQ - 1))
@@ -728,7 +767,7 @@ class ContractMachine(RuleBasedStateMachine):
             self._violation(dst, "seq-rm-after-checkpoint", f"seq_rm({n}, -1) refused after a partial restore")
             return
         q.recipe = b.recipe
-        self._check_pos(dst, "state_set_partial")
+        self._check_all("state_set_partial")
 
     @invariant()
     def no_orphan_positions(self) -> None:
