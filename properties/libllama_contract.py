@@ -68,7 +68,14 @@ from typing import Any, ClassVar
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis import seed as hseed
 from hypothesis import strategies as st
-from hypothesis.stateful import RuleBasedStateMachine, initialize, invariant, precondition, rule, run_state_machine_as_test
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
 
 from fixtures.models import ARCHS, model_path
 from harness.llama_provider import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
@@ -232,6 +239,18 @@ FINDINGS: list[ContractFinding] = [
         "src/llama-memory-recurrent.cpp:249-284",
         "fixtures/findings/recurrent_seq_cp_ignores_range.py",
     ),
+    ContractFinding(
+        "state-get-misses-pending-seq-cp",
+        "state_get",
+        frozenset({"llama", "gemma2", "jamba", "lfm2"}),
+        "unflushed_cp",
+        "with a per-slot KV, seq_cp between streams defers the K/V buffer copy to the next decode; "
+        "llama_state_seq_get_data_ext taken before that decode saves the destination's positions with the "
+        "stale K/V of its stream, and the restored state gives wrong logits",
+        "src/llama-kv-cache.cpp:508-509 (copy deferred), src/llama-context.cpp:3443 (state written without update)",
+        "fixtures/findings/state_get_before_pending_seq_cp.py",
+        kv_unified=False,
+    ),
 ]
 
 
@@ -332,11 +351,12 @@ class Engine:
 
 
 class Reference:
-    """Fresh evaluations: a one-sequence context (plus a scratch sequence) with the same KV options."""
+    """Fresh evaluations: a context shaped like the machine's (same KV options and ``n_seq_max``: a
+    sequence state records the number of KV streams and is refused by a context with another count),
+    of which only sequence 0 (and the scratch sequence) is used."""
 
     def __init__(self, model: LlamaModel, cfg: ContractConfig) -> None:
-        self.eng = Engine(model, cfg, 2)
-        self.compact = Engine(model, cfg, 1)
+        self.eng = Engine(model, cfg, N_SEQ + 1)
 
     def logits(self, recipe: Recipe, batch: Sequence[int], pos0: int) -> bytes | None:
         """The last logits of ``batch`` after replaying ``recipe``; None if the replay is refused."""
@@ -366,8 +386,11 @@ class Reference:
         return out
 
     def compacted(self, snap: bytes, batch: Sequence[int], pos0: int) -> bytes:
-        """The same state in a fresh context, its cells contiguous, then ``batch``."""
-        c = self.compact
+        """The same state in the reference context, its cells contiguous, then ``batch``.
+
+        The reference context itself: it has the machine's number of KV streams, which a state needs.
+        """
+        c = self.eng
         c.clear()
         if snap and c.set(0, snap, 0) == 0:
             return b""
@@ -376,7 +399,6 @@ class Reference:
 
     def close(self) -> None:
         self.eng.close()
-        self.compact.close()
 
 
 _REFS: dict[ContractConfig, Reference] = {}
@@ -387,6 +409,11 @@ def _reference(model: LlamaModel, cfg: ContractConfig) -> Reference:
     if r is None:
         r = _REFS[cfg] = Reference(model, cfg)
     return r
+
+
+def _body(state: bytes) -> bytes:
+    """A sequence state without its header (magic and the source seq_id, llama-context.cpp:3213)."""
+    return state[8:]
 
 
 def _maxdiff(a: bytes, b: bytes) -> tuple[float, float]:
@@ -433,13 +460,14 @@ TOKENS = st.integers(3, 258)
 class ContractMachine(RuleBasedStateMachine):
     cfg: ClassVar[ContractConfig]
     stats: ClassVar[Stats]
-    wrap: ClassVar[Callable[[Engine], Engine] | None] = None  # mutants replace the engine's calls
+    # mutants replace the engine's calls: ``wrap_fn`` (a staticmethod in the generated class) wraps it
 
     def __init__(self) -> None:
         super().__init__()
         self.model = load_model(model_path(self.cfg.arch))
         eng = Engine(self.model, self.cfg, N_SEQ + 1)
-        self.eng = self.wrap(eng) if self.wrap is not None else eng
+        wrap = type(self).__dict__.get("wrap_fn")
+        self.eng = wrap.__func__(eng) if isinstance(wrap, staticmethod) else eng
         self.ref = _reference(self.model, self.cfg)
         self.seqs = [Seq() for _ in range(N_SEQ)]
         self.blobs: list[Blob] = []
@@ -477,7 +505,9 @@ class ContractMachine(RuleBasedStateMachine):
                 self.stats.findings.setdefault(f.name, []).append(ev)
                 self._reset(s)
                 return
-        raise ContractViolation(prop, f"{self.cfg.name} seq {s}: {msg}; ops since the last check: {self.seqs[s].pending}")
+        raise ContractViolation(
+            prop, f"{self.cfg.name} seq {s}: {msg}; ops since the last check: {self.seqs[s].pending}"
+        )
 
     def _reset(self, s: int) -> None:
         self.eng.rm(s, -1, -1)
@@ -550,7 +580,7 @@ class ContractMachine(RuleBasedStateMachine):
         if not need:
             return False
         pmin = self.eng.pos_min(s)
-        if pmin > min(need) or pmin < 0:
+        if pmin > min(need) or pmin < 0 or self.eng.pos_max(s) < cells[-1][1]:
             self.stats.refused["swa_window(pos_min)"] += 1
             self._reset(s)
             return True
@@ -586,6 +616,8 @@ class ContractMachine(RuleBasedStateMachine):
         cells = q.cells
         want = cells[-1][1] if cells else -1
         got = self.eng.pos_max(s)
+        if got != want and self.n_swa > 0 and got < want and self._swa_says_missing(s, want + 1):
+            return  # the SWA cache reused cells behind the window and says so (pos_min / pos_max)
         if got != want:
             self._violation(s, "pos-max", f"seq_pos_max is {got} after {op}, the calls claim {want}")
             return
@@ -673,6 +705,9 @@ class ContractMachine(RuleBasedStateMachine):
         op = "seq_cp_prefix" if ranged else "seq_cp"
         self._op(op, [dst], *(["recurrent"] if ranged and self.recurrent else []))
         self.seqs[dst].recipe = cut(self.seqs[src].recipe, prefix) if ranged else self.seqs[src].recipe
+        if ranged and self.recurrent and _body(self.eng.get(dst, PARTIAL)) == _body(self.eng.get(src, PARTIAL)):
+            self._violation(dst, "cp-range", f"seq_cp({src} -> {dst}, [0, {prefix})) copied the whole recurrent state")
+            return
         if self.cfg.kv_unified or self.recurrent:  # no data copied: the cells are now common
             group = {src, dst} | self.shared[src]
             for t in group:
@@ -752,8 +787,9 @@ class ContractMachine(RuleBasedStateMachine):
         parts = [b for b in self.blobs if b.flags == PARTIAL]
         b = parts[i % len(parts)]
         q = self.seqs[dst]
-        if q.recipe[: len(b.recipe)] != b.recipe:
-            return  # the rest of the state would not belong to this history
+        rest = q.recipe[len(b.recipe) :]
+        if q.recipe[: len(b.recipe)] != b.recipe or any(ev[0] != "d" for ev in rest):
+            return  # the rest of the state would not belong to this history (or moved since)
         ret = self.eng.set(dst, b.data, PARTIAL)
         self._op("state_set_partial", [dst], *(t.split(":", 1)[1] for t in b.tags))
         self.seqs[dst].pending.extend(",".join([t.split(":")[0], t]) for t in b.tags)
@@ -783,7 +819,7 @@ def machine_class(
 ) -> type[ContractMachine]:
     """A machine class for ``cfg`` (fresh statistics); ``wrap`` replaces the engine (mutants)."""
     name = f"Contract_{cfg.name}"
-    ns: dict[str, Any] = {"cfg": cfg, "stats": Stats(), "wrap": staticmethod(wrap) if wrap else None}
+    ns: dict[str, Any] = {"cfg": cfg, "stats": Stats(), "wrap_fn": staticmethod(wrap) if wrap else None}
     cls = type(name, (ContractMachine,), ns)
     if seed is not None:
         cls = hseed(seed)(cls)
@@ -828,7 +864,7 @@ def run_config(
     t0 = time.perf_counter()
     failure: dict[str, Any] | None = None
     try:
-        run_state_machine_as_test(cls, settings=_settings(max_examples, steps))
+        run_state_machine_as_test(cls, settings=_settings(max_examples, steps))  # type: ignore[no-untyped-call]
     except ContractViolation as e:
         failure = {"property": e.prop, "message": e.message, "program": _program(cfg, getattr(e, "__notes__", []))}
     except Exception as e:  # a harness error is a failure too, with the program that gives it
