@@ -251,6 +251,17 @@ FINDINGS: list[ContractFinding] = [
         "fixtures/findings/state_get_before_pending_seq_cp.py",
         kv_unified=False,
     ),
+    ContractFinding(
+        "state-set-leaks-into-pending-seq-cp",
+        "state_set",
+        frozenset({"llama", "gemma2", "jamba", "lfm2"}),
+        "into_unflushed_cp_src",
+        "with a per-slot KV, a state restored into the source of a cross-stream seq_cp before the next decode "
+        "overwrites the source buffer that the deferred copy then gives to the destination",
+        "src/llama-kv-cache.cpp:508-509 (copy deferred), src/llama-context.cpp:3223 (set_data without update)",
+        "fixtures/findings/state_set_before_pending_seq_cp.py",
+        kv_unified=False,
+    ),
 ]
 
 
@@ -472,6 +483,7 @@ class ContractMachine(RuleBasedStateMachine):
         self.seqs = [Seq() for _ in range(N_SEQ)]
         self.blobs: list[Blob] = []
         self.shared: list[set[int]] = [set() for _ in range(N_SEQ)]  # seq_cp made cells common to these
+        self.pending_cp: list[tuple[int, int]] = []  # (src, dst) of copies libllama has not done yet
         self.unflushed: set[str] = set()  # "shift" / "cp": pending work libllama does at the next decode
         ll = self.eng.ll
         self.can_shift = bool(ll.llama_memory_can_shift(self.eng.mem))
@@ -527,7 +539,17 @@ class ContractMachine(RuleBasedStateMachine):
     def _flush_if_needed(self) -> None:
         if self.unflushed:
             self.eng.flush()
-            self.unflushed.clear()
+            self._flushed()
+
+    def _flushed(self) -> None:
+        self.unflushed.clear()
+        self.pending_cp.clear()
+
+    def _into_cp_source(self, dst: int) -> None:
+        """A restore into the source of a copy libllama has not done yet: tag the copy's destination."""
+        for src, d in self.pending_cp:
+            if src == dst and d != dst:
+                self.seqs[d].pending.append("state_set,state_set:into_unflushed_cp_src")
 
     # ---- rules ----
 
@@ -564,7 +586,7 @@ class ContractMachine(RuleBasedStateMachine):
         if ret != 0:
             self._violation(s, "decode", f"llama_decode of {len(toks)} tokens at {pos0} returned {ret}")
             return
-        self.unflushed.clear()
+        self._flushed()
         recipe_before = q.recipe
         q.recipe = (*q.recipe, ("d", tuple(toks), pos0))
         if check:
@@ -702,6 +724,7 @@ class ContractMachine(RuleBasedStateMachine):
         self.eng.ll.llama_memory_seq_cp(self.eng.mem, src, dst, -1, p1)
         if not self.cfg.kv_unified and not self.pure_recurrent:
             self.unflushed.add("cp")
+            self.pending_cp.append((src, dst))
         op = "seq_cp_prefix" if ranged else "seq_cp"
         self._op(op, [dst], *(["recurrent"] if ranged and self.recurrent else []))
         self.seqs[dst].recipe = cut(self.seqs[src].recipe, prefix) if ranged else self.seqs[src].recipe
@@ -767,6 +790,7 @@ class ContractMachine(RuleBasedStateMachine):
             return
         b = full[i % len(full)]
         ret = self.eng.set(dst, b.data, 0)
+        self._into_cp_source(dst)
         self._unshare(dst)
         self._op("state_set", [dst], *(t.split(":", 1)[1] for t in b.tags))
         self.seqs[dst].pending.extend(",".join([t.split(":")[0], t]) for t in b.tags)
@@ -791,6 +815,7 @@ class ContractMachine(RuleBasedStateMachine):
         if q.recipe[: len(b.recipe)] != b.recipe or any(ev[0] != "d" for ev in rest):
             return  # the rest of the state would not belong to this history (or moved since)
         ret = self.eng.set(dst, b.data, PARTIAL)
+        self._into_cp_source(dst)
         self._op("state_set_partial", [dst], *(t.split(":", 1)[1] for t in b.tags))
         self.seqs[dst].pending.extend(",".join([t.split(":")[0], t]) for t in b.tags)
         if ret == 0:
