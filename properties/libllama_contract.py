@@ -255,9 +255,10 @@ FINDINGS: list[ContractFinding] = [
         "state-set-leaks-into-pending-seq-cp",
         "state_set",
         frozenset({"llama", "gemma2", "jamba", "lfm2"}),
-        "into_unflushed_cp_src",
-        "with a per-slot KV, a state restored into the source of a cross-stream seq_cp before the next decode "
-        "overwrites the source buffer that the deferred copy then gives to the destination",
+        "into_unflushed_cp",
+        "with a per-slot KV, a state restored into either end of a cross-stream seq_cp before the next decode "
+        "is mixed up by the deferred buffer copy: restored into the source, it is what the destination gets; "
+        "restored into the destination, it is overwritten by the source's buffer",
         "src/llama-kv-cache.cpp:508-509 (copy deferred), src/llama-context.cpp:3223 (set_data without update)",
         "fixtures/findings/state_set_before_pending_seq_cp.py",
         kv_unified=False,
@@ -546,10 +547,10 @@ class ContractMachine(RuleBasedStateMachine):
         self.pending_cp.clear()
 
     def _into_cp_source(self, dst: int) -> None:
-        """A restore into the source of a copy libllama has not done yet: tag the copy's destination."""
+        """A restore into either end of a copy libllama has not done yet: tag the copy's destination."""
         for src, d in self.pending_cp:
-            if src == dst and d != dst:
-                self.seqs[d].pending.append("state_set,state_set:into_unflushed_cp_src")
+            if dst in (src, d):
+                self.seqs[d].pending.append("state_set,state_set:into_unflushed_cp")
 
     # ---- rules ----
 
