@@ -263,6 +263,16 @@ FINDINGS: list[ContractFinding] = [
         "fixtures/findings/state_set_before_pending_seq_cp.py",
         kv_unified=False,
     ),
+    ContractFinding(
+        "state-get-misses-pending-shift",
+        "state_get",
+        frozenset({"llama", "gemma2", "lfm2"}),
+        "unflushed_shift",
+        "a state saved between llama_memory_seq_add and the next decode has the shifted positions but keys "
+        "not yet rotated (the K-shift runs at the next decode); restored, it gives wrong logits",
+        "src/llama-context.cpp:3443 (state written without update), src/llama-kv-cache.cpp:2226 (new pos written)",
+        "fixtures/findings/state_get_before_pending_shift.py",
+    ),
 ]
 
 
@@ -385,9 +395,12 @@ class Reference:
                 holes = True
             elif ev[0] == "add":
                 e.ll.llama_memory_seq_add(e.mem, 0, ev[1], ev[2], ev[3])
-                e.flush()
                 holes = True
+            elif ev[0] == "flush":
+                e.flush()
         if holes:  # contiguous cells: compare values, not the layout
+            if recipe and recipe[-1][0] == "add":
+                e.flush()  # the machine's check decode applies pending shifts before it snapshots
             snap = e.get(0, 0)
             e.clear()
             if recipe and e.set(0, snap, 0) == 0:
@@ -543,6 +556,12 @@ class ContractMachine(RuleBasedStateMachine):
             self._flushed()
 
     def _flushed(self) -> None:
+        """libllama applied pending shifts (K-shift, once for the summed delta) and copies."""
+        if "shift" in self.unflushed:
+            for q in self.seqs:
+                done = [i for i, ev in enumerate(q.recipe) if ev[0] in ("d", "flush")]
+                if any(ev[0] == "add" for ev in q.recipe[(done[-1] + 1 if done else 0) :]):
+                    q.recipe = (*q.recipe, ("flush",))
         self.unflushed.clear()
         self.pending_cp.clear()
 
