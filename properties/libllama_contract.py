@@ -1,0 +1,1032 @@
+"""libllama's own contract: a Hypothesis state machine directly on the memory and state API.
+
+The llama backend of the gate only makes the calls the server logic makes, so some calls libllama
+offers are never tried. This machine drives ``llama_context``'s memory API itself, independent of
+any server logic, on every fixtures model (``llama``, ``mamba``, ``jamba``, ``lfm2``, ``gemma2``), with
+a unified KV and per-slot KV streams, and ``swa_full`` false and true for the SWA model:
+
+* ``llama_decode`` of batches of 1..12 tokens for one of three sequences (``n_ubatch`` 8, so larger
+  batches are split),
+* ``llama_memory_seq_rm``: truncate the tail, remove a range inside, remove a prefix, remove a whole
+  sequence, every sequence (``seq_id`` -1),
+* ``llama_memory_seq_cp`` (whole sequence, and a prefix where the memory accepts a range),
+* ``llama_memory_seq_keep``, ``llama_memory_seq_add`` (a position shift, where
+  ``llama_memory_can_shift``),
+* ``llama_state_seq_get_data_ext`` / ``set_data_ext`` with flags 0 (restored into the same or another
+  sequence) and ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY`` (a checkpoint restored, then the tail removed,
+  the way a partial state is meant to be used).
+
+The machine keeps, per sequence, what the calls CLAIM to leave: a *recipe* (the batches decoded,
+the removals and shifts that succeeded) and the claimed cells ``(token, pos)``. What upstream
+promises (include/llama.h at 0c1e570, and the memory implementations):
+
+* ``seq_rm`` "Returns false if a partial sequence cannot be removed. Removing a whole sequence never
+  fails" (llama.h:756). True means the range is gone; false means nothing changed and is acceptable
+  only for a partial removal (recurrent memories refuse to cut into their state).
+* ``seq_cp`` / ``seq_keep`` / ``seq_add`` return nothing: they must do what they say.
+* ``seq_pos_max`` is the largest position present, ``seq_pos_min`` the smallest, "all positions in the
+  range [pos_min, pos_max] are guaranteed to be present" (llama.h:803). A sliding-window cache may
+  hold fewer positions than the sequence claims; that is honest only when ``seq_pos_min`` says so.
+* ``set_data_ext`` returns 0 on failure (and the destination is cleared), else the bytes read.
+* ``llama_decode`` 0 on success, 1 no KV slot (memory unchanged), -1 invalid batch.
+
+Properties, checked by the rules:
+
+* **next decode = fresh evaluation**: the first decode on a sequence after any other call gives the
+  logits of a fresh evaluation, bit for bit: a new single-sequence context of the same model and
+  the same KV options replays the sequence's recipe (same batches: logits depend on batch shape;
+  removals inside a sequence and shifts are replayed there, because surviving cells keep values
+  computed with the removed ones), moved to contiguous cells, then decodes the same batch. A
+  difference that disappears when the sequence's real state is moved to contiguous cells is the
+  known finding ``kv-layout-dependent-logits`` (in a unified KV also a difference within 1 % of the
+  largest logit), counted in ``layout_diffs``, not a mismatch.
+* **positions**: after every call, ``seq_pos_max`` is the claimed last position (-1 when empty).
+* **success changes the state**: a ``seq_rm`` that returns true for a range that holds claimed
+  tokens of a recurrent state must change that state (the recurrent part's bytes).
+
+A violation of upstream's contract that is verified by a standalone reproducer is a *finding*
+(:data:`FINDINGS`), matched by operation, architecture and condition; the machine reports it and
+resets the sequence instead of failing. Everything else fails the run with the shrunk program.
+
+Run: ``python -m properties.libllama_contract [--archs llama,gemma2] [--seed 0] [--examples N]
+[--steps N] [--json]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import struct
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from hypothesis import HealthCheck, Phase, settings
+from hypothesis import seed as hseed
+from hypothesis import strategies as st
+from hypothesis.stateful import (
+    RuleBasedStateMachine,
+    initialize,
+    invariant,
+    precondition,
+    rule,
+    run_state_machine_as_test,
+)
+
+from fixtures.models import ARCHS, model_path
+from harness.llama_provider import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
+
+__all__ = [
+    "FINDINGS",
+    "LAYOUT_FINDING",
+    "ContractConfig",
+    "ContractFinding",
+    "ContractViolation",
+    "Engine",
+    "configs_for",
+    "machine_class",
+    "run_contract",
+]
+
+PARTIAL = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY
+N_SEQ = 3  # sequences the machine uses; one more (SCRATCH) flushes pending shifts/copies
+SCRATCH = N_SEQ
+N_CTX_SEQ = 256  # libllama pads n_ctx_seq to 256 anyway (llama-context.cpp:296)
+N_BATCH = 32
+N_UBATCH = 8
+MAX_POS = 48  # claimed positions stay below this: well past gemma2's window of 16
+LAYOUT_FINDING = "kv-layout-dependent-logits"
+
+# ---- the claimed history -------------------------------------------------------------------------
+
+# ("d", tokens, pos0) | ("rm", p0, p1) | ("add", p0, p1, delta); p1 = -1 means "to the end"
+Event = tuple[Any, ...]
+Recipe = tuple[Event, ...]
+Cell = tuple[int, int]  # (token, pos)
+
+
+def cells_of(recipe: Recipe) -> tuple[Cell, ...]:
+    """The cells the recipe claims, in position order."""
+    cells: list[Cell] = []
+    for ev in recipe:
+        if ev[0] == "d":
+            cells.extend((t, ev[2] + i) for i, t in enumerate(ev[1]))
+        elif ev[0] == "rm":
+            p0, p1 = ev[1], ev[2] if ev[2] >= 0 else 1 << 30
+            cells = [c for c in cells if not p0 <= c[1] < p1]
+        elif ev[0] == "add":
+            p0, p1, d = ev[1], ev[2] if ev[2] >= 0 else 1 << 30, ev[3]
+            cells = [(t, p + d) if p0 <= p < p1 else (t, p) for t, p in cells]
+    return tuple(sorted(cells, key=lambda c: c[1]))
+
+
+def cut(recipe: Recipe, p0: int) -> Recipe:
+    """The recipe after a successful ``seq_rm(p0, -1)``; whole trailing batches are dropped, not replayed."""
+    if p0 <= 0:
+        return ()
+    cells = cells_of(recipe)
+    if not cells or cells[-1][1] < p0:
+        return recipe
+    if all(ev[0] == "d" for ev in recipe):
+        for i, ev in enumerate(recipe):
+            if ev[2] == p0:
+                return recipe[:i]
+    return (*recipe, ("rm", p0, -1))
+
+
+def next_pos(recipe: Recipe) -> int:
+    cells = cells_of(recipe)
+    return cells[-1][1] + 1 if cells else 0
+
+
+# ---- configuration and findings ------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ContractConfig:
+    arch: str
+    kv_unified: bool
+    swa_full: bool = False
+
+    @property
+    def name(self) -> str:
+        return f"{self.arch}{'_kvu' if self.kv_unified else '_kvs'}{'_swafull' if self.swa_full else ''}"
+
+
+def configs_for(arch: str) -> list[ContractConfig]:
+    """Unified and per-slot KV; ``swa_full`` both ways only where it matters (the SWA model)."""
+    swa = (False, True) if arch == "gemma2" else (False,)
+    return [ContractConfig(arch, u, s) for s in swa for u in (False, True)]
+
+
+@dataclass(frozen=True)
+class ContractFinding:
+    """A verified violation of upstream's contract, matched by operation, architecture and condition."""
+
+    name: str
+    op: str  # the operation that carries the condition tag
+    archs: frozenset[str]
+    condition: str  # a tag the machine puts on the op when the condition holds
+    title: str
+    upstream: str  # file:line at 0c1e570
+    reproducer: str
+    kv_unified: bool | None = None  # None: either
+
+    def matches(self, cfg: ContractConfig, tags: Iterable[str]) -> bool:
+        if cfg.arch not in self.archs:
+            return False
+        if self.kv_unified is not None and cfg.kv_unified != self.kv_unified:
+            return False
+        return f"{self.op}:{self.condition}" in set(tags)
+
+
+FINDINGS: list[ContractFinding] = [
+    ContractFinding(
+        "seq-keep-ignores-other-streams",
+        "seq_keep",
+        frozenset({"llama", "gemma2", "jamba", "lfm2"}),
+        "per_slot_kv",
+        "llama_memory_seq_keep with a per-slot KV (kv_unified false) only clears cells in seq_id's own stream: "
+        "the other sequences keep their tokens (transformers: seq_pos_max unchanged; hybrids: the attention "
+        "cells survive while the recurrent part is cleared, so the next decode attends to stale cells)",
+        "src/llama-kv-cache.cpp:551",
+        "fixtures/findings/seq_keep_per_slot_kv.py",
+        kv_unified=False,
+    ),
+    ContractFinding(
+        "recurrent-seq-rm-any-seq-refused",
+        "seq_rm_all",
+        frozenset({"mamba", "jamba", "lfm2"}),
+        "any_seq",
+        "llama_memory_seq_rm(mem, -1, -1, -1) returns false and removes nothing on recurrent and hybrid memory: "
+        "the recurrent seq_rm rejects seq_id -1 as >= n_seq_max before its own branch for negative ids, "
+        "although llama.h says removing a whole sequence never fails and seq_id < 0 matches any sequence",
+        "src/llama-memory-recurrent.cpp:172 (and src/llama-memory-hybrid.cpp:146)",
+        "fixtures/findings/recurrent_seq_rm_any_seq.py",
+    ),
+    ContractFinding(
+        "recurrent-seq-rm-range-silent",
+        "seq_rm_range",
+        frozenset({"mamba", "jamba", "lfm2"}),
+        "recurrent_not_tail",
+        "llama_memory_seq_rm of a range that ends before the tail (a prefix or a middle range) returns true on "
+        "recurrent memory and removes nothing from the recurrent state (the refusal test only covers ranges "
+        "that contain the tail cell); a hybrid then removes the attention cells, so its parts disagree",
+        "src/llama-memory-recurrent.cpp:194 (test), :218-246 (no cell matches, returns true)",
+        "fixtures/findings/recurrent_seq_rm_range_silent.py",
+    ),
+    ContractFinding(
+        "seq-add-moves-shared-cells",
+        "seq_add",
+        frozenset(ARCHS),
+        "shared_cells",
+        "llama_memory_seq_add shifts cells that seq_cp made shared (one KV stream, or a recurrent tail cell), "
+        "so every sequence sharing them is shifted too, not only seq_id",
+        "src/llama-kv-cache.cpp:606-607 (pos_add on shared cells), src/llama-memory-recurrent.cpp:342",
+        "fixtures/findings/seq_add_moves_shared_cells.py",
+    ),
+    ContractFinding(
+        "recurrent-seq-cp-ignores-range",
+        "seq_cp_prefix",
+        frozenset({"mamba", "jamba", "lfm2"}),
+        "recurrent",
+        "llama_memory_seq_cp with a range copies the whole recurrent state (p0/p1 are never used, and the void "
+        "call cannot refuse): the destination silently gets the entire source history",
+        "src/llama-memory-recurrent.cpp:249-284",
+        "fixtures/findings/recurrent_seq_cp_ignores_range.py",
+    ),
+    ContractFinding(
+        "state-get-misses-pending-seq-cp",
+        "state_get",
+        frozenset({"llama", "gemma2", "jamba", "lfm2"}),
+        "unflushed_cp",
+        "with a per-slot KV, seq_cp between streams defers the K/V buffer copy to the next decode; "
+        "llama_state_seq_get_data_ext taken before that decode saves the destination's positions with the "
+        "stale K/V of its stream, and the restored state gives wrong logits",
+        "src/llama-kv-cache.cpp:508-509 (copy deferred), src/llama-context.cpp:3443 (state written without update)",
+        "fixtures/findings/state_get_before_pending_seq_cp.py",
+        kv_unified=False,
+    ),
+    ContractFinding(
+        "state-set-leaks-into-pending-seq-cp",
+        "state_set",
+        frozenset({"llama", "gemma2", "jamba", "lfm2"}),
+        "into_unflushed_cp",
+        "with a per-slot KV, a state restored into either end of a cross-stream seq_cp before the next decode "
+        "is mixed up by the deferred buffer copy: restored into the source, it is what the destination gets; "
+        "restored into the destination, it is overwritten by the source's buffer",
+        "src/llama-kv-cache.cpp:508-509 (copy deferred), src/llama-context.cpp:3223 (set_data without update)",
+        "fixtures/findings/state_set_before_pending_seq_cp.py",
+        kv_unified=False,
+    ),
+    ContractFinding(
+        "state-get-misses-pending-shift",
+        "state_get",
+        frozenset({"llama", "gemma2", "lfm2"}),
+        "unflushed_shift",
+        "a state saved between llama_memory_seq_add and the next decode has the shifted positions but keys "
+        "not yet rotated (the K-shift runs at the next decode); restored, it gives wrong logits",
+        "src/llama-context.cpp:3443 (state written without update), src/llama-kv-cache.cpp:2226 (new pos written)",
+        "fixtures/findings/state_get_before_pending_shift.py",
+    ),
+]
+
+
+class ContractViolation(AssertionError):
+    """libllama broke its contract in a way that is not a known finding."""
+
+    def __init__(self, prop: str, message: str) -> None:
+        super().__init__(f"{prop}: {message}")
+        self.prop = prop
+        self.message = message
+
+
+# ---- libllama access -----------------------------------------------------------------------------
+
+
+def _ll() -> Any:
+    import llama_cpp
+
+    return llama_cpp
+
+
+class Engine:
+    """One ``llama_context`` with the machine's KV options, and the raw calls on it."""
+
+    def __init__(self, model: LlamaModel, cfg: ContractConfig, n_seq: int) -> None:
+        ll = _ll()
+        self.ll = ll
+        self.model = model
+        p = ll.llama_context_default_params()
+        p.n_ctx = N_CTX_SEQ * n_seq
+        p.n_batch = N_BATCH
+        p.n_ubatch = N_UBATCH
+        p.n_seq_max = n_seq
+        p.n_threads = 1
+        p.n_threads_batch = 1
+        p.swa_full = cfg.swa_full
+        p.kv_unified = cfg.kv_unified
+        p.no_perf = True
+        self.ctx = ll.llama_init_from_model(model.ptr, p)
+        if not self.ctx:
+            raise RuntimeError(f"libllama could not create a context for {cfg.name}")
+        self.mem = ll.llama_get_memory(self.ctx)
+        self.n_seq = n_seq
+
+    def close(self) -> None:
+        if self.ctx:
+            self.ll.llama_free(self.ctx)
+            self.ctx = None
+
+    def decode(self, seq: int, tokens: Sequence[int], pos0: int, *, logits: bool = True) -> tuple[int, bytes]:
+        ll = self.ll
+        n = len(tokens)
+        b = ll.llama_batch_init(max(n, 1), 0, 1)
+        try:
+            for i, t in enumerate(tokens):
+                b.token[i] = int(t)
+                b.pos[i] = pos0 + i
+                b.n_seq_id[i] = 1
+                b.seq_id[i][0] = seq
+                b.logits[i] = 1 if (logits and i == n - 1) else 0
+            b.n_tokens = n
+            ret = int(ll.llama_decode(self.ctx, b))
+        finally:
+            ll.llama_batch_free(b)
+        if ret != 0 or not logits:
+            return ret, b""
+        return ret, ctypes.string_at(ll.llama_get_logits_ith(self.ctx, -1), 4 * self.model.n_vocab)
+
+    def flush(self) -> None:
+        """Apply pending K-shifts and cross-stream copies: libllama does it at the start of a decode."""
+        ret, _ = self.decode(self.n_seq - 1, [1], 0, logits=False)
+        if ret != 0:
+            raise RuntimeError(f"scratch decode failed ({ret})")
+        self.ll.llama_memory_seq_rm(self.mem, self.n_seq - 1, -1, -1)
+
+    def get(self, seq: int, flags: int) -> bytes:
+        ll = self.ll
+        size = int(ll.llama_state_seq_get_size_ext(self.ctx, seq, flags))
+        buf = (ctypes.c_uint8 * max(size, 1))()
+        n = int(ll.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags))
+        return ctypes.string_at(buf, n)
+
+    def set(self, seq: int, data: bytes, flags: int) -> int:
+        buf = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        return int(self.ll.llama_state_seq_set_data_ext(self.ctx, buf, len(data), seq, flags))
+
+    def rm(self, seq: int, p0: int, p1: int) -> bool:
+        return bool(self.ll.llama_memory_seq_rm(self.mem, seq, p0, p1))
+
+    def pos_min(self, seq: int) -> int:
+        return int(self.ll.llama_memory_seq_pos_min(self.mem, seq))
+
+    def pos_max(self, seq: int) -> int:
+        return int(self.ll.llama_memory_seq_pos_max(self.mem, seq))
+
+    def clear(self) -> None:
+        self.ll.llama_memory_clear(self.mem, True)
+
+
+class Reference:
+    """Fresh evaluations: a context shaped like the machine's (same KV options and ``n_seq_max``: a
+    sequence state records the number of KV streams and is refused by a context with another count),
+    of which only sequence 0 (and the scratch sequence) is used."""
+
+    def __init__(self, model: LlamaModel, cfg: ContractConfig) -> None:
+        self.eng = Engine(model, cfg, N_SEQ + 1)
+
+    def logits(self, recipe: Recipe, batch: Sequence[int], pos0: int) -> bytes | None:
+        """The last logits of ``batch`` after replaying ``recipe``; None if the replay is refused."""
+        e = self.eng
+        e.clear()
+        holes = False
+        for ev in recipe:
+            if ev[0] == "d":
+                if e.decode(0, ev[1], ev[2], logits=False)[0] != 0:
+                    raise RuntimeError(f"reference decode failed at {ev[2]}")
+            elif ev[0] == "rm":
+                if not e.rm(0, ev[1], ev[2]):
+                    return None
+                holes = True
+            elif ev[0] == "add":
+                e.ll.llama_memory_seq_add(e.mem, 0, ev[1], ev[2], ev[3])
+                holes = True
+            elif ev[0] == "flush":
+                e.flush()
+        if holes:  # contiguous cells: compare values, not the layout
+            if recipe and recipe[-1][0] == "add":
+                e.flush()  # the machine's check decode applies pending shifts before it snapshots
+            snap = e.get(0, 0)
+            e.clear()
+            if recipe and e.set(0, snap, 0) == 0:
+                raise RuntimeError("reference compaction failed")
+        ret, out = e.decode(0, batch, pos0)
+        if ret != 0:
+            raise RuntimeError(f"reference decode of the checked batch failed ({ret})")
+        return out
+
+    def compacted(self, snap: bytes, batch: Sequence[int], pos0: int) -> bytes:
+        """The same state in the reference context, its cells contiguous, then ``batch``.
+
+        The reference context itself: it has the machine's number of KV streams, which a state needs.
+        """
+        c = self.eng
+        c.clear()
+        if snap and c.set(0, snap, 0) == 0:
+            return b""
+        ret, out = c.decode(0, batch, pos0)
+        return out if ret == 0 else b""
+
+    def close(self) -> None:
+        self.eng.close()
+
+
+_REFS: dict[ContractConfig, Reference] = {}
+
+
+def _reference(model: LlamaModel, cfg: ContractConfig) -> Reference:
+    r = _REFS.get(cfg)
+    if r is None:
+        r = _REFS[cfg] = Reference(model, cfg)
+    return r
+
+
+def _body(state: bytes) -> bytes:
+    """A sequence state without its header (magic and the source seq_id, llama-context.cpp:3213)."""
+    return state[8:]
+
+
+def _maxdiff(a: bytes, b: bytes) -> tuple[float, float]:
+    n = len(a) // 4
+    x = struct.unpack(f"<{n}f", a)
+    y = struct.unpack(f"<{n}f", b)
+    return max(abs(u - v) for u, v in zip(x, y, strict=True)), max(abs(v) for v in y) or 1.0
+
+
+# ---- the machine ---------------------------------------------------------------------------------
+
+
+@dataclass
+class Seq:
+    recipe: Recipe = ()
+    pending: list[str] = field(default_factory=list)  # ops (with condition tags) since the last checked decode
+
+    @property
+    def cells(self) -> tuple[Cell, ...]:
+        return cells_of(self.recipe)
+
+
+@dataclass
+class Blob:
+    data: bytes
+    flags: int
+    recipe: Recipe
+    tags: tuple[str, ...]
+
+
+@dataclass
+class Stats:
+    checks: Counter[str] = field(default_factory=Counter)  # op -> verified by a logits/state check
+    calls: Counter[str] = field(default_factory=Counter)  # op -> calls made
+    refused: Counter[str] = field(default_factory=Counter)  # op -> honest refusals (false / 0 / pos_min)
+    layout_diffs: int = 0
+    ref_unavailable: int = 0
+    findings: dict[str, list[str]] = field(default_factory=dict)  # finding name -> evidence lines
+
+
+TOKENS = st.integers(3, 258)
+
+
+class ContractMachine(RuleBasedStateMachine):
+    cfg: ClassVar[ContractConfig]
+    stats: ClassVar[Stats]
+    # mutants replace the engine's calls: ``wrap_fn`` (a staticmethod in the generated class) wraps it
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = load_model(model_path(self.cfg.arch))
+        eng = Engine(self.model, self.cfg, N_SEQ + 1)
+        wrap = type(self).__dict__.get("wrap_fn")
+        self.eng = wrap.__func__(eng) if isinstance(wrap, staticmethod) else eng
+        self.ref = _reference(self.model, self.cfg)
+        self.seqs = [Seq() for _ in range(N_SEQ)]
+        self.blobs: list[Blob] = []
+        self.shared: list[set[int]] = [set() for _ in range(N_SEQ)]  # seq_cp made cells common to these
+        self.pending_cp: list[tuple[int, int]] = []  # (src, dst) of copies libllama has not done yet
+        self.unflushed: set[str] = set()  # "shift" / "cp": pending work libllama does at the next decode
+        ll = self.eng.ll
+        self.can_shift = bool(ll.llama_memory_can_shift(self.eng.mem))
+        self.recurrent = bool(ll.llama_model_is_recurrent(self.model.ptr) or ll.llama_model_is_hybrid(self.model.ptr))
+        self.pure_recurrent = bool(ll.llama_model_is_recurrent(self.model.ptr))
+        self.n_swa = self.model.n_swa
+
+    def teardown(self) -> None:
+        self.eng.close()
+
+    # ---- bookkeeping ----
+
+    def _op(self, op: str, seqs: Iterable[int], *tags: str) -> None:
+        self.stats.calls[op] += 1
+        entry = ",".join([op, *(f"{op}:{t}" for t in tags)])
+        for s in seqs:
+            self.seqs[s].pending.append(entry)
+
+    def _tags(self, s: int) -> list[str]:
+        return [t for e in self.seqs[s].pending for t in e.split(",")]
+
+    def _ops(self, s: int) -> set[str]:
+        return {e.split(",")[0] for e in self.seqs[s].pending}
+
+    def _violation(self, s: int, prop: str, msg: str, tags: Iterable[str] = ()) -> None:
+        """A finding when one matches the op's condition (then the sequence is reset), else a failure."""
+        all_tags = [*self._tags(s), *tags]
+        for f in FINDINGS:
+            if f.matches(self.cfg, all_tags):
+                ev = f"{self.cfg.name} seq {s}: {msg} (ops {self.seqs[s].pending})"
+                self.stats.findings.setdefault(f.name, []).append(ev)
+                self._reset(s)
+                return
+        raise ContractViolation(
+            prop, f"{self.cfg.name} seq {s}: {msg}; ops since the last check: {self.seqs[s].pending}"
+        )
+
+    def _reset(self, s: int) -> None:
+        self.eng.rm(s, -1, -1)
+        self.seqs[s] = Seq()
+        self._unshare(s)
+
+    def _unshare(self, s: int) -> None:
+        for t in self.shared[s]:
+            self.shared[t].discard(s)
+        self.shared[s] = set()
+
+    def _check_all(self, op: str) -> None:
+        """``seq_pos_max`` of every sequence after ``op`` (a call may touch sequences it was not given)."""
+        for t in range(N_SEQ):
+            self._check_pos(t, op)
+
+    def _flush_if_needed(self) -> None:
+        if self.unflushed:
+            self.eng.flush()
+            self._flushed()
+
+    def _flushed(self) -> None:
+        """libllama applied pending shifts (K-shift, once for the summed delta) and copies."""
+        if "shift" in self.unflushed:
+            for q in self.seqs:
+                done = [i for i, ev in enumerate(q.recipe) if ev[0] in ("d", "flush")]
+                if any(ev[0] == "add" for ev in q.recipe[(done[-1] + 1 if done else 0) :]):
+                    q.recipe = (*q.recipe, ("flush",))
+        self.unflushed.clear()
+        self.pending_cp.clear()
+
+    def _into_cp_source(self, dst: int) -> None:
+        """A restore into either end of a copy libllama has not done yet: tag the copy's destination."""
+        for src, d in self.pending_cp:
+            if dst in (src, d):
+                self.seqs[d].pending.append("state_set,state_set:into_unflushed_cp")
+
+    # ---- rules ----
+
+    @initialize(
+        prompts=st.lists(
+            st.lists(st.lists(TOKENS, min_size=1, max_size=12), min_size=1, max_size=3), min_size=N_SEQ, max_size=N_SEQ
+        )
+    )
+    def start(self, prompts: list[list[list[int]]]) -> None:
+        """Every sequence starts with a prompt decoded in one to three batches (checked like any decode)."""
+        self.eng.clear()
+        for s, batches in enumerate(prompts):
+            for toks in batches:
+                self.decode(s, toks)
+
+    @rule(s=st.integers(0, N_SEQ - 1), toks=st.lists(TOKENS, min_size=1, max_size=12))
+    def decode(self, s: int, toks: list[int]) -> None:
+        q = self.seqs[s]
+        pos0 = next_pos(q.recipe)
+        if pos0 + len(toks) > MAX_POS:
+            return
+        self.stats.calls["decode"] += 1
+        check = bool(q.pending)
+        snap = b""
+        if check:
+            if self._swa_says_missing(s, pos0):
+                return
+            self._flush_if_needed()
+            snap = self.eng.get(s, 0)
+        ret, logits = self.eng.decode(s, toks, pos0)
+        if ret == 1:
+            self.stats.refused["decode"] += 1
+            return
+        if ret != 0:
+            self._violation(s, "decode", f"llama_decode of {len(toks)} tokens at {pos0} returned {ret}")
+            return
+        self._flushed()
+        recipe_before = q.recipe
+        q.recipe = (*q.recipe, ("d", tuple(toks), pos0))
+        if check:
+            self._check_logits(s, recipe_before, toks, pos0, logits, snap)
+        self._check_pos(s, "decode")
+
+    def _swa_says_missing(self, s: int, pos0: int) -> bool:
+        """A sliding-window cache may lack positions the next token needs; honest only if pos_min says so."""
+        if self.n_swa <= 0:
+            return False
+        cells = self.seqs[s].cells
+        need = [p for _, p in cells if p > pos0 - self.n_swa]
+        if not need:
+            return False
+        pmin = self.eng.pos_min(s)
+        if pmin > min(need) or pmin < 0 or self.eng.pos_max(s) < cells[-1][1]:
+            self.stats.refused["swa_window(pos_min)"] += 1
+            self._reset(s)
+            return True
+        return False
+
+    def _check_logits(self, s: int, recipe: Recipe, toks: list[int], pos0: int, got: bytes, snap: bytes) -> None:
+        q = self.seqs[s]
+        ref = self.ref.logits(recipe, toks, pos0)
+        if ref is None:
+            self.stats.ref_unavailable += 1
+            q.pending.clear()
+            return
+        if got != ref:
+            if self.ref.compacted(snap, toks, pos0) == ref:
+                self.stats.layout_diffs += 1
+            else:
+                d, scale = _maxdiff(got, ref)
+                if not (self.cfg.kv_unified and d <= UNIFIED_LAYOUT_TOLERANCE * scale):
+                    self._violation(
+                        s,
+                        "next-decode-equals-fresh",
+                        f"logits of {len(toks)} tokens at {pos0} differ from a fresh evaluation (max |diff| {d:.3g})",
+                    )
+                    return
+                self.stats.layout_diffs += 1
+        for op in self._ops(s):
+            self.stats.checks[op] += 1
+        self.stats.checks["decode"] += 1
+        q.pending.clear()
+
+    def _check_pos(self, s: int, op: str) -> None:
+        q = self.seqs[s]
+        cells = q.cells
+        want = cells[-1][1] if cells else -1
+        got = self.eng.pos_max(s)
+        if got != want and self.n_swa > 0 and got < want and self._swa_says_missing(s, want + 1):
+            return  # the SWA cache reused cells behind the window and says so (pos_min / pos_max)
+        if got != want:
+            self._violation(s, "pos-max", f"seq_pos_max is {got} after {op}, the calls claim {want}")
+            return
+        self.stats.checks["pos_max"] += 1
+
+    @rule(s=st.integers(0, N_SEQ - 1), back=st.integers(1, 12))
+    def rm_tail(self, s: int, back: int) -> None:
+        q = self.seqs[s]
+        end = next_pos(q.recipe)
+        p0 = max(0, end - back)
+        if p0 == 0:
+            return
+        ok = self.eng.rm(s, p0, -1)
+        self._op("seq_rm_tail", [s])
+        if ok:
+            q.recipe = cut(q.recipe, p0)
+        else:
+            self._refusal(s, "seq_rm_tail", partial=True)
+        self._check_all("seq_rm_tail")
+
+    def _refusal(self, s: int, op: str, *, partial: bool) -> None:
+        if not partial:
+            self._violation(s, "seq-rm-whole", f"{op} returned false for a whole sequence")
+            return
+        if not self.recurrent:
+            self._violation(s, "seq-rm-refused", f"{op} returned false on a memory that can cut any range")
+            return
+        self.stats.refused[op] += 1
+        self.seqs[s].pending.pop()
+
+    @rule(s=st.integers(0, N_SEQ - 1), a=st.integers(0, MAX_POS), n=st.integers(1, 12))
+    def rm_range(self, s: int, a: int, n: int) -> None:
+        q = self.seqs[s]
+        cells = q.cells
+        if len(cells) < 2:
+            return
+        p0, p1 = a % (cells[-1][1] + 1), a % (cells[-1][1] + 1) + n
+        if p1 > cells[-1][1]:
+            return  # a tail removal: rm_tail
+        hit = [c for c in cells if p0 <= c[1] < p1]
+        before = self.eng.get(s, PARTIAL) if self.recurrent and hit else b""
+        ok = self.eng.rm(s, p0, p1)
+        self._op("seq_rm_range", [s], *(["recurrent_not_tail"] if self.recurrent and hit else []))
+        if not ok:
+            self._refusal(s, "seq_rm_range", partial=True)
+            self._check_all("seq_rm_range")
+            return
+        q.recipe = (*q.recipe, ("rm", p0, p1))
+        if before and self.eng.get(s, PARTIAL) == before:
+            self._violation(
+                s,
+                "success-changes-state",
+                f"seq_rm({p0}, {p1}) returned true but the recurrent state of the {len(hit)} tokens is unchanged",
+            )
+            return
+        self._check_all("seq_rm_range")
+
+    @rule(s=st.integers(-1, N_SEQ - 1))
+    def rm_whole(self, s: int) -> None:
+        ok = self.eng.rm(s, -1, -1)
+        targets = range(N_SEQ) if s < 0 else [s]
+        self._op("seq_rm_whole" if s >= 0 else "seq_rm_all", targets, *(["any_seq"] if s < 0 else []))
+        if not ok:
+            for t in targets:
+                self._refusal(t, "seq_rm_whole", partial=False)
+            return
+        for t in targets:
+            self.seqs[t].recipe = ()
+            self._unshare(t)
+        self._check_all("seq_rm_whole")
+
+    @rule(src=st.integers(0, N_SEQ - 1), dst=st.integers(0, N_SEQ - 1), prefix=st.integers(0, MAX_POS))
+    def cp(self, src: int, dst: int, prefix: int) -> None:
+        """``seq_cp`` into an emptied destination (whole sequence, or ``[0, prefix)`` where ranges are allowed)."""
+        if src == dst or not self.seqs[src].recipe:
+            return
+        end = next_pos(self.seqs[src].recipe)
+        # per-slot KV copies between streams only whole buffers (GGML_ASSERT, llama-kv-cache.cpp:507)
+        ranged = 0 < prefix < end and (self.cfg.kv_unified or self.pure_recurrent)
+        self._reset(dst)
+        p1 = prefix if ranged else -1
+        self.eng.ll.llama_memory_seq_cp(self.eng.mem, src, dst, -1, p1)
+        if not self.cfg.kv_unified and not self.pure_recurrent:
+            self.unflushed.add("cp")
+            self.pending_cp.append((src, dst))
+        op = "seq_cp_prefix" if ranged else "seq_cp"
+        self._op(op, [dst], *(["recurrent"] if ranged and self.recurrent else []))
+        self.seqs[dst].recipe = cut(self.seqs[src].recipe, prefix) if ranged else self.seqs[src].recipe
+        if ranged and self.recurrent and _body(self.eng.get(dst, PARTIAL)) == _body(self.eng.get(src, PARTIAL)):
+            self._violation(dst, "cp-range", f"seq_cp({src} -> {dst}, [0, {prefix})) copied the whole recurrent state")
+            return
+        if self.cfg.kv_unified or self.recurrent:  # no data copied: the cells are now common
+            group = {src, dst} | self.shared[src]
+            for t in group:
+                self.shared[t] = group - {t}
+        self._check_all(op)
+
+    @rule(s=st.integers(0, N_SEQ - 1))
+    def keep(self, s: int) -> None:
+        self.eng.ll.llama_memory_seq_keep(self.eng.mem, s)
+        self._op("seq_keep", range(N_SEQ), *([] if self.cfg.kv_unified else ["per_slot_kv"]))
+        for t in range(N_SEQ):
+            if t != s:
+                self.seqs[t].recipe = ()
+                self._unshare(t)
+        self._check_all("seq_keep")
+
+    @precondition(lambda self: self.can_shift)
+    @rule(s=st.integers(0, N_SEQ - 1), a=st.integers(0, MAX_POS), delta=st.integers(-12, 6), flush=st.booleans())
+    def shift(self, s: int, a: int, delta: int, flush: bool) -> None:
+        """``seq_add`` of ``[p0, end)`` by ``delta``, never onto the positions before ``p0``."""
+        cells = self.seqs[s].cells
+        if not cells or delta == 0:
+            return
+        p0 = cells[a % len(cells)][1]
+        before = [p for _, p in cells if p < p0]
+        lo = -(p0 - (before[-1] + 1 if before else 0))
+        delta = max(delta, lo)
+        if delta == 0 or cells[-1][1] + delta >= MAX_POS:
+            return
+        self.eng.ll.llama_memory_seq_add(self.eng.mem, s, p0, -1, delta)
+        self.unflushed.add("shift")
+        self._op("seq_add", [s, *self.shared[s]], *(["shared_cells"] if self.shared[s] else []))
+        self.seqs[s].recipe = (*self.seqs[s].recipe, ("add", p0, -1, delta))
+        if flush:
+            self._flush_if_needed()
+        self._check_all("seq_add")
+
+    @rule(s=st.integers(0, N_SEQ - 1), partial=st.booleans())
+    def state_get(self, s: int, partial: bool) -> None:
+        q = self.seqs[s]
+        if not q.recipe:
+            return
+        flags = PARTIAL if partial else 0
+        data = self.eng.get(s, flags)
+        self.stats.calls["state_get" + ("_partial" if partial else "")] += 1
+        tags = tuple(f"state_get:unflushed_{u}" for u in sorted(self.unflushed))
+        self.blobs.append(Blob(data, flags, q.recipe, tags))
+        if len(self.blobs) > 4:
+            self.blobs.pop(0)
+
+    @precondition(lambda self: bool(self.blobs))
+    @rule(i=st.integers(0, 3), dst=st.integers(0, N_SEQ - 1))
+    def state_set(self, i: int, dst: int) -> None:
+        """A full state restored into ``dst`` (the same sequence or another)."""
+        full = [b for b in self.blobs if b.flags == 0]
+        if not full:
+            return
+        b = full[i % len(full)]
+        ret = self.eng.set(dst, b.data, 0)
+        self._into_cp_source(dst)
+        self._unshare(dst)
+        self._op("state_set", [dst], *(t.split(":", 1)[1] for t in b.tags))
+        self.seqs[dst].pending.extend(",".join([t.split(":")[0], t]) for t in b.tags)
+        if ret == 0:
+            self.stats.refused["state_set"] += 1
+            self.seqs[dst].recipe = ()  # a failed restore clears the destination (llama-context.cpp)
+        elif ret != len(b.data):
+            self._violation(dst, "set-data-size", f"set_data_ext read {ret} of {len(b.data)} bytes")
+            return
+        else:
+            self.seqs[dst].recipe = b.recipe
+        self._check_all("state_set")
+
+    @precondition(lambda self: any(b.flags == PARTIAL for b in self.blobs))
+    @rule(i=st.integers(0, 3), dst=st.integers(0, N_SEQ - 1))
+    def checkpoint_restore(self, i: int, dst: int) -> None:
+        """A partial state restored into a sequence that went on from it, then the tail removed (a checkpoint)."""
+        parts = [b for b in self.blobs if b.flags == PARTIAL]
+        b = parts[i % len(parts)]
+        q = self.seqs[dst]
+        rest = q.recipe[len(b.recipe) :]
+        if q.recipe[: len(b.recipe)] != b.recipe or any(ev[0] != "d" for ev in rest):
+            return  # the rest of the state would not belong to this history (or moved since)
+        ret = self.eng.set(dst, b.data, PARTIAL)
+        self._into_cp_source(dst)
+        self._op("state_set_partial", [dst], *(t.split(":", 1)[1] for t in b.tags))
+        self.seqs[dst].pending.extend(",".join([t.split(":")[0], t]) for t in b.tags)
+        if ret == 0:
+            self.stats.refused["state_set_partial"] += 1
+            self.seqs[dst].recipe = ()
+            self.eng.rm(dst, -1, -1)
+            return
+        n = next_pos(b.recipe)
+        if not self.eng.rm(dst, n, -1):
+            self._violation(dst, "seq-rm-after-checkpoint", f"seq_rm({n}, -1) refused after a partial restore")
+            return
+        q.recipe = b.recipe
+        self._check_all("state_set_partial")
+
+    @invariant()
+    def no_orphan_positions(self) -> None:
+        if self.eng.pos_max(SCRATCH) != -1:
+            raise ContractViolation("pos-max", f"{self.cfg.name}: the scratch sequence was not emptied")
+
+
+_CLASSES: dict[tuple[ContractConfig, int], type[ContractMachine]] = {}
+
+
+def machine_class(
+    cfg: ContractConfig, *, wrap: Callable[[Engine], Engine] | None = None, seed: int | None = None
+) -> type[ContractMachine]:
+    """A machine class for ``cfg`` (fresh statistics); ``wrap`` replaces the engine (mutants)."""
+    name = f"Contract_{cfg.name}"
+    ns: dict[str, Any] = {"cfg": cfg, "stats": Stats(), "wrap_fn": staticmethod(wrap) if wrap else None}
+    cls = type(name, (ContractMachine,), ns)
+    if seed is not None:
+        cls = hseed(seed)(cls)
+    return cls
+
+
+# ---- the runner ----------------------------------------------------------------------------------
+
+
+def _settings(max_examples: int, steps: int) -> settings:
+    return settings(
+        max_examples=max_examples,
+        stateful_step_count=steps,
+        deadline=None,
+        database=None,
+        derandomize=False,  # the seed rules (@seed on the machine)
+        report_multiple_bugs=False,
+        suppress_health_check=list(HealthCheck),
+        phases=[Phase.explicit, Phase.generate, Phase.shrink],
+        print_blob=False,
+    )
+
+
+def _program(cfg: ContractConfig, notes: Iterable[str]) -> str:
+    lines = [n for n in notes if n.startswith("state")]
+    head = [
+        "from properties.libllama_contract import ContractConfig, machine_class",
+        f"Contract_{cfg.name} = machine_class({cfg!r})",
+    ]
+    return "\n".join(head + lines)
+
+
+def run_config(
+    cfg: ContractConfig,
+    *,
+    seed: int,
+    max_examples: int,
+    steps: int,
+    wrap: Callable[[Engine], Engine] | None = None,
+) -> dict[str, Any]:
+    cls = machine_class(cfg, wrap=wrap, seed=seed)
+    t0 = time.perf_counter()
+    failure: dict[str, Any] | None = None
+    try:
+        run_state_machine_as_test(cls, settings=_settings(max_examples, steps))  # type: ignore[no-untyped-call]
+    except ContractViolation as e:
+        failure = {"property": e.prop, "message": e.message, "program": _program(cfg, getattr(e, "__notes__", []))}
+    except Exception as e:  # a harness error is a failure too, with the program that gives it
+        failure = {
+            "property": "error",
+            "message": f"{type(e).__name__}: {e}",
+            "program": _program(cfg, getattr(e, "__notes__", [])),
+        }
+    s = cls.stats
+    return {
+        "config": cfg.name,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "checks": dict(s.checks),
+        "calls": dict(s.calls),
+        "refused": dict(s.refused),
+        "layout_diffs": s.layout_diffs,
+        "ref_unavailable": s.ref_unavailable,
+        "findings": {k: v[:3] for k, v in s.findings.items()},
+        "finding_counts": {k: len(v) for k, v in s.findings.items()},
+        "failure": failure,
+    }
+
+
+def run_contract(
+    archs: Sequence[str] = ARCHS,
+    *,
+    seed: int = 0,
+    max_examples: int = 10,
+    steps: int = 30,
+    out: Callable[[str], None] = print,
+    wrap: Callable[[Engine], Engine] | None = None,
+) -> dict[str, Any]:
+    """Run the machine on every configuration of ``archs``; a JSON-able report.
+
+    ``checks`` counts verified calls per architecture and operation (a call is verified when the
+    first decode after it matched a fresh evaluation, or a position/state check held), ``mismatches``
+    lists every failure that is not a known finding (property, message, shrunk program, replay),
+    ``findings`` the known findings seen (name, title, upstream location, reproducer, evidence).
+    ``ok`` is true when there is no failure.
+    """
+    t0 = time.perf_counter()
+    configs: list[dict[str, Any]] = []
+    checks: dict[str, Counter[str]] = {}
+    mismatches: list[dict[str, Any]] = []
+    seen: dict[str, list[str]] = {}
+    layout = 0
+    replay = f"python -m properties.libllama_contract --seed {seed} --examples {max_examples} --steps {steps}"
+    for arch in archs:
+        for cfg in configs_for(arch):
+            r = run_config(cfg, seed=seed, max_examples=max_examples, steps=steps, wrap=wrap)
+            configs.append(r)
+            checks.setdefault(arch, Counter()).update(r["checks"])
+            layout += r["layout_diffs"]
+            for k, v in r["findings"].items():
+                seen.setdefault(k, []).extend(v)
+            status = "FAIL" if r["failure"] else "ok"
+            out(
+                f"{cfg.name:22s} {status:4s} {r['seconds']:6.1f}s checks {sum(r['checks'].values()):5d} "
+                f"layout {r['layout_diffs']:3d} findings {r['finding_counts'] or '-'}"
+            )
+            if r["failure"]:
+                f = dict(r["failure"], config=cfg.name, replay=f"{replay} --archs {arch}")
+                mismatches.append(f)
+                out(f"  {f['property']}: {f['message']}\n  program:\n    " + f["program"].replace("\n", "\n    "))
+    by_name = {f.name: f for f in FINDINGS}
+    findings = [
+        {
+            "name": k,
+            "title": by_name[k].title,
+            "upstream": by_name[k].upstream,
+            "reproducer": by_name[k].reproducer,
+            "evidence": v[:3],
+        }
+        for k, v in seen.items()
+    ]
+    return {
+        "seed": seed,
+        "max_examples": max_examples,
+        "steps": steps,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "checks": {a: dict(c) for a, c in checks.items()},
+        "configs": configs,
+        "layout_diffs": {"finding": LAYOUT_FINDING, "count": layout},
+        "findings": findings,
+        "mismatches": mismatches,
+        "ok": not mismatches,
+    }
+
+
+def table(report: dict[str, Any]) -> str:
+    """Checks per architecture x operation, as text."""
+    ops = sorted({op for c in report["checks"].values() for op in c})
+    archs = list(report["checks"])
+    w = max(len(o) for o in ops) if ops else 4
+    lines = [f"{'op':{w}s} " + " ".join(f"{a:>7s}" for a in archs)]
+    for op in ops:
+        lines.append(f"{op:{w}s} " + " ".join(f"{report['checks'][a].get(op, 0):7d}" for a in archs))
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m properties.libllama_contract", description=__doc__.split("\n")[0])
+    ap.add_argument("--archs", default=",".join(ARCHS))
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--examples", type=int, default=150)  # CI: all five archs in ~100 s on 1 core
+    ap.add_argument("--steps", type=int, default=50)
+    ap.add_argument("--json", action="store_true", help="print the report as JSON at the end")
+    a = ap.parse_args(argv)
+    rep = run_contract(a.archs.split(","), seed=a.seed, max_examples=a.examples, steps=a.steps)
+    print(table(rep))
+    for f in rep["findings"]:
+        print(f"finding {f['name']}: {f['reproducer']} ({f['upstream']})")
+    print(f"{'PASS' if rep['ok'] else 'FAIL'} in {rep['seconds']}s")
+    if a.json:
+        print(json.dumps(rep, indent=1))
+    return 0 if rep["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

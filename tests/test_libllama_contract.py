@@ -1,0 +1,91 @@
+"""The libllama contract machine: it runs, it counts what it checks, and it catches broken memories."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from properties.libllama_contract import FINDINGS, ContractConfig, Engine, cells_of, cut, run_config, run_contract
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_recipe_model() -> None:
+    r = (("d", (5, 6, 7), 0), ("d", (8,), 3))
+    assert cells_of(r) == ((5, 0), (6, 1), (7, 2), (8, 3))
+    assert cut(r, 3) == r[:1]  # a whole batch is dropped, not replayed as a removal
+    assert cut(r, 2) == (*r, ("rm", 2, -1))
+    assert cells_of((*r, ("rm", 1, 3), ("add", 3, -1, -2))) == ((5, 0), (8, 1))
+
+
+def test_machine_runs_and_counts_every_operation() -> None:
+    rep = run_contract(["llama", "gemma2"], seed=3, max_examples=12, steps=25, out=lambda s: None)
+    assert rep["ok"], rep["mismatches"]
+    for arch in ("llama", "gemma2"):
+        checks = rep["checks"][arch]
+        for op in ("decode", "pos_max", "seq_rm_whole", "seq_keep", "seq_cp"):
+            assert checks.get(op, 0) > 0, (arch, op, checks)
+    assert {c["config"] for c in rep["configs"]} == {
+        "llama_kvs",
+        "llama_kvu",
+        "gemma2_kvs",
+        "gemma2_kvu",
+        "gemma2_kvs_swafull",
+        "gemma2_kvu_swafull",
+    }
+
+
+def test_recurrent_findings_are_reported_not_failed() -> None:
+    rep = run_contract(["mamba"], seed=0, max_examples=6, steps=15, out=lambda s: None)
+    assert rep["ok"], rep["mismatches"]
+    names = {f["name"] for f in rep["findings"]}
+    assert "recurrent-seq-rm-any-seq-refused" in names
+    assert all(f["reproducer"].startswith("fixtures/findings/") for f in rep["findings"])
+
+
+class _IgnoreTailRm(Engine):
+    """Mutant: a truncating seq_rm that does nothing but reports success."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.__dict__.update(inner.__dict__)
+
+    def rm(self, seq: int, p0: int, p1: int) -> bool:
+        if p0 > 0 and p1 < 0:
+            return True
+        return super().rm(seq, p0, p1)
+
+
+class _CorruptSet(Engine):
+    """Mutant: a restore that reports success but leaves the state without its last token."""
+
+    def __init__(self, inner: Engine) -> None:
+        self.__dict__.update(inner.__dict__)
+
+    def set(self, seq: int, data: bytes, flags: int) -> int:
+        ret = super().set(seq, data, flags)
+        last = self.pos_max(seq)
+        if ret and last > 0:
+            super().rm(seq, last, -1)
+        return ret
+
+
+@pytest.mark.parametrize("mutant", [_IgnoreTailRm, _CorruptSet])
+def test_mutants_are_caught(mutant: Any) -> None:
+    r = run_config(ContractConfig("llama", kv_unified=False), seed=0, max_examples=80, steps=25, wrap=mutant)
+    assert r["failure"] is not None
+    assert r["failure"]["property"] in ("pos-max", "next-decode-equals-fresh")
+    assert "state = Contract_llama_kvs()" in r["failure"]["program"]
+
+
+@pytest.mark.parametrize("f", FINDINGS, ids=lambda f: f.name)
+def test_finding_reproducers_exit_1_while_present(f: Any) -> None:
+    arch = sorted(f.archs)[0]
+    args = [sys.executable, str(ROOT / f.reproducer)]
+    if "recurrent_seq_cp" not in f.reproducer:
+        args.append(arch)
+    p = subprocess.run(args, cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1, p.stdout + p.stderr
