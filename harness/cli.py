@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from harness.commands import build_server, demo, gate, mutants, native, rlimit, sweep
+from harness.commands import build_server, contract, demo, gate, mutants, native, rlimit, sweep
 from harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, HarnessError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -25,6 +25,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "mutants": (mutants, "run the gate against every mutant; all must be killed"),
     "sweep": (sweep, "SQLite-style allocation-failure sweep over canonical scenarios"),
     "rlimit": (rlimit, "the seed's save under a real address-space limit, both semantics"),
+    "contract": (contract, "libllama's memory API against its contract on the five models (findings reported)"),
     "native": (native, "native malloc failures inside libllama's state calls and decode, one case each"),
     "build-server": (build_server, "build llama-server from the llama-cpp-python sdist (cached)"),
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),

@@ -48,17 +48,14 @@ A violation of upstream's contract that is verified by a standalone reproducer i
 (:data:`FINDINGS`), matched by operation, architecture and condition; the machine reports it and
 resets the sequence instead of failing. Everything else fails the run with the shrunk program.
 
-Run: ``python -m properties.libllama_contract [--archs llama,gemma2] [--seed 0] [--examples N]
+Run: ``python -m harness contract [--arch llama gemma2] [--seed 0] [--max-examples N]
 [--steps N] [--json]``.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
-import json
 import struct
-import sys
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
@@ -78,7 +75,7 @@ from hypothesis.stateful import (
 )
 
 from fixtures.models import ARCHS, model_path
-from harness.llama_provider import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
+from harness.targets.libllama import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
 
 __all__ = [
     "FINDINGS",
@@ -956,7 +953,7 @@ def run_contract(
     mismatches: list[dict[str, Any]] = []
     seen: dict[str, list[str]] = {}
     layout = 0
-    replay = f"python -m properties.libllama_contract --seed {seed} --examples {max_examples} --steps {steps}"
+    replay = f"python -m harness contract --seed {seed} --max-examples {max_examples} --steps {steps}"
     for arch in archs:
         for cfg in configs_for(arch):
             r = run_config(cfg, seed=seed, max_examples=max_examples, steps=steps, wrap=wrap)
@@ -1008,25 +1005,3 @@ def table(report: dict[str, Any]) -> str:
     for op in ops:
         lines.append(f"{op:{w}s} " + " ".join(f"{report['checks'][a].get(op, 0):7d}" for a in archs))
     return "\n".join(lines)
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m properties.libllama_contract", description=__doc__.split("\n")[0])
-    ap.add_argument("--archs", default=",".join(ARCHS))
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--examples", type=int, default=150)  # CI: all five archs in ~100 s on 1 core
-    ap.add_argument("--steps", type=int, default=50)
-    ap.add_argument("--json", action="store_true", help="print the report as JSON at the end")
-    a = ap.parse_args(argv)
-    rep = run_contract(a.archs.split(","), seed=a.seed, max_examples=a.examples, steps=a.steps)
-    print(table(rep))
-    for f in rep["findings"]:
-        print(f"finding {f['name']}: {f['reproducer']} ({f['upstream']})")
-    print(f"{'PASS' if rep['ok'] else 'FAIL'} in {rep['seconds']}s")
-    if a.json:
-        print(json.dumps(rep, indent=1))
-    return 0 if rep["ok"] else 1
-
-
-if __name__ == "__main__":
-    sys.exit(main())
