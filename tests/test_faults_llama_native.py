@@ -10,8 +10,9 @@ from pathlib import Path
 import pytest
 
 from faults.llama_native import LlamaNativeReport, NativeTrial, sweep_llama_native
+from harness.backends import libllama as llama_backend
+from harness.backends.base import GateReport
 from harness.backends.libllama import classify_native
-from properties import gate
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -69,12 +70,10 @@ def test_an_unlisted_native_outcome_fails_the_gate(monkeypatch: pytest.MonkeyPat
         rep.trials = [NativeTrial(f"{arch}.{op}.1", 1, "wrong"), NativeTrial(f"{arch}.{op}.2", 2, "completed")]
         return rep
 
-    import harness.backends.libllama
-
-    monkeypatch.setattr(harness.backends.libllama, "sweep_llama_native", fake)
-    report = gate.GateReport("shared", "llama", "ci", 0, "test")
+    monkeypatch.setattr(llama_backend, "sweep_llama_native", fake)
+    report = GateReport("shared", "llama", "ci", 0, "test")
     rows: list[dict[str, object]] = [{"arch": "llama"}]
-    gate._run_llama_native(report, "shared", ["llama"], rows, lambda s: None)  # type: ignore[arg-type]
+    llama_backend._run_llama_native(report, "shared", ["llama"], rows, lambda s: None)  # type: ignore[arg-type]
     assert not report.passed
     assert len(report.failures) == 4  # one per swept operation
     f = report.failures[0]

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main as cli_main
-from harness.model import llama_server as ls
+from harness.targets import llama_server as ls
 from harness.targets.llama_server import ServerProcess, ServerStartError, build_server
 
 REPO = Path(__file__).resolve().parent.parent
