@@ -97,11 +97,21 @@ KNOWN_FINDINGS: list[KnownFinding] = [
     ),
     KnownFinding(
         "swa-checkpoint-order",
-        "after an SWA checkpoint restore the slot resumes at pos_max = n_tokens - 1 but the restored checkpoint "
-        "is kept (invalidation erases only pos_max > pos_next), so the next checkpoint is created below it and "
-        "the list is no longer ascending in n_tokens (server-context.cpp:3338-3380, 2290-2345)",
+        "a checkpoint with pos_max == pos_next survives invalidation (it erases only pos_max > pos_next), so "
+        "after an SWA checkpoint restore (the slot resumes at pos_max) or after [TAG_PROMPT_LOGITS] decrements "
+        "n_past of a request that is exactly pos_next tokens long, the next checkpoint is created below it and "
+        "the list is no longer ascending in n_tokens (server-context.cpp:3339-3377, 3383-3388, 2290-2345)",
         lambda v: MachineConfig(v, "iswa", known=frozenset({"strict-swa-order"})),
         frozenset({"checkpoint_lists"}),
+    ),
+    KnownFinding(
+        "stale-checkpoint-after-miss",
+        "a request sharing no token with the slot (n_past = 0) skips the checkpoint search and invalidation "
+        "keeps pos_max <= 0, so the old prompt's checkpoint at n_tokens = 1 survives; a later request sharing "
+        "a token restores it via `cur.pos_min == 0` and the recurrent/SWA state holds the old first token "
+        "(server-context.cpp:3280, 3339-3342, 3355-3356, 3370-3377; fixtures/findings/stale_checkpoint_after_miss.py)",
+        lambda v: MachineConfig(v, "hybrid", known=frozenset({"strict-stale-checkpoint"})),
+        frozenset({"draft_in_step"}),
     ),
 ]
 

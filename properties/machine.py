@@ -57,7 +57,9 @@ class MachineConfig:
     gate run, exercised by the known-findings runs): ``"busy-slot-by-id"`` lets a request name a
     slot that is processing; ``"small-draft-ctx"`` gives the draft context far fewer KV cells than
     the target; ``"strict-swa-order"`` stops excusing the checkpoint order that upstream leaves
-    after an SWA checkpoint restore; ``"draft-recovery"`` turns on the draft-KV recovery proposed
+    after an SWA checkpoint restore; ``"strict-stale-checkpoint"`` stops excusing a slot whose
+    memory holds the prefix of a checkpoint taken for another prompt (known finding
+    ``stale-checkpoint-after-miss``); ``"draft-recovery"`` turns on the draft-KV recovery proposed
     in the PR's discussion (``ServerParams.draft_recovery``) and checks that no request fails.
     """
 
@@ -252,6 +254,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             return
         self.shadow.expect_update(c)
         c.update_pos(s.prompt.n_tokens(), pos_min, ctx_tgt.memory_seq_pos_max(s.id))
+        c.made_for = s.prompt.tokens
         self._guard("update_tgt", c.update_tgt, ctx_tgt, s.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
         self._guard("update_dft", c.update_dft, ctx_dft, s.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
 
@@ -266,7 +269,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             ("accounting", inv.check_accounting),
             ("refcount", inv.check_refcount),
             ("checkpoint_lists", self._check_lists),
-            ("draft_in_step", inv.check_draft_in_step),
+            ("draft_in_step", self._check_in_step),
             ("immutability", self.shadow.check),
             *((("restore_equivalence", inv.check_restore_equivalence),) if self.config.arch else ()),
             *((("draft_recovery", inv.check_draft_recovery),) if self.params.draft_recovery else ()),
@@ -278,6 +281,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
     def _check_lists(self, server: Any) -> None:
         inv.check_checkpoint_lists(server, excuse_swa_resume="strict-swa-order" not in self.config.known)
+
+    def _check_in_step(self, server: Any) -> None:
+        inv.check_draft_in_step(server, excuse_stale_checkpoint="strict-stale-checkpoint" not in self.config.known)
 
     def teardown(self) -> None:
         t = type(self)
