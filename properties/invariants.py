@@ -190,9 +190,7 @@ def _check_list(
             # long, [TAG_PROMPT_LOGITS] decremented n_past and c, made by that task, sits at
             # pos_next - 1 = prev.pos_max - 1
             quirk = prev.n_tokens > c.n_tokens >= prev.pos_max or (
-                resumes is not None
-                and resumes.get(c.id_task) == prev.pos_max
-                and c.n_tokens == prev.pos_max - 1
+                resumes is not None and resumes.get(c.id_task) == prev.pos_max and c.n_tokens == prev.pos_max - 1
             )
             if not (excuse_swa_resume and quirk):
                 _fail("checkpoint_lists", f"{where}: n_tokens not ascending ({prev.n_tokens} then {c.n_tokens})")

@@ -70,10 +70,10 @@ def test_f1_excuse_does_not_cover_other_memory_mismatches() -> None:
         state.finish()
         state.server.stale_restores.append((9,))
         s = state.server.slots[0]
-        s.prompt.tokens = s.prompt.tokens[:-1] + (7,)  # a mismatch in the last token, not the prefix
+        s.prompt.tokens = (*s.prompt.tokens[:-1], 7)  # a mismatch in the last token, not the prefix
         with pytest.raises(Violation, match="draft_in_step"):
             inv.check_draft_in_step(state.server, excuse_stale_checkpoint=True)
-        s.prompt.tokens = (9,) + s.prompt.tokens[1:]  # still not what memory holds
+        s.prompt.tokens = (9, *s.prompt.tokens[1:])  # still not what memory holds
         with pytest.raises(Violation, match="draft_in_step"):
             inv.check_draft_in_step(state.server, excuse_stale_checkpoint=True)
     finally:
