@@ -252,7 +252,13 @@ class PromptCacheMachine(RuleBasedStateMachine):
         s = self.server.slots[slot]
         if s.is_processing() or s.prompt.checkpoints.empty() or self.server.ctx_tgt.memory_seq_pos_min(s.id) < 0:
             return False
-        c = s.prompt.checkpoints.back()
+        cps = s.prompt.checkpoints
+        c = cps.back()
+        if len(cps) > 1 and cps[len(cps) - 2].n_tokens >= s.prompt.n_tokens():
+            # moving the newest checkpoint to n_tokens at or below an older one would make a list
+            # that upstream never makes (create_checkpoint supersedes an equal n_tokens, :2322-2333);
+            # after the swa-checkpoint-order quirk the newest one can sit below an older one
+            return False
         # already captured at this position for these tokens: a refresh would write the same state
         return (c.n_tokens, c.made_for) != (s.prompt.n_tokens(), s.prompt.tokens)
 

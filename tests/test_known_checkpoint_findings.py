@@ -102,3 +102,22 @@ def test_f2_is_excused_only_for_the_task_that_decremented_n_past() -> None:
             state.state_invariants()
     finally:
         state.teardown()
+
+
+def test_refresh_does_not_move_the_newest_checkpoint_onto_an_older_one() -> None:
+    """Gate seed 3: after the swa-checkpoint-order quirk left [4, 3], refreshing 3 -> 4 made [4, 4],
+    a list upstream cannot make (create_checkpoint supersedes an equal n_tokens); the rule is now
+    not applicable there."""
+    state = machine_class(MachineConfig("shared", "iswa"))()
+    try:
+        for suffix in ([1, 1, 1, 1, 1], [1, 1, 1, 1]):
+            state.request(id_slot=0, keep=0, n_cmpl=1, n_predict=1, source=0, suffix=suffix)
+            state.finish()
+        state.refresh_checkpoint(slot=0)
+        state.request(id_slot=0, keep=0, n_cmpl=1, n_predict=1, source=0, suffix=[1, 1, 1, 1])
+        state.finish()
+        state.state_invariants()
+        assert [c.n_tokens for c in state.server.slots[0].prompt.checkpoints] == [4, 3]
+        assert not state._refreshable(0)
+    finally:
+        state.teardown()
