@@ -121,3 +121,21 @@ def test_refresh_does_not_move_the_newest_checkpoint_onto_an_older_one() -> None
         assert not state._refreshable(0)
     finally:
         state.teardown()
+
+
+@pytest.mark.parametrize("name", ["stale_checkpoint_after_miss", "swa_checkpoint_order"])
+def test_reproducer_shows_the_finding_on_the_pr_server(name: str) -> None:
+    import importlib.util
+    from pathlib import Path
+
+    from harness.llama_server import cached_binary
+
+    binary = cached_binary("pr")
+    if binary is None:
+        pytest.skip("the pr llama-server is not built (python -m harness build-server --flavour pr)")
+    path = Path(__file__).resolve().parents[1] / "fixtures" / "findings" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None and spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    assert mod.main(["--server-bin", str(binary)]) == 1  # 1: the upstream bug is present at 0c1e570
