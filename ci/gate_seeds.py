@@ -19,8 +19,10 @@ import subprocess
 import sys
 from pathlib import Path
 
-# seeds that exercised each known finding's excuse in the 0..99 sweep (issue 12), kept small for CI
-CI_SEEDS = (0, 5)
+# the few seeds CI runs (issue 12): 5 is the issue's seed (its iswa machine reaches the
+# stale-checkpoint-after-miss state and the excuse); 3 reached the refresh-onto-an-older-checkpoint
+# model bug; 0's known-finding runs reproduce all four known findings
+CI_SEEDS = (0, 3, 5)
 
 
 def parse_seeds(spec: str) -> list[int]:
