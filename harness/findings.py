@@ -61,9 +61,21 @@ _ALL = [
         "swa-checkpoint-order",
         "synthetic",
         "checkpoint_lists",
-        "after an SWA checkpoint restore the slot resumes at pos_max = n_tokens - 1 but the restored checkpoint "
-        "is kept (invalidation erases only pos_max > pos_next), so the next checkpoint is created below it and "
-        "the list is no longer ascending in n_tokens (server-context.cpp:3338-3380, 2290-2345)",
+        "a checkpoint with pos_max == pos_next survives invalidation (it erases only pos_max > pos_next), so "
+        "after an SWA checkpoint restore (the slot resumes at pos_max) or after [TAG_PROMPT_LOGITS] decrements "
+        "n_past of a request that is exactly pos_next tokens long, the next checkpoint is created below it and "
+        "the list is no longer ascending in n_tokens (server-context.cpp:3339-3377, 3383-3388, 2290-2345)",
+        "fixtures/findings/swa_checkpoint_order.py",
+    ),
+    Finding(
+        "stale-checkpoint-after-miss",
+        "synthetic",
+        "draft_in_step",
+        "a request sharing no token with the slot (n_past = 0) skips the checkpoint search and invalidation "
+        "keeps pos_max <= 0, so the old prompt's checkpoint at n_tokens = 1 survives; a later request sharing "
+        "a token restores it via `cur.pos_min == 0` and the recurrent/SWA state holds the old first token: "
+        "wrong output, no error (server-context.cpp:3280, 3339-3342, 3355-3356, 3370-3377)",
+        "fixtures/findings/stale_checkpoint_after_miss.py",
     ),
     # ---- libllama (llama backend) ----
     Finding(

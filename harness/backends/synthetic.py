@@ -35,6 +35,10 @@ KNOWN_MACHINES: dict[str, tuple[Callable[[str], MachineConfig], frozenset[str]]]
         lambda v: MachineConfig(v, "iswa", known=frozenset({"strict-swa-order"})),
         frozenset({"checkpoint_lists"}),
     ),
+    "stale-checkpoint-after-miss": (
+        lambda v: MachineConfig(v, "hybrid", known=frozenset({"strict-stale-checkpoint"})),
+        frozenset({"draft_in_step"}),
+    ),
 }
 
 

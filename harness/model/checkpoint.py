@@ -28,6 +28,11 @@ class CommonPromptCheckpoint:
     Fields, as upstream: ``n_tokens``, ``id_task`` (-1 unless set), ``pos_min``, ``pos_max``,
     ``data_tgt``, ``data_dft``, ``data_spec``. A payload field is ``None`` for an empty vector.
 
+    Harness-only (no upstream field): ``made_for`` is the token prefix the slot held when the
+    checkpoint was taken (``n_tokens`` tokens). Nothing in the model reads it; it lets a restore
+    of a checkpoint taken for another prompt be recognised (known finding
+    ``stale-checkpoint-after-miss``).
+
     Deviation: under ``shared`` semantics ``data_tgt``/``data_dft`` are shared, immutable
     payloads (PR #27451): :meth:`copy` takes references and :meth:`update_tgt` allocates a new
     payload and swaps it in. ``data_spec`` is deep-copied in both semantics.
@@ -49,6 +54,7 @@ class CommonPromptCheckpoint:
         self.id_task = id_task
         self.pos_min = pos_min
         self.pos_max = pos_max
+        self.made_for: tuple[int, ...] = ()
         self.data_tgt: Payload | None = None
         self.data_dft: Payload | None = None
         self.data_spec: Payload | None = None
@@ -171,6 +177,7 @@ class CommonPromptCheckpoint:
             pos_min=self.pos_min,
             pos_max=self.pos_max,
         )
+        c.made_for = self.made_for
         try:
             if self.sem.shared_payloads:
                 c.data_tgt = self.data_tgt.acquire() if self.data_tgt is not None else None

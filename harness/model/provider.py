@@ -369,6 +369,10 @@ class SyntheticProvider:
             c.hist, c.lo = h, lo
         return 0
 
+    def seq_component_tokens(self, seq: int) -> list[tuple[int, ...]]:
+        """The token history of each memory component (KV, SWA, recurrent) of ``seq``."""
+        return [c.hist for c in self._seq(seq).comps]
+
     def seq_tokens(self, seq: int) -> tuple[int, ...] | None:
         hists = {c.hist for c in self._seq(seq).comps}
         if len(hists) != 1:

@@ -251,6 +251,11 @@ class ServerContext:
     next_task_id: int = 0
     # ServerParams.draft_recovery outcomes: "retried" (after purging idle slots), "resynced"
     draft_recoveries: Counter[str] = field(default_factory=Counter)
+    # harness-only records of two upstream quirks (known findings, see _start_prompt):
+    # token prefixes a restored checkpoint put into memory in place of the slot's own tokens
+    stale_restores: list[tuple[int, ...]] = field(default_factory=list)
+    # id_task -> pos_next of tasks whose n_past [TAG_PROMPT_LOGITS] decremented below pos_next
+    prompt_logits_resumes: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         self.checkpoint_cls: type[CommonPromptCheckpoint] = self.sem.checkpoint_cls or CommonPromptCheckpoint
@@ -467,6 +472,11 @@ class ServerContext:
                     found.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
                     pos_next = min(pos_next, max(found.pos_min + 1, found.pos_max))
                     n_past = min(pos_next, found.n_tokens)
+                    if found.made_for[:n_past] != slot.prompt.tokens[:n_past]:
+                        # known finding stale-checkpoint-after-miss: the checkpoint was taken for a
+                        # prompt that shares fewer than n_past tokens with this one (it survived a
+                        # request with n_past = 0, see the docstring); upstream restores it anyway
+                        self.stale_restores.append(found.made_for[:n_past])
                 else:
                     pos_next = 0
                     n_past = 0
@@ -477,6 +487,10 @@ class ServerContext:
         # :3385 [TAG_PROMPT_LOGITS]
         if n_past == len(input_tokens) and n_past > 0:
             n_past -= 1
+            if n_past < pos_next:
+                # known finding swa-checkpoint-order: a checkpoint with pos_max == pos_next survived
+                # the invalidation above and this task's checkpoint may land at pos_next - 1
+                self.prompt_logits_resumes[slot.task.id] = pos_next
 
         slot.n_prompt_cached = n_past
         slot.prompt.tokens = slot.prompt.tokens[:n_past]
@@ -567,6 +581,7 @@ class ServerContext:
                 cps.erase(it)
         cur = cps.emplace_back(self.checkpoint_cls(self.host, self.sem, id_task=id_task))
         cur.update_pos(n_tokens_new, pos_min, pos_max)
+        cur.made_for = slot.prompt.tokens[:n_tokens_new]
         cur.update_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
         cur.update_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
         if self.ctx_dft is not None:

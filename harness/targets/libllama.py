@@ -557,6 +557,10 @@ class LlamaProvider:
             pos += kept
         return logits
 
+    def seq_component_tokens(self, seq: int) -> list[tuple[int, ...]]:
+        """The token history of each memory component (KV, SWA, recurrent) of ``seq``."""
+        return [_flat(v) for v in self._hist[seq].values()]
+
     def seq_tokens(self, seq: int) -> tuple[int, ...] | None:
         hists = {_flat(v) for v in self._hist[seq].values()}
         if len(hists) != 1:
