@@ -63,7 +63,6 @@ from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, Phase, settings
-from hypothesis import seed as hseed
 from hypothesis import strategies as st
 from hypothesis.stateful import (
     RuleBasedStateMachine,
@@ -71,11 +70,11 @@ from hypothesis.stateful import (
     invariant,
     precondition,
     rule,
-    run_state_machine_as_test,
 )
 
 from fixtures.models import ARCHS, model_path
 from harness.targets.libllama import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
+from properties.run import run_seeded
 
 __all__ = [
     "FINDINGS",
@@ -863,8 +862,6 @@ def machine_class(
     name = f"Contract_{cfg.name}"
     ns: dict[str, Any] = {"cfg": cfg, "stats": Stats(), "wrap_fn": staticmethod(wrap) if wrap else None}
     cls = type(name, (ContractMachine,), ns)
-    if seed is not None:
-        cls = hseed(seed)(cls)
     return cls
 
 
@@ -906,7 +903,7 @@ def run_config(
     t0 = time.perf_counter()
     failure: dict[str, Any] | None = None
     try:
-        run_state_machine_as_test(cls, settings=_settings(max_examples, steps))  # type: ignore[no-untyped-call]
+        run_seeded(cls, _settings(max_examples, steps), seed)
     except ContractViolation as e:
         failure = {"property": e.prop, "message": e.message, "program": _program(cfg, getattr(e, "__notes__", []))}
     except Exception as e:  # a harness error is a failure too, with the program that gives it

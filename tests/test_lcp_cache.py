@@ -13,8 +13,6 @@ import pytest
 
 pytest.importorskip("llama_cpp")
 
-import hypothesis.core
-from hypothesis.stateful import run_state_machine_as_test
 
 import harness.backends.lcp_cache as lcp
 from harness.backends.lcp_cache import (
@@ -26,6 +24,7 @@ from harness.backends.lcp_cache import (
     machine_class,
     run_lcp_gate,
 )
+from properties.run import run_seeded
 
 ROOT = Path(__file__).resolve().parent.parent
 ALL_KNOWN = frozenset(f.name for f in KNOWN_LCP_FINDINGS)
@@ -53,13 +52,10 @@ def run_mutant(
     cls = machine_class(env, MutantAdapter(factory), tolerate, Stats())
     if not faults:  # a plain method in a subclass takes the rule out of the machine
         cls = type(cls.__name__, (cls,), {"insert_with_fault": lambda self: None})
-    hypothesis.core.global_force_seed = 0  # type: ignore[attr-defined]
     try:
-        run_state_machine_as_test(cls, settings=lcp._settings(n))
+        run_seeded(cls, lcp._settings(n), 0)
     except LcpViolation as v:
         return v
-    finally:
-        hypothesis.core.global_force_seed = None  # type: ignore[attr-defined]
     return None
 
 

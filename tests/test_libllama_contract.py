@@ -40,7 +40,7 @@ def test_machine_runs_and_counts_every_operation() -> None:
 
 
 def test_recurrent_findings_are_reported_not_failed() -> None:
-    rep = run_contract(["mamba"], seed=0, max_examples=6, steps=15, out=lambda s: None)
+    rep = run_contract(["mamba"], seed=0, max_examples=20, steps=25, out=lambda s: None)
     assert rep["ok"], rep["mismatches"]
     names = {f["name"] for f in rep["findings"]}
     assert "recurrent-seq-rm-any-seq-refused" in names

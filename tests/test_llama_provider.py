@@ -138,7 +138,7 @@ class StaleRestore(LlamaProvider):
     """Mutant: a restore that silently keeps what the sequence had (the set call is dropped)."""
 
     def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int:
-        known = self._registry.get(__import__("harness.targets.libllama").llama_provider._digest(data, flags))
+        known = self._registry.get(sys.modules["harness.targets.libllama"]._digest(data, flags))
         if known is not None:
             for c in self._selected(flags):
                 self._hist[seq][c] = known[c]
@@ -195,7 +195,7 @@ def test_check_restore_equivalence_fails_the_invariant_with_the_mismatch_line() 
         tgt = server.ctx_tgt
         assert isinstance(tgt, LlamaProvider)
         tgt.mismatches.append(
-            __import__("harness.targets.libllama").llama_provider.Mismatch("tgt", 0, "set_data(flags=0)", 5, 0, 1.0)
+            sys.modules["harness.targets.libllama"].Mismatch("tgt", 0, "set_data(flags=0)", 5, 0, 1.0)
         )
         with pytest.raises(inv.Violation, match="restore_equivalence"):
             inv.check_restore_equivalence(server)

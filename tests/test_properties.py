@@ -90,14 +90,16 @@ def test_gate_shared_passes_and_checks_every_property() -> None:
     assert lines[-1] == "PASS"
 
 
-def test_gate_master_fails_on_transient_peak_with_a_short_program() -> None:
+def test_gate_master_fails_on_a_pr_claim_with_a_short_program() -> None:
     cfg = MachineConfig("master", "hybrid")
     r = run_machine(cfg, make_settings("ci", None, 300), 0, "replay-line")
     assert r.failure is not None
-    assert r.failure.property == "transient_peak"
+    # master fails where PR #27451 says it is wrong: the transient peak, or the bad_alloc in the
+    # checkpoint deep copy when a fault is armed (whichever the seed's examples reach first)
+    assert r.failure.property in ("transient_peak", "no_partial_entries")
     assert r.failure.steps <= 12
     # the printed program is itself a reproducer
-    with pytest.raises(Violation, match="transient_peak"):
+    with pytest.raises((Violation, TargetCrash), match=r.failure.property):
         exec(r.failure.program.replace("state.teardown()", ""), {})
 
 
