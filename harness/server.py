@@ -463,8 +463,10 @@ class ServerContext:
                         found = cur
                         break
                 if found is not None:
-                    found.load_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                    found.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                    # a failed read aborts (common.cpp:2337, 2355); "restore" scopes faults to it
+                    with self.host.operation("restore"):
+                        found.load_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                        found.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
                     pos_next = min(pos_next, max(found.pos_min + 1, found.pos_max))
                     n_past = min(pos_next, found.n_tokens)
                 else:

@@ -34,6 +34,7 @@ from harness.semantics import Semantics, get_semantics
 from harness.server import ServerParams
 
 from . import invariants as inv
+from .policy import ExpectedAbort, PolicyTracer
 
 __all__ = ["MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
 
@@ -67,7 +68,8 @@ class MachineConfig:
     draft: bool = False
     kv_unified: bool = False
     n_slots: int = 2
-    cache_ram: int = 6  # KiB
+    cache_ram: int = 6  # KiB; -1: --cache-ram -1, no byte limit (the token limit n_ctx alone evicts)
+    n_ctx: int = 256  # the target's KV cells over all slots (also the cache's token limit)
     known: frozenset[str] = frozenset()
     resolve: Any = field(default=None, compare=False, repr=False)  # name -> Semantics, for mutants
 
@@ -78,6 +80,10 @@ class MachineConfig:
             parts.append("draft")
         if self.kv_unified:
             parts.append("kvu")
+        if self.cache_ram != 6:
+            parts.append("nobytes" if self.cache_ram < 0 else f"ram{self.cache_ram}")
+        if self.n_ctx != 256:
+            parts.append(f"ctx{self.n_ctx}")
         parts += sorted(_ident(k) for k in self.known)
         name = "_".join(parts)
         return name[0].upper() + name[1:]
@@ -114,6 +120,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     # per-invariant check counts and seconds, summed over every instance of this class
     stats_checked: ClassVar[Counter[str]]
     stats_seconds: ClassVar[Counter[str]]
+    stats_branches: ClassVar[Counter[str]]  # which upstream policy branch each policy check exercised
     peaks: ClassVar[list[tuple[int, int, int]]]
     llama_stats: ClassVar[Counter[str]]  # restore_checks (summed), state_bytes / partial_bytes (max)
     layout_example: ClassVar[list[str]]  # the first kv-layout-dependent-logits difference seen
@@ -143,23 +150,34 @@ class PromptCacheMachine(RuleBasedStateMachine):
                 model_path(cfg.arch),
                 draft_model=draft_path() if cfg.draft else None,
                 params=self.params,
-                n_ctx=256,
+                n_ctx=cfg.n_ctx,
                 n_ctx_dft=32 if small else None,
             )
         else:
             self.server = make_server(
-                sem, cfg.kind, draft=cfg.draft, params=self.params, n_ctx=256, n_ctx_dft=32 if small else None
+                sem, cfg.kind, draft=cfg.draft, params=self.params, n_ctx=cfg.n_ctx, n_ctx_dft=32 if small else None
             )
         self.shadow = inv.Shadow()
         self.tracer = inv.Tracer(self.server, strict_peak=True, shadow=self.shadow)
-        self.crashed = False
+        # wraps outside the safety post-conditions: a broken safety property is reported first
+        self.policy = PolicyTracer(self.server)
+        self.crashed = False  # the modelled server is gone (a crash, or an abort where upstream aborts)
 
     # ---- helpers ---------------------------------------------------------------------------
 
     def _guard(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
-        """Run a server operation; an escaping exception is a crash of the target."""
+        """Run a server operation; an escaping exception is a crash of the target.
+
+        An abort where upstream aborts too (a failed checkpoint restore, ``restore_failure``) ends
+        the server quietly: the remaining steps of the program are no-ops.
+        """
+        if self.crashed:
+            return None
         try:
             return fn(*args, **kw)
+        except ExpectedAbort:
+            self.crashed = True
+            return None
         except BadAlloc as e:
             self.crashed = True
             raise TargetCrash("no_partial_entries", f"std::bad_alloc escaped {what}: {e}") from e
@@ -218,12 +236,22 @@ class PromptCacheMachine(RuleBasedStateMachine):
         """Run every processing slot to completion."""
         self._guard("update_slots", self.server.run_until_idle)
 
+    @precondition(lambda self: self.config.cache_ram > 0)
     @rule(kind=st.sampled_from(["oom-transient", "oom-persistent"]), nth=st.integers(1, 8))
     def arm_fault(self, kind: str, nth: int) -> None:
-        """Fail the nth allocation of the next prompt save (and, if persistent, every later one)."""
+        """Fail the nth allocation of the next prompt save (and, if persistent, every later one).
+
+        Not with the byte limit off: the recovery sets one (S-T.cpp:1770) and the machine would no
+        longer be the token-limit-only configuration it stands for.
+        """
         self.server.host.seam.arm(nth, persistent=kind == "oom-persistent", scope="save")
 
-    @precondition(lambda self: self.server.prompt_cache is not None)
+    @rule(where=st.sampled_from(["load", "restore"]), nth=st.integers(1, 2))
+    def arm_restore_fault(self, where: str, nth: int) -> None:
+        """Fail the nth state read of the next cache load or checkpoint restore (libllama returns 0)."""
+        self.server.host.seam.arm(nth, scope=where)
+
+    @precondition(lambda self: self.server.prompt_cache is not None and self.config.cache_ram > 0)
     @rule(cache_ram=st.integers(1, 12))
     def set_limit(self, cache_ram: int) -> None:
         """Change --cache-ram (KiB here) and let update() enforce it, as the bad_alloc recovery does."""
@@ -240,7 +268,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
         ``common_prompt_checkpoint::update_*`` API on a list checkpoint that a cache entry may
         share, which is the copy-on-write contract PR #27451 states.
         """
-        if slot >= self.params.n_slots:
+        if slot >= self.params.n_slots or self.crashed:
             return
         s = self.server.slots[slot]
         if s.is_processing() or s.prompt.checkpoints.empty():
@@ -285,6 +313,11 @@ class PromptCacheMachine(RuleBasedStateMachine):
             t.stats_checked[k] += v
         for k, v in self.tracer.seconds.items():
             t.stats_seconds[k] += v
+        for k, v in self.policy.checked.items():
+            t.stats_checked[k] += v
+        t.stats_branches.update(self.policy.branches)
+        for k, v in self.policy.seconds.items():
+            t.stats_seconds[k] += v
         t.peaks.extend(self.tracer.peaks)
         if not self.crashed:
             self.server.host.seam.disarm()
@@ -321,6 +354,7 @@ def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
                 "config": config,
                 "stats_checked": Counter(),
                 "stats_seconds": Counter(),
+                "stats_branches": Counter(),
                 "peaks": [],
                 "llama_stats": Counter(),
                 "layout_example": [],
