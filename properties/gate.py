@@ -108,6 +108,14 @@ KNOWN_FINDINGS: list[KnownFinding] = [
         lambda v: MachineConfig(v, "iswa", known=frozenset({"strict-swa-order"})),
         frozenset({"checkpoint_lists"}),
     ),
+    KnownFinding(
+        "stale-first-token-checkpoint",
+        "a prompt that differs at its first token resumes at pos_next = 0, the invalidation erases only "
+        "pos_max > 0, so a checkpoint of the old first token (pos_min = pos_max = 0) survives and a later "
+        "prompt restores it (pos_min == 0 qualifies) onto other tokens (server-context.cpp:3331-3364)",
+        lambda v: MachineConfig(v, "hybrid", known=frozenset({"no-bos"})),
+        frozenset({"restore_bytes", "draft_in_step"}),
+    ),
 ]
 
 

@@ -39,6 +39,7 @@ from .policy import ExpectedAbort, PolicyTracer
 __all__ = ["MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
 
 MAX_PROMPT = 40
+BOS = 1
 
 
 class TargetCrash(AssertionError):
@@ -59,7 +60,8 @@ class MachineConfig:
     slot that is processing; ``"small-draft-ctx"`` gives the draft context far fewer KV cells than
     the target; ``"strict-swa-order"`` stops excusing the checkpoint order that upstream leaves
     after an SWA checkpoint restore; ``"draft-recovery"`` turns on the draft-KV recovery proposed
-    in the PR's discussion (``ServerParams.draft_recovery``) and checks that no request fails.
+    in the PR's discussion (``ServerParams.draft_recovery``) and checks that no request fails;
+    ``"no-bos"`` lets prompts start with any token (the main runs start every prompt with BOS).
     """
 
     semantics: str
@@ -211,6 +213,11 @@ class PromptCacheMachine(RuleBasedStateMachine):
     def request(self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int) -> None:
         """A completion request: a prefix of a slot's or a cache entry's prompt, then new tokens."""
         tokens = (self._base(source)[:keep] + tuple(suffix))[-MAX_PROMPT:] or (1,)
+        if tokens[0] != BOS and "no-bos" not in self.config.known:
+            # llama-server's tokenizer adds BOS: prompts share their first token. Without it a
+            # checkpoint of a first token survives a prompt that starts otherwise and is restored
+            # later (the known finding "stale-first-token-checkpoint", run apart)
+            tokens = ((BOS, *tokens))[:MAX_PROMPT]
         if id_slot >= self.params.n_slots:
             id_slot = -1
         if id_slot >= 0 and self.server.slots[id_slot].is_processing() and "busy-slot-by-id" not in self.config.known:

@@ -423,29 +423,12 @@ class PolicyTracer:
                     f"picks entry {pick} ({len(toks[pick])} tokens)",
                 )
             assert saved is not None
-            tgt = [r for r in self._restores if r.ctx == ctx_tgt.name and r.seq == id_slot and r.ok and r.flags == 0]
-            self._check_bytes(
-                "cache load",
-                ctx_tgt,
-                id_slot,
-                tgt[-1].state if tgt else b"",
-                prompt.tokens,
-                saved[0],
-                STATE_SEQ_FLAGS_NONE,
-            )
-            if ctx_dft is not None and saved[1] is not None:
-                dft = [
-                    r for r in self._restores if r.ctx == ctx_dft.name and r.seq == id_slot and r.ok and r.flags == 0
-                ]
-                self._check_bytes(
-                    "cache load",
-                    ctx_dft,
-                    id_slot,
-                    dft[-1].state if dft else b"",
-                    prompt.tokens,
-                    saved[1],
-                    STATE_SEQ_FLAGS_NONE,
-                )
+            # the memory now: nothing runs between the restore and the end of load
+            for ctx, data in ((ctx_tgt, saved[0]), (ctx_dft, saved[1])):
+                if ctx is None or data is None or not self.synthetic:
+                    continue
+                now = ctx.state_seq_get_data_ext(id_slot, STATE_SEQ_FLAGS_NONE)
+                self._check_bytes("cache load", ctx, id_slot, now, prompt.tokens, data, STATE_SEQ_FLAGS_NONE)
             return res
 
         return load
@@ -669,13 +652,13 @@ class PolicyTracer:
                 got = [
                     r
                     for r in self._restores
-                    if r.ctx == ctx.name and r.seq == slot.id and r.ok and r.flags == STATE_SEQ_FLAGS_PARTIAL_ONLY
+                    if r.ctx == ctx.name and r.seq == slot.id and r.flags == STATE_SEQ_FLAGS_PARTIAL_ONLY
                 ]
                 self._check_bytes(
                     "checkpoint restore",
                     ctx,
                     slot.id,
-                    got[0].state if got else b"",
+                    (got[-1].state or b"") if got else b"",
                     tokens[:n_ckpt],
                     data,
                     STATE_SEQ_FLAGS_PARTIAL_ONLY,
