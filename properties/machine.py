@@ -320,11 +320,10 @@ class PromptCacheMachine(RuleBasedStateMachine):
             t.stats_checked[k] += v
         for k, v in self.tracer.seconds.items():
             t.stats_seconds[k] += v
-        for k, v in self.policy.checked.items():
-            t.stats_checked[k] += v
+        t.stats_checked.update(self.policy.checked)
         t.stats_branches.update(self.policy.branches)
-        for k, v in self.policy.seconds.items():
-            t.stats_seconds[k] += v
+        for key, secs in self.policy.seconds.items():
+            t.stats_seconds[key] += secs  # type: ignore[assignment]
         t.peaks.extend(self.tracer.peaks)
         if not self.crashed:
             self.server.host.seam.disarm()
