@@ -190,8 +190,9 @@ def _check_list(where: str, cps: CheckpointList, cap: int, excuse_swa_resume: bo
         if prev is not None and c.n_tokens <= prev.n_tokens:
             # known upstream finding "swa-checkpoint-order": after an SWA checkpoint restore the slot
             # resumes at pos_max = n_tokens - 1, the restored checkpoint is kept (pos_max <= pos_next)
-            # and the next one is created below it
-            quirk = prev.n_tokens > c.n_tokens >= prev.pos_max
+            # and the next one is created below it; one lower still when the prompt is the resume
+            # point itself and one token is re-evaluated for its logits ([TAG_PROMPT_LOGITS])
+            quirk = prev.n_tokens > c.n_tokens >= prev.pos_max - 1
             if not (excuse_swa_resume and quirk):
                 _fail("checkpoint_lists", f"{where}: n_tokens not ascending ({prev.n_tokens} then {c.n_tokens})")
         prev = c

@@ -281,6 +281,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
         if s.is_processing() or s.prompt.checkpoints.empty():
             return
         c = s.prompt.checkpoints.back()
+        cps = list(s.prompt.checkpoints)
+        if len(cps) >= 2 and cps[-2].n_tokens >= s.prompt.n_tokens():
+            return  # re-capturing here would put it at or below its predecessor (upstream never does)
         ctx_tgt, ctx_dft = self.server.ctx_tgt, self.server.ctx_dft
         pos_min = ctx_tgt.memory_seq_pos_min(s.id)
         if pos_min < 0:

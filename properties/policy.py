@@ -340,38 +340,52 @@ class PolicyTracer:
         return make
 
     def _check_bytes(
-        self, what: str, ctx: Any, seq: int, got: bytes | None, tokens: Tokens, saved: bytes, flags: int
+        self,
+        what: str,
+        ctx: Any,
+        seq: int,
+        got: bytes | None,
+        tokens: Tokens,
+        saved: bytes,
+        flags: int,
+        resume: int | None = None,
     ) -> None:
-        """``restore_bytes``: the state after a restore is a fresh evaluation of ``tokens``.
+        """``restore_bytes``: the restored state is a fresh evaluation of the tokens it stands for.
 
-        A saved state that is itself not canonical (the synthetic SWA window after a truncation keeps
-        fewer cells than a fresh evaluation would) must then come back exactly as it was saved, and
-        every restored memory component must still stand for ``tokens`` (its token history).
+        Every restored memory component must hold the slot's tokens: all of them after a cache
+        load, the first ``resume`` after a checkpoint restore (upstream truncates to the resume
+        point right after it, S-C.cpp:3345-3346, 3384-3390). Its bytes must be a fresh evaluation of
+        the history the saved state holds or, when the saved state itself was not canonical (the
+        synthetic SWA window after a truncation keeps fewer cells than a fresh evaluation), the
+        saved bytes exactly.
         """
         if not self.synthetic or got is None:
             return
         self.checked["restore_bytes"] += 1
-        fresh = fresh_state(ctx, tokens, flags)
+        n = len(tokens) if resume is None else resume
+        parsed = ctx._parse(got, flags) if got else None  # the histories the restored components hold
+        hists = [h for _, h, _ in parsed or []]
+        if not parsed or any(len(h) < n or h[:n] != tokens[:n] or (resume is None and h != tokens) for h in hists):
+            _fail(
+                "restore_bytes",
+                f"{what}: {ctx.name} slot{seq} holds {[_short(h) for h in hists] if parsed else 'no valid state'} "
+                f"after the restore; the slot resumes from {_short(tokens[:n])}",
+            )
+        saved_hists = {h for _, h, _ in ctx._parse(saved, flags) or []}
+        own = next(iter(saved_hists)) if len(saved_hists) == 1 else tokens
+        fresh = fresh_state(ctx, own, flags)
         if saved == fresh:
             self.branches["restore_bytes:fresh"] += 1
             if got != fresh:
                 _fail(
                     "restore_bytes",
                     f"{what}: {ctx.name} state after the restore is not a fresh evaluation "
-                    f"of the {len(tokens)} tokens it stands for",
+                    f"of the {len(own)} tokens it stands for",
                 )
         else:
             self.branches["restore_bytes:as-saved"] += 1
             if got != saved:
                 _fail("restore_bytes", f"{what}: {ctx.name} state after the restore differs from the saved bytes")
-            parsed = ctx._parse(got, flags) or []  # the histories the restored components hold
-            hists = [h for _, h, _ in parsed]
-            if any(h != tokens for h in hists):
-                _fail(
-                    "restore_bytes",
-                    f"{what}: {ctx.name} slot{seq} restored a state of another token history "
-                    f"({[_short(h) for h in hists]}) than the {_short(tokens)} it stands for",
-                )
 
     # ---- load ------------------------------------------------------------------------------
 
@@ -659,9 +673,10 @@ class PolicyTracer:
                     ctx,
                     slot.id,
                     (got[-1].state or b"") if got else b"",
-                    tokens[:n_ckpt],
+                    tokens,
                     data,
                     STATE_SEQ_FLAGS_PARTIAL_ONLY,
+                    resume=min(slot.prompt.n_tokens(), n_ckpt),
                 )
             return res
 
