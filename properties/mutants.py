@@ -273,7 +273,9 @@ class Mutant:
     arch: str = ""  # run on this fixtures model (libllama backend) instead of the synthetic provider
 
 
-def _m(name: str, kills: str, cls: type, *, draft: bool = False, arch: str = "") -> Mutant:
+def _m(
+    name: str, kills: str, cls: type, *, draft: bool = False, arch: str = "", also: frozenset[str] = frozenset()
+) -> Mutant:
     """A mutant of ``shared`` whose one broken class is ``cls`` (its docstring says what is broken)."""
     slot = {
         ServerPromptCache: "cache_cls",
@@ -283,7 +285,7 @@ def _m(name: str, kills: str, cls: type, *, draft: bool = False, arch: str = "")
     }
     field_name = next(v for k, v in slot.items() if issubclass(cls, k))
     sem = Semantics(name, shared_payloads=True, wide_try=True, **{field_name: cls})
-    return Mutant(sem, kills, (cls.__doc__ or "").strip(), draft=draft, arch=arch)
+    return Mutant(sem, kills, (cls.__doc__ or "").strip(), also=also, draft=draft, arch=arch)
 
 
 MUTANTS: dict[str, Mutant] = {
@@ -311,8 +313,8 @@ MUTANTS: dict[str, Mutant] = {
         _m("evict-forgets-release", "refcount", _EvictForgetsRelease),
         _m("half-built-entry", "no_partial_entries", _HalfBuiltEntry),
         _m("load-keeps-entry", "load_transfer", _LoadKeepsEntry),
-        _m("keeps-prefixes", "no_prefix_entries", _KeepsPrefixes),
-        _m("no-checkpoint-cap", "checkpoint_lists", _NoCheckpointCap),
+        _m("keeps-prefixes", "no_prefix_entries", _KeepsPrefixes, also=frozenset({"alloc_eviction"})),
+        _m("no-checkpoint-cap", "checkpoint_lists", _NoCheckpointCap, also=frozenset({"checkpoint_policy"})),
         _m("no-invalidation", "checkpoint_lists", _NoInvalidation),
         _m("idle-caching-saves-busy", "busy_slot_untouched", _IdleCachingSavesBusy),
         _m("draft-not-restored", "draft_in_step", _DraftNotRestored, draft=True),
