@@ -47,11 +47,6 @@ def test_f1_is_excused_by_its_exact_state_in_the_main_machines() -> None:
     _f1(frozenset())
 
 
-@pytest.mark.xfail(
-    strict=False,
-    reason="order-dependent: passes alone and with its file, but after the whole suite checkpoint_policy "
-    "fails on this program ('kept n_tokens [] of [1, 2]'); shared state between machines to find",
-)
 def test_f1_model_records_the_stale_prefix() -> None:
     state = machine_class(MachineConfig("shared", "hybrid"))()
     try:
