@@ -37,6 +37,7 @@ class GateOptions:
     """
 
     semantics: str = "shared"
+    semantics_given: bool = False  # False: the default; the server backend may infer it from a tree
     profile: str = "ci"
     seed: int = 0
     db: str | None = None

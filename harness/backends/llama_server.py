@@ -49,7 +49,15 @@ from harness.backends.base import Backend, Failure, GateOptions, GateReport, Mac
 from harness.errors import BadAlloc, PropertyFailure, ServerStartError, UsageError
 from harness.model.server_context import ServerParams
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import BuildError, ServerProcess, build_server, cached_binary
+from harness.targets.llama_server import (
+    PINNED_COMMIT,
+    BuildError,
+    ServerBuild,
+    ServerProcess,
+    cached_binary,
+    pinned_status,
+    server_build,
+)
 from properties.machine import MachineConfig
 from properties.run import run_seeded
 
@@ -144,7 +152,7 @@ class Differential:
     log_dir: str | None = None
     rows: list[Row] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-    flavour: str = "pr"  # only for the replay program: which build_server() flavour the binary is
+    binary_expr: str = "build_server('pr')"  # only for the replay program: how to get the binary again
 
     def __post_init__(self) -> None:
         self.model_file = model_path(self.cfg.arch)
@@ -213,9 +221,10 @@ class Differential:
     def program(self) -> str:
         """The request sequence so far, as a script that replays it against the same configuration."""
         lines = [
-            "from harness.targets.llama_server import build_server",
+            "from pathlib import Path",
+            "from harness.targets.llama_server import build_server, build_source",
             "from harness.backends.llama_server import Differential, ServerConfig",
-            f"with Differential({self.cfg!r}, build_server({self.flavour!r}), {self.semantics!r}) as d:",
+            f"with Differential({self.cfg!r}, {self.binary_expr}, {self.semantics!r}) as d:",
         ]
         for row in self.rows:
             lines.append(f"    print(d.request({list(row.tokens)!r}, {row.n_predict}).describe())")
@@ -273,14 +282,19 @@ class MachineStats:
 
 
 def server_machine(
-    cfg: ServerConfig, binary: Path, semantics: str, stats: MachineStats, log_dir: str | None, flavour: str = "pr"
+    cfg: ServerConfig,
+    binary: Path,
+    semantics: str,
+    stats: MachineStats,
+    log_dir: str | None,
+    binary_expr: str = "build_server('pr')",
 ) -> type:
     """A Hypothesis state machine class driving ``cfg`` on ``binary`` against the model in ``semantics``."""
 
     class ServerMachine(RuleBasedStateMachine):
         def __init__(self) -> None:
             super().__init__()
-            self.d = Differential(cfg, binary, semantics, log_dir, flavour=flavour)
+            self.d = Differential(cfg, binary, semantics, log_dir, binary_expr=binary_expr)
             self.d.__enter__()
             self.fresh = ServerProcess(
                 binary,
@@ -439,7 +453,7 @@ def _log_text(d: Differential) -> str:
 
 @dataclass
 class FaultTrial:
-    flavour: str
+    build: str  # which llama-server: pr, master, or the user's tree/binary
     nth: int
     predicted: str  # "skipped" (bad_alloc caught, no entry), "crash" (bad_alloc escapes), "completed"
     predicted_site: str
@@ -452,7 +466,7 @@ class FaultTrial:
 
 
 def save_fault(
-    binary: Path, flavour: str, semantics: str, nth: int, *, n_extend: int = 3, log_dir: str | None = None
+    binary: Path, label: str, semantics: str, nth: int, *, n_extend: int = 3, log_dir: str | None = None
 ) -> FaultTrial:
     """Fail the ``nth`` large (>= 512 KiB) native allocation of the request that saves a slot to the cache.
 
@@ -465,7 +479,6 @@ def save_fault(
     import signal
     import tempfile
     import urllib.error
-
 
     min_size = 512 * 1024
     with tempfile.TemporaryDirectory(prefix="save-fault-") as tmp:
@@ -531,7 +544,7 @@ def save_fault(
                 detail += f"; a later request: {later.describe()}"
                 if not later.ok:
                     observed = "wrong-after-skip"
-            return FaultTrial(flavour, nth, predicted, site, observed, detail)
+            return FaultTrial(label, nth, predicted, site, observed, detail)
 
 
 SERVER_PROFILES: dict[str, dict[str, int]] = {
@@ -610,38 +623,94 @@ def sanitizer_reports(log_dir: str) -> list[str]:
 
 class ServerBackend(Backend):
     name = "server"
-    flags = frozenset({"asan"})
+    flags = frozenset({"asan", "source", "server_bin"})
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
-        flavour = "asan" if opts.asan else ("master" if opts.semantics == "master" else "pr")
-        if opts.asan and opts.semantics == "master":
-            raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
-        run_server_backend(report, flavour, opts.profile, opts.seed, opts.max_examples, out)
+        log = lambda m: out("  build: " + m)  # noqa: E731
+        try:
+            if opts.source is not None and opts.server_bin is not None:
+                raise UsageError("--source and --server-bin both name the server to test; give one")
+            if opts.server_bin is not None:
+                if opts.asan:
+                    raise UsageError("--asan builds llama-server; a --server-bin runs as built (sanitizers detected)")
+                build = server_build(binary=opts.server_bin, log=log)
+            elif opts.source is not None:
+                build = server_build(source=opts.source, asan=opts.asan, log=log)
+            else:
+                if opts.asan and opts.semantics == "master":
+                    raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
+                flavour = "asan" if opts.asan else ("master" if opts.semantics == "master" else "pr")
+                build = server_build(flavour=flavour, log=log)
+        except BuildError as e:
+            raise BuildError(f"llama-server could not be built: {e}") from None
+        semantics, how = _semantics_for(build, opts)
+        report.variant = semantics
+        run_server_backend(report, build, semantics, opts.profile, opts.seed, opts.max_examples, out, how)
+
+
+def _semantics_for(build: ServerBuild, opts: GateOptions) -> tuple[str, str]:
+    """The semantics the model runs in (``--semantics`` if given, else the one the tree shows) and why."""
+    if opts.semantics_given:
+        how = "from --semantics"
+        if build.semantics is not None and build.semantics != opts.semantics:
+            how += (
+                f"; note: the build's common_prompt_checkpoint looks like {build.semantics}: "
+                "expect the differential to diverge"
+            )
+        return opts.semantics, how
+    if build.semantics is None:
+        what = "binary" if build.tree is None else "tree"
+        raise UsageError(
+            f"cannot tell the semantics of the {what} {build.label} (no common_prompt_checkpoint found): "
+            "pass --semantics shared (PR #27451) or --semantics master"
+        )
+    how = "inferred from the tree's common_prompt_checkpoint" if build.tree is not None else "from its build-info.json"
+    if build.origin.startswith("flavour "):
+        how = f"the {build.label} build"
+    return build.semantics, how + "; --semantics overrides"
 
 
 def run_server_backend(
-    report: GateReport, flavour: str, profile: str, seed: int, max_examples: int | None, out: Out
+    report: GateReport,
+    build: ServerBuild,
+    semantics: str,
+    profile: str,
+    seed: int,
+    max_examples: int | None,
+    out: Out,
+    how: str = "",
 ) -> None:
-    """``gate --backend server``: build (cached), differential machines, full context, memory, faults, sanitizers."""
-    semantics = "master" if flavour == "master" else "shared"
-    replay = (
-        f"python -m harness gate --backend server --semantics {semantics}"
-        + (" --asan" if flavour == "asan" else "")
-        + f" --profile {profile} --seed {seed}"
-    )
-    out(f"gate: backend=server flavour={flavour} profile={profile} seed={seed} commit={report.commit}")
-    try:
-        binary = build_server(flavour, log=lambda m: out("  build: " + m))
-    except BuildError as e:
-        raise UsageError(f"llama-server ({flavour}) could not be built: {e}") from None
-    out(f"  binary {binary}")
-    if flavour == "asan" and b"__asan_init" not in binary.read_bytes():
+    """``gate --backend server``: differential machines, full context, memory, faults, sanitizers."""
+    replay = f"python -m harness gate --backend server {build.replay_flags}"
+    if not build.origin.startswith("flavour "):
+        replay += f" --semantics {semantics}"
+    replay += f" --profile {profile} --seed {seed}"
+    label = build.label
+    binary = build.binary
+    out(f"gate: backend=server build={build.origin} semantics={semantics} profile={profile} seed={seed} "
+        f"commit={report.commit}")  # fmt: skip
+    out(f"  binary {binary}" + (" (AddressSanitizer)" if build.asan else ""))
+    if how:
+        out(f"  semantics {semantics}: {how}")
+    pinned = build.pinned
+    if build.tree is not None:
+        pinned, line = pinned_status(build.tree)
+        out("  " + line)
+    elif not pinned:
+        out(f"  the binary's source is unknown; the model is pinned to llama.cpp {PINNED_COMMIT}")
+    elif not build.origin.startswith("flavour "):
+        out(f"  the binary's build-info.json says it was built from llama.cpp {PINNED_COMMIT}, the pinned tree")
+    if build.origin == "flavour asan" and not build.asan:
         raise UsageError(
             f"{binary} is not built with AddressSanitizer; "
             "rebuild: python -m harness build-server --flavour asan --force"
         )
     section: dict[str, Any] = {
-        "flavour": flavour,
+        "flavour": label,
+        "build": build.origin,
+        "binary": str(binary),
+        "semantics": semantics,
+        "pinned": pinned,
         "requests": 0,
         "cache_n_mismatches": 0,
         "output_mismatches": 0,
@@ -655,7 +724,19 @@ def run_server_backend(
     }
     report.extra["server"] = section
 
+    first = True
+
     def fail(prop: str, kind: str, message: str, program: str, machine: str) -> None:
+        nonlocal first
+        if not pinned:
+            message += (
+                f" [the model is pinned to llama.cpp {PINNED_COMMIT} and this {'tree' if build.tree else 'binary'} "
+                "is not that tree: the divergence is either your change or upstream moving on since]"
+            )
+            if first and program:
+                out(f"  first divergence ({prop} in {machine}): {message}")
+                out("  requests that replay it:\n    " + program.replace("\n", "\n    "))
+        first = False
         f = Failure(prop, kind, message, program, replay, machine, program.count("d.request("))
         report.machines.append(MachineResult(MachineConfig(semantics), 0.0, f, Counter(), Counter(), []))
 
@@ -673,14 +754,14 @@ def run_server_backend(
         print_blob=False,
     )
     with tempfile.TemporaryDirectory(prefix="server-gate-") as logs:
-        if flavour == "asan":
+        if build.asan:
             # leaks are reported at exit, into the server's log
             os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
         try:
             for cfg in server_configs():
                 stats = MachineStats()
                 t0 = time.perf_counter()
-                cls = server_machine(cfg, binary, semantics, stats, logs, flavour)
+                cls = server_machine(cfg, binary, semantics, stats, logs, build.replay_expr)
                 status = "ok  "
                 try:
                     run_seeded(cls, hs, seed)
@@ -719,13 +800,13 @@ def run_server_backend(
         except ServerMismatch as e:
             section["cache_n_mismatches"] += 1
             fail(e.name, "violation", e.message, e.program, "server-full-context")
-        if flavour != "asan":
-            _memory_and_faults(report, section, flavour, semantics, binary, logs, fail, out)
+        if not build.asan:
+            _memory_and_faults(report, section, label, semantics, binary, logs, fail, out)
         reports = sanitizer_reports(logs)
         section["sanitizer_reports"] = len(reports)
         for r in reports[:5]:
             fail("sanitizer", "crash", r, "", "server-asan")
-        if flavour == "asan":
+        if build.asan:
             out(f"  [{'ok  ' if not reports else 'FAIL'}] sanitizers: {len(reports)} ASan/UBSan reports in the logs")
     report.known.append(
         {
@@ -734,7 +815,7 @@ def run_server_backend(
             "shapes and cell layouts than from scratch; where the two best tokens are within "
             f"{NEAR_TIE_LOGPROB} logprob the greedy choice can differ from a fresh server's "
             "(the same root cause as kv-layout-dependent-logits)",
-            "machine": f"llama-server {flavour}",
+            "machine": f"llama-server {label}",
             "reproducer": "fixtures/findings/kv_layout_logits.py",
             "status": "reproduced" if section["near_tie_flips"] else "not-reproduced",
             "count": section["near_tie_flips"],
@@ -745,7 +826,7 @@ def run_server_backend(
 def _memory_and_faults(
     report: Any,
     section: dict[str, Any],
-    flavour: str,
+    label: str,
     semantics: str,
     binary: Path,
     logs: str,
@@ -755,8 +836,8 @@ def _memory_and_faults(
     """VmHWM around a save with ~16 MiB of checkpoints, and native faults during a save."""
     mem = save_peak(binary, semantics, log_dir=logs)
     section["rss_peak_bytes"] = mem["rss_peak_bytes"]
-    section["memory"] = {flavour: mem}
-    other = "master" if flavour == "pr" else "pr"
+    section["memory"] = {label: mem}
+    other = "pr" if semantics == "master" else "master"  # the pinned build of the other semantics, if built
     other_bin = cached_binary(other)
     if other_bin is not None:
         section["memory"][other] = save_peak(other_bin, "master" if other == "master" else "shared", log_dir=logs)
@@ -775,16 +856,16 @@ def _memory_and_faults(
         fail(
             "transient_peak",
             "violation",
-            f"llama-server {flavour}: RSS high-water mark of one save {mem['rss_peak_bytes']} B > S + C/2 = {bound} B "
+            f"llama-server {label}: RSS high-water mark of one save {mem['rss_peak_bytes']} B > S + C/2 = {bound} B "
             f"(the model predicts {mem['model_peak_bytes']} B)"
-            + ("; PR #27451: master deep-copies the checkpoints on insert" if flavour == "master" else ""),
+            + ("; PR #27451: master deep-copies the checkpoints on insert" if semantics == "master" else ""),
             "",
             "server-memory",
         )
     # native faults: the nth large allocation of the request that saves the slot
     out_of_scope: list[str] = []
     for nth in (1, 2, 3):
-        t = save_fault(binary, flavour, semantics, nth, log_dir=logs)
+        t = save_fault(binary, label, semantics, nth, log_dir=logs)
         section["fault_trials"] += 1
         section["server_crashes"] += t.observed == "crash"
         section.setdefault("faults", []).append(t.__dict__)
@@ -794,15 +875,15 @@ def _memory_and_faults(
             f"server {t.observed} ({t.detail})"
         )
         if not t.ok:
-            fail("native_fault", "violation", f"{flavour} nth={nth}: model {t.predicted}, server {t.observed}", "",
+            fail("native_fault", "violation", f"{label} nth={nth}: model {t.predicted}, server {t.observed}", "",
                  "server-faults")  # fmt: skip
         elif t.observed == "crash" and t.predicted_site.startswith("ckpt."):
-            out_of_scope.append(f"{flavour} nth={nth} at {t.predicted_site}")
+            out_of_scope.append(f"{label} nth={nth} at {t.predicted_site}")
         elif t.observed == "crash" and t.predicted_site.startswith("ckpt_copy"):
             fail(
                 "no_partial_entries",
                 "crash",
-                f"llama-server {flavour}: std::bad_alloc in the checkpoint deep copy at {t.predicted_site} escapes "
+                f"llama-server {label}: std::bad_alloc in the checkpoint deep copy at {t.predicted_site} escapes "
                 "server_prompt_cache::alloc and terminates the server (PR #27451: the try must cover the whole entry "
                 f"construction) [{t.detail}]",
                 "",
@@ -813,7 +894,7 @@ def _memory_and_faults(
             "id": "checkpoint-alloc-terminates",
             "title": "a std::bad_alloc while creating a context checkpoint (common_prompt_checkpoint::update_tgt, "
             "outside any try in update_slots) terminates llama-server, with or without PR #27451 (out of its scope)",
-            "machine": f"llama-server {flavour}, native faults",
+            "machine": f"llama-server {label}, native faults",
             "status": "reproduced" if out_of_scope else "not-reproduced",
             "count": len(out_of_scope),
             **({"message": "; ".join(out_of_scope)} if out_of_scope else {}),

@@ -22,6 +22,7 @@ import os
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from fixtures.models import ARCHS
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
@@ -42,9 +43,7 @@ _FLAG_NAMES = {
 }
 
 
-def run_gate(
-    opts: GateOptions, backends: Sequence[str | Backend], out: Callable[[str], None] = print
-) -> GateReport:
+def run_gate(opts: GateOptions, backends: Sequence[str | Backend], out: Callable[[str], None] = print) -> GateReport:
     """Run the gate on ``backends`` (names in :data:`BACKENDS`, or instances) and return its report;
     ``out`` receives the human-readable lines."""
     runners = [BACKENDS[b] if isinstance(b, str) else b for b in backends]
@@ -124,6 +123,19 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--cache", choices=["ram", "disk"], help="llama-cpp-python-cache backend: which cache (default: ram)"
     )
     parser.add_argument("--asan", action="store_true", help="server backend: the AddressSanitizer build (shared)")
+    parser.add_argument(
+        "--source",
+        metavar="DIR",
+        type=Path,
+        help="server backend: build llama-server from this llama.cpp tree (cached by its content) and test it; "
+        "the semantics are inferred from the tree unless --semantics is given",
+    )
+    parser.add_argument(
+        "--server-bin",
+        metavar="PATH",
+        type=Path,
+        help="server backend: test this llama-server binary (built elsewhere); needs --semantics",
+    )
     parser.add_argument("--profile", default="ci", choices=sorted(PROFILES))
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
     parser.add_argument("--db", metavar="DIR", help="example database directory (fuzz profile)")
@@ -166,8 +178,8 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         "archs": bool(args.arch),
         "cache": args.cache is not None,
         "asan": asan,
-        "source": getattr(args, "source", None) is not None,
-        "server_bin": getattr(args, "server_bin", None) is not None,
+        "source": args.source is not None,
+        "server_bin": args.server_bin is not None,
     }
     for flag, on in given.items():
         if on and not any(flag in BACKENDS[b].flags for b in backends):
@@ -179,6 +191,7 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         )
     opts = GateOptions(
         semantics=semantics or "shared",
+        semantics_given=semantics is not None,
         profile=args.profile,
         seed=args.seed,
         db=args.db,
@@ -186,6 +199,8 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         archs=tuple(args.arch) if args.arch else None,
         cache=args.cache or "ram",
         asan=asan,
+        source=args.source,
+        server_bin=args.server_bin,
     )
     return opts, backends
 

@@ -36,6 +36,7 @@ import fcntl
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -49,26 +50,35 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from harness.errors import BuildError, ServerStartError, UsageError
+from harness.errors import BuildError, HarnessError, ServerStartError, UsageError
 
 __all__ = [
     "EXIT_BUILD_FAILED",
     "FLAVOURS",
     "PATCH_PATH",
+    "PINNED_COMMIT",
     "SDIST_NAME",
     "SDIST_VERSION",
     "BuildError",
+    "ServerBuild",
     "ServerProcess",
     "ServerStartError",
     "build_server",
+    "build_source",
     "cache_root",
     "cached_binary",
     "cmake_args",
+    "infer_semantics",
+    "pinned_status",
+    "pinned_tree_hashes",
     "sdist_source",
+    "server_build",
+    "tree_hash",
 ]
 
 SDIST_NAME = "llama-cpp-python"
@@ -78,6 +88,8 @@ _VENDOR_SUBDIR = "vendor/llama.cpp"
 _SOURCE_MARKER = ".prompt-cache-harness-source.sha256"
 
 FLAVOURS = ("master", "pr", "asan")
+PINNED_COMMIT = "0c1e570"
+"""The llama.cpp commit vendored by the sdist: the one the reference model mirrors."""
 PATCH_PATH = Path(__file__).resolve().parents[2] / "fixtures" / "pr-27451.patch"
 
 EXIT_BUILD_FAILED = 4
@@ -363,13 +375,11 @@ def build_server(
 ) -> Path:
     """Build (or reuse) ``llama-server`` for ``flavour`` and return the binary's path.
 
-    Raises :class:`~harness.cli.UsageError` for a bad flavour or missing tools and
+    Raises :class:`~harness.errors.UsageError` for a bad flavour or missing tools and
     :class:`BuildError` (one line, naming the log file) when the build fails.
     """
     args = cmake_args(flavour)
-    cmake = _tool("cmake")
-    if cmake is None:
-        raise UsageError("cmake not found: neither on PATH nor from the `cmake` Python package (a dependency)")
+    cmake = _cmake()
     compiler = _compiler_id()
     patch: bytes | None = None
     if _uses_patch(flavour):
@@ -383,58 +393,360 @@ def build_server(
     servers = cache_root() / "llama-server"
     final = servers / key
     binary = final / _BINARY
+    with _file_lock(servers / f".{key}.lock"):
+        if not binary.is_file() or force:
+            with tempfile.TemporaryDirectory(prefix=".tree-", dir=servers) as tmp:
+                src = _pinned_tree(vendored, patch, Path(tmp), log, flavour)
+                info = {
+                    "flavour": flavour,
+                    "semantics": "shared" if patch is not None else "master",
+                    "sdist": f"{SDIST_NAME}=={SDIST_VERSION}",
+                    "source_sha256": _source_hash(vendored),
+                    "patch": str(PATCH_PATH) if patch is not None else None,
+                    "patch_sha256": hashlib.sha256(patch).hexdigest() if patch is not None else None,
+                }
+                _build_locked(flavour, args, src, final, cmake, compiler, jobs, log, info)
+        _ensure_tree_recorded(final, vendored, patch, compiler, log)
+    return binary
+
+
+def _cmake() -> str:
+    cmake = _tool("cmake")
+    if cmake is None:
+        raise UsageError("cmake not found: neither on PATH nor from the `cmake` Python package (a dependency)")
+    return cmake
+
+
+def _pinned_tree(vendored: Path, patch: bytes | None, tmp: Path, log: Callable[[str], None], label: str) -> Path:
+    """The vendored tree itself (``patch`` None) or a copy of it under ``tmp`` with the PR patch applied."""
+    if patch is None:
+        return vendored
+    log(f"[{label}] copying source and applying {PATCH_PATH.name}")
+    src = tmp / "src"
+    # the sdist keeps the submodule's `.git` file (pointing nowhere): drop it so git apply works
+    shutil.copytree(vendored, src, symlinks=True, ignore=lambda d, names: [".git"] if d == str(vendored) else [])
+    log_path = tmp / "patch.log"
+    try:
+        _apply_patch(src, PATCH_PATH, log_path)
+    except BuildError as e:
+        raise BuildError(f"{e} | " + " | ".join(_tail(log_path, 5))) from None
+    return src
+
+
+def _ensure_tree_recorded(
+    final: Path, vendored: Path, patch: bytes | None, compiler: str, log: Callable[[str], None]
+) -> None:
+    """Record the content hash of the tree a flavour was built from (older builds lack it), so a
+    ``--source`` tree with the same content and flags reuses that build instead of compiling again."""
+    info_path = final / "build-info.json"
+    try:
+        info = json.loads(info_path.read_text())
+    except (OSError, ValueError):
+        return
+    if info.get("tree_sha256") and info.get("compiler"):
+        return
+    hashes = pinned_tree_hashes(log)
+    info["tree_sha256"] = hashes["shared" if patch is not None else "master"]
+    info["compiler"] = compiler
+    info.setdefault("semantics", "shared" if patch is not None else "master")
+    info_path.write_text(json.dumps(info, indent=2) + "\n")
+
+
+def pinned_tree_hashes(log: Callable[[str], None] = lambda _m: None) -> dict[str, str]:
+    """:func:`tree_hash` of the pinned tree (``master``) and of it with the PR patch (``shared``), computed once."""
+    vendored = _sdist_source(log)
+    record = vendored.parents[1] / ".pinned-trees.json"
+    try:
+        patch_sha = hashlib.sha256(PATCH_PATH.read_bytes()).hexdigest()
+    except OSError as e:
+        raise UsageError(f"cannot read the PR patch {PATCH_PATH}: {e}") from e
+    try:
+        known = json.loads(record.read_text())
+        if known.get("patch_sha256") == patch_sha:
+            return {"master": known["master"], "shared": known["shared"]}
+    except (OSError, ValueError, KeyError):
+        pass
+    with tempfile.TemporaryDirectory(prefix=".pinned-", dir=vendored.parents[1]) as tmp:
+        patched = _pinned_tree(vendored, PATCH_PATH.read_bytes(), Path(tmp), log, "pinned")
+        hashes = {"master": tree_hash(vendored), "shared": tree_hash(patched)}
+    record.write_text(json.dumps({**hashes, "patch_sha256": patch_sha}, indent=2) + "\n")
+    return hashes
+
+
+# --------------------------------------------------------------------------------------------
+# any llama.cpp tree (``--source``) or binary (``--server-bin``)
+# --------------------------------------------------------------------------------------------
+
+_SKIP_DIRS = frozenset({".git", "__pycache__", ".venv", "venv", "node_modules", ".cache", ".ccache"})
+
+
+def tree_hash(root: Path) -> str:
+    """sha256 over a source tree's files (relative path, x bit, contents) and symlink targets,
+    leaving out ``.git``, caches and build directories (any directory holding a ``CMakeCache.txt``),
+    so a checkout, a copy of it and the same tree with a build inside hash the same."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in os.walk(root):
+        dirnames[:] = sorted(
+            d for d in dirnames if d not in _SKIP_DIRS and not (Path(dirpath) / d / "CMakeCache.txt").exists()
+        )
+        for name in sorted(filenames):
+            if name in _SKIP_DIRS or name == _SOURCE_MARKER:
+                continue
+            p = Path(dirpath) / name
+            rel = p.relative_to(root).as_posix()
+            if p.is_symlink():
+                h.update(f"L {rel} {os.readlink(p)}\n".encode())
+                continue
+            h.update(f"F {rel} {os.stat(p).st_mode & 0o111:o}\n".encode())
+            with p.open("rb") as fh:
+                for chunk in iter(lambda: fh.read(1 << 20), b""):
+                    h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_tree(src: Path) -> Path:
+    src = src.expanduser().resolve()
+    if not src.is_dir():
+        raise UsageError(f"--source {src}: no such directory")
+    missing = [p for p in ("CMakeLists.txt", "tools/server", "common/common.h") if not (src / p).exists()]
+    if missing:
+        raise UsageError(f"--source {src} is not a llama.cpp tree (no {', '.join(missing)})")
+    return src
+
+
+_CKPT_STRUCT = re.compile(r"struct\s+common_prompt_checkpoint\s*\{(.*?)\n\};", re.S)
+
+
+def infer_semantics(src: Path) -> str | None:
+    """``shared`` when the tree's ``common_prompt_checkpoint`` holds its payloads by ``shared_ptr`` (PR
+    #27451's shared checkpoint storage), ``master`` when it holds plain vectors, None if unknown."""
+    try:
+        header = (src / "common" / "common.h").read_text(errors="replace")
+    except OSError:
+        return None
+    m = _CKPT_STRUCT.search(header)
+    if m is None:
+        return None
+    body = m.group(1)
+    if "shared_ptr" in body:
+        return "shared"
+    if re.search(r"std::vector<uint8_t>\s+data", body):
+        return "master"
+    return None
+
+
+_COMPARED = ("src", "include", "common", "tools/server", "ggml/src", "ggml/include")
+
+
+def _files(root: Path) -> dict[str, str]:
+    out: dict[str, str] = {}
+    for top in _COMPARED:
+        base = root / top
+        if not base.is_dir():
+            continue
+        for dirpath, dirnames, filenames in os.walk(base):
+            dirnames[:] = [d for d in dirnames if d not in _SKIP_DIRS]
+            for name in filenames:
+                p = Path(dirpath) / name
+                if p.is_file() and not p.is_symlink():
+                    out[p.relative_to(root).as_posix()] = hashlib.sha256(p.read_bytes()).hexdigest()
+    return out
+
+
+def pinned_status(
+    src: Path, digest: str | None = None, log: Callable[[str], None] = lambda _m: None
+) -> tuple[bool, str]:
+    """Is ``src`` the tree the model is pinned to (with or without the PR patch), and one line saying
+    so or which source files differ from it. Never raises: without the sdist it says so."""
+    try:
+        hashes = pinned_tree_hashes(log)
+        digest = digest or tree_hash(src)
+        if digest == hashes["master"]:
+            return True, f"the tree is llama.cpp {PINNED_COMMIT}, the commit the model is pinned to"
+        if digest == hashes["shared"]:
+            return True, f"the tree is llama.cpp {PINNED_COMMIT} + PR #27451, the commit the model is pinned to"
+        pinned, mine = _files(_sdist_source(log)), _files(src)
+    except (HarnessError, OSError) as e:
+        return False, f"cannot compare the tree with llama.cpp {PINNED_COMMIT}: {e}"
+    diff = sorted(k for k in pinned.keys() | mine.keys() if pinned.get(k) != mine.get(k))
+    patched = set(_patch_files())
+    beyond = [d for d in diff if d not in patched]
+    shown = ", ".join(beyond[:6]) + (f" and {len(beyond) - 6} more" if len(beyond) > 6 else "")
+    return False, (
+        f"the tree differs from llama.cpp {PINNED_COMMIT} (the commit the model is pinned to) in {len(diff)} source "
+        f"files"
+        + (f", {len(beyond)} of them outside the PR #27451 patch: {shown}" if beyond else ", all in the PR patch")
+    )
+
+
+def _patch_files() -> list[str]:
+    try:
+        text = PATCH_PATH.read_text()
+    except OSError:
+        return []
+    return re.findall(r"^\+\+\+ b/(\S+)", text, re.M)
+
+
+def _find_build(digest: str, args: Sequence[str], compiler: str) -> Path | None:
+    """A cached binary built from a tree with this content and these flags (any origin)."""
+    for info_path in sorted((cache_root() / "llama-server").glob("*/build-info.json")):
+        try:
+            info = json.loads(info_path.read_text())
+        except (OSError, ValueError):
+            continue
+        if (
+            info.get("tree_sha256") == digest
+            and info.get("cmake_args") == list(args)
+            and info.get("compiler") == compiler
+        ):
+            binary = info_path.parent / _BINARY
+            if binary.is_file():
+                return binary
+    return None
+
+
+def build_source(
+    src: Path,
+    *,
+    asan: bool = False,
+    jobs: int | None = None,
+    force: bool = False,
+    log: Callable[[str], None] = print,
+) -> Path:
+    """Build (or reuse) ``llama-server`` from any llama.cpp checkout ``src`` and return its path.
+
+    The build is cached by :func:`tree_hash` of the tree, the CMake flags (the same portable flags
+    as the pinned builds; ``asan`` adds the sanitizers) and the compiler: a tree with the same
+    content as an earlier build (a copy, another checkout of the same commit, the pinned tree)
+    reuses it. The tree itself is never written to (the build directory is in the cache).
+    """
+    src = _check_tree(src)
+    args = cmake_args("asan" if asan else "master")
+    cmake = _cmake()
+    compiler = _compiler_id()
+    log(f"[source] hashing {src}")
+    digest = tree_hash(src)
+    h = hashlib.sha256(f"tree {digest}\ncompiler {compiler}\n".encode())
+    for a in args:
+        h.update(f"arg {a}\n".encode())
+    key = f"source-{h.hexdigest()[:16]}"
+    servers = cache_root() / "llama-server"
+    final = servers / key
+    binary = final / _BINARY
     if binary.is_file() and not force:
         return binary
-
+    if not force:
+        same = _find_build(digest, args, compiler)
+        if same is not None:
+            log(f"[source] the same tree and flags were built before ({same.parent.name}): reusing {same}")
+            return same
     with _file_lock(servers / f".{key}.lock"):
         if binary.is_file() and not force:
-            return binary  # another process built it while we waited
-        return _build_locked(flavour, args, vendored, patch, servers, final, cmake, jobs, log)
+            return binary
+        info = {
+            "flavour": None,
+            "source": str(src),
+            "semantics": infer_semantics(src),
+            "asan": asan,
+        }
+        return _build_locked("source", args, src, final, cmake, compiler, jobs, log, {**info, "tree_sha256": digest})
+
+
+@dataclass(frozen=True)
+class ServerBuild:
+    """A ``llama-server`` binary and what is known of it: where it came from, the semantics of its
+    tree (None when unknown), whether it is instrumented, and how a replay program gets it again."""
+
+    binary: Path
+    origin: str  # "flavour pr", "source DIR", "binary PATH"
+    semantics: str | None
+    asan: bool
+    replay_expr: str  # a Python expression giving the binary in a replay program
+    replay_flags: str  # the gate's command-line flags that select it
+    tree: Path | None = None
+    pinned: bool = True  # built from the tree the model mirrors (0c1e570, with or without the patch)
+
+    @property
+    def label(self) -> str:
+        return self.origin.split(" ", 1)[1] if self.origin.startswith("flavour ") else self.origin
+
+
+def server_build(
+    *,
+    flavour: str | None = None,
+    source: Path | None = None,
+    binary: Path | None = None,
+    asan: bool = False,
+    log: Callable[[str], None] = print,
+) -> ServerBuild:
+    """The binary the server backend runs: one of our flavours, a user's tree (built, cached) or a
+    user's binary. Raises :class:`UsageError` (exit 2) for a bad tree or binary, :class:`BuildError`
+    (exit 4) when the tree does not build."""
+    if sum(x is not None for x in (flavour, source, binary)) != 1:
+        raise UsageError("choose one of a flavour, --source DIR and --server-bin PATH")
+    if binary is not None:
+        path = binary.expanduser().resolve()
+        if not path.is_file() or not os.access(path, os.X_OK):
+            raise UsageError(f"--server-bin {binary}: not an executable file")
+        sem, pinned = None, False
+        info_path = path.parent / "build-info.json"  # ours, when the binary was built by this harness
+        if info_path.is_file():
+            with contextlib.suppress(OSError, ValueError, HarnessError):
+                info = json.loads(info_path.read_text())
+                sem = info.get("semantics")
+                pinned = info.get("tree_sha256") in pinned_tree_hashes(log).values()
+        instrumented = b"__asan_init" in path.read_bytes()
+        return ServerBuild(path, f"binary {path}", sem, instrumented, f"Path({str(path)!r})",
+                           f"--server-bin {shlex.quote(str(path))}", None, pinned)  # fmt: skip
+    if source is not None:
+        path = build_source(source, asan=asan, log=log)
+        tree = _check_tree(source)
+        instrumented = b"__asan_init" in path.read_bytes()
+        return ServerBuild(path, f"source {tree}", infer_semantics(tree), instrumented,
+                           f"build_source(Path({str(tree)!r}){', asan=True' if asan else ''})",
+                           f"--source {shlex.quote(str(tree))}" + (" --asan" if asan else ""), tree, False)  # fmt: skip
+    assert flavour is not None
+    path = build_server(flavour, log=log)
+    sem = "master" if flavour == "master" else "shared"
+    flags = "--semantics master" if flavour == "master" else ("--asan" if flavour == "asan" else "--semantics shared")
+    return ServerBuild(path, f"flavour {flavour}", sem, flavour == "asan", f"build_server({flavour!r})", flags)
 
 
 def _build_locked(
-    flavour: str,
+    label: str,
     args: list[str],
-    vendored: Path,
-    patch: bytes | None,
-    servers: Path,
+    src: Path,
     final: Path,
     cmake: str,
+    compiler: str,
     jobs: int | None,
     log: Callable[[str], None],
+    info: Mapping[str, Any],
 ) -> Path:
+    servers = final.parent
     key = final.name
     logs = servers / "logs"
     logs.mkdir(parents=True, exist_ok=True)
     log_path = logs / f"{key}.log"
-    log_path.write_text(f"# llama-server build {key} ({flavour}) started {time.ctime()}\n")
+    log_path.write_text(f"# llama-server build {key} ({label}) of {src} started {time.ctime()}\n")
     for stale in servers.glob(f".build-{key}-*"):  # left by a killed build; we hold the key's lock
         shutil.rmtree(stale, ignore_errors=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".build-{key}-", dir=servers))
     t0 = time.monotonic()
     try:
-        src = vendored
-        if patch is not None:
-            log(f"[{flavour}] copying source and applying {PATCH_PATH.name}")
-            src = tmp / "src"
-            # the sdist keeps the submodule's `.git` file (pointing nowhere): drop it so git apply works
-            shutil.copytree(
-                vendored, src, symlinks=True, ignore=lambda d, names: [".git"] if d == str(vendored) else []
-            )
-            _apply_patch(src, PATCH_PATH, log_path)
         ninja = _tool("ninja")
         gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
         build_dir = tmp / "build"
-        log(f"[{flavour}] configuring with cmake (log: {log_path})")
+        log(f"[{label}] configuring with cmake (log: {log_path})")
         _run_logged(
-            [cmake, "-S", str(src), "-B", str(build_dir), *gen, *args], log_path, f"cmake configure ({flavour}) failed"
+            [cmake, "-S", str(src), "-B", str(build_dir), *gen, *args], log_path, f"cmake configure ({label}) failed"
         )
         n = jobs or min(os.cpu_count() or 1, 2)
-        log(f"[{flavour}] building target {_BINARY} with -j{n} (slow on the first run)")
+        log(f"[{label}] building target {_BINARY} with -j{n} (slow on the first run)")
         _run_logged(
             [cmake, "--build", str(build_dir), "--target", _BINARY, "-j", str(n)],
             log_path,
-            f"compiling llama-server ({flavour}) failed",
+            f"compiling llama-server ({label}) failed",
         )
         built = build_dir / "bin" / _BINARY
         if not built.is_file():
@@ -443,34 +755,19 @@ def _build_locked(
         out.mkdir()
         shutil.copy2(built, out / _BINARY)
         shutil.copy2(log_path, out / "build.log")
-        (out / "build-info.json").write_text(
-            json.dumps(
-                {
-                    "flavour": flavour,
-                    "sdist": f"{SDIST_NAME}=={SDIST_VERSION}",
-                    "source_sha256": _source_hash(vendored),
-                    "patch": str(PATCH_PATH) if patch is not None else None,
-                    "patch_sha256": hashlib.sha256(patch).hexdigest() if patch is not None else None,
-                    "cmake_args": args,
-                    "seconds": round(time.monotonic() - t0, 1),
-                },
-                indent=2,
-            )
-            + "\n"
-        )
+        record = {**info, "cmake_args": args, "compiler": compiler, "seconds": round(time.monotonic() - t0, 1)}
+        (out / "build-info.json").write_text(json.dumps(record, indent=2) + "\n")
         if final.exists():  # --force: swap the old build out, then drop it
             trash = tmp / "old"
             os.rename(final, trash)
         os.rename(out, final)
-        log(f"[{flavour}] built {final / _BINARY} in {time.monotonic() - t0:.0f}s")
+        log(f"[{label}] built {final / _BINARY} in {time.monotonic() - t0:.0f}s")
         return final / _BINARY
     except BuildError as e:
         tail = _tail(log_path)
-        if tail:
-            log(f"[{flavour}] last lines of {log_path}:")
-            for line in tail:
-                log(f"    {line}")
-        raise BuildError(str(e)) from None
+        raise BuildError(
+            f"{e}; last lines: " + " | ".join(line.strip() for line in tail[-4:] if line.strip())
+        ) from None
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
