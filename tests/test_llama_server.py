@@ -77,7 +77,7 @@ def test_build_is_cached(binary: Path) -> None:
 
 
 def test_cli_build_server_cached(binary: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["build-server", "--flavour", "pr"]) == 0
+    assert cli_main(["build-server", "--semantics", "shared"]) == 0
     assert capsys.readouterr().out.strip() == str(binary)
 
 
@@ -133,12 +133,12 @@ def test_failed_build_is_one_line_and_exit_4(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     vendored = _fake_source(tmp_path / "prompt-cache-harness", 'message(FATAL_ERROR "broken on purpose")\n')
     monkeypatch.setattr(ls, "_sdist_source", lambda log: vendored)
-    rc = cli_main(["build-server", "--flavour", "master"])
+    rc = cli_main(["build-server", "--semantics", "master"])
     err = capsys.readouterr().err
     assert rc == ls.EXIT_BUILD_FAILED
     assert "Traceback" not in err
     last = err.strip().splitlines()[-1]
-    assert last.startswith("error: build failed: cmake configure (master) failed") and ".log" in last
+    assert last.startswith("error: cmake configure (master) failed") and ".log" in last
     assert "broken on purpose" in err  # the log's last lines are shown
     assert not list((tmp_path / "prompt-cache-harness" / "llama-server").glob(".build-*"))
 
@@ -149,10 +149,10 @@ def test_patch_that_does_not_apply_fails_clearly(
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     vendored = _fake_source(tmp_path / "prompt-cache-harness", "project(x)\n")
     monkeypatch.setattr(ls, "_sdist_source", lambda log: vendored)
-    rc = cli_main(["build-server", "--flavour", "pr"])
+    rc = cli_main(["build-server", "--semantics", "shared"])
     err = capsys.readouterr().err
     assert rc == ls.EXIT_BUILD_FAILED
-    assert "error: build failed: patch pr-27451.patch does not apply" in err
+    assert "error: patch pr-27451.patch does not apply" in err
     assert "Traceback" not in err
 
 
@@ -340,3 +340,96 @@ def test_env_is_passed(binary: Path, model: Path, tmp_path: Path) -> None:
     with ServerProcess(binary, model=model, env={"LLAMA_ARG_CTX_SIZE": "256"}) as srv:
         props = srv.request("GET", "/props")
     assert props["default_generation_settings"]["n_ctx"] == 256
+
+
+# --------------------------------------------------------------------------------------------
+# any tree: build-server --source, semantics inference, the pinned-tree line
+# --------------------------------------------------------------------------------------------
+
+
+def _copy_tree(dst: Path, patched: bool) -> Path:
+    """A user's checkout: the vendored tree copied elsewhere, with or without the PR patch."""
+    src = ls.sdist_source()
+    tree = dst / ("patched" if patched else "plain")
+    subprocess.run(["cp", "-a", str(src), str(tree)], check=True)
+    (tree / ".git").unlink(missing_ok=True)
+    if patched:
+        subprocess.run(["patch", "-p1", "-s", "-d", str(tree), "-i", str(ls.PATCH_PATH)], check=True)
+    return tree
+
+
+def test_semantics_inferred_from_the_tree(tmp_path: Path) -> None:
+    assert ls.infer_semantics(_copy_tree(tmp_path, patched=False)) == "master"
+    assert ls.infer_semantics(_copy_tree(tmp_path, patched=True)) == "shared"
+    (tmp_path / "none" / "common").mkdir(parents=True)
+    (tmp_path / "none" / "common" / "common.h").write_text("struct other {};\n")
+    assert ls.infer_semantics(tmp_path / "none") is None
+
+
+def test_tree_hash_ignores_git_and_build_dirs(tmp_path: Path) -> None:
+    tree = tmp_path / "t"
+    (tree / "src").mkdir(parents=True)
+    (tree / "src" / "a.cpp").write_text("int a;\n")
+    before = ls.tree_hash(tree)
+    (tree / ".git").mkdir()
+    (tree / ".git" / "HEAD").write_text("ref: x\n")
+    (tree / "build").mkdir()
+    (tree / "build" / "CMakeCache.txt").write_text("x\n")
+    (tree / "build" / "big.o").write_bytes(b"\0" * 100)
+    assert ls.tree_hash(tree) == before
+    (tree / "src" / "a.cpp").write_text("int b;\n")
+    assert ls.tree_hash(tree) != before
+
+
+def test_source_copy_reuses_the_build_and_says_it_is_pinned(
+    binary: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    tree = _copy_tree(tmp_path, patched=True)
+    assert cli_main(["build-server", "--source", str(tree)]) == 0
+    out, err = capsys.readouterr()
+    assert out.strip() == str(binary)  # same content and flags as the pinned pr build: no compile
+    assert "reusing" in err
+    pinned, line = ls.pinned_status(tree)
+    assert pinned and "PR #27451" in line
+    with (tree / "src" / "llama-context.cpp").open("a") as f:
+        f.write("// my change\n")
+    pinned, line = ls.pinned_status(tree)
+    assert not pinned and "in 5 source files, 1 of them outside the PR #27451 patch: src/llama-context.cpp" in line
+
+
+def test_source_that_is_not_a_tree_is_one_line_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["build-server", "--source", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "is not a llama.cpp tree" in err[0]
+    assert cli_main(["build-server", "--source", str(tmp_path / "missing")]) == 2
+    assert cli_main(["build-server", "--source", str(tmp_path), "--semantics", "master"]) == 2
+
+
+def test_source_that_does_not_configure_is_exit_4_with_the_log_tail(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    tree = tmp_path / "tree"
+    (tree / "tools" / "server").mkdir(parents=True)
+    (tree / "common").mkdir()
+    (tree / "common" / "common.h").write_text("\n")
+    (tree / "CMakeLists.txt").write_text('message(FATAL_ERROR "your tree is broken")\n')
+    rc = cli_main(["build-server", "--source", str(tree)])
+    err = capsys.readouterr().err
+    assert rc == ls.EXIT_BUILD_FAILED and "Traceback" not in err
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("error: cmake configure (source) failed") and "your tree is broken" in last
+    assert sorted(p.name for p in tree.iterdir()) == ["CMakeLists.txt", "common", "tools"]  # tree untouched
+
+
+def test_gate_refuses_source_and_server_bin_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["gate", "--source", str(tmp_path)]) == 2  # not the server backend
+    assert "--backend server" in capsys.readouterr().err
+    assert cli_main(["gate", "--backend", "server", "--server-bin", str(tmp_path / "nope")]) == 2
+    assert "not an executable file" in capsys.readouterr().err
+    fake = tmp_path / "llama-server"
+    fake.write_text("#!/bin/sh\n")
+    fake.chmod(0o755)
+    assert cli_main(["gate", "--backend", "server", "--server-bin", str(fake)]) == 2
+    err = capsys.readouterr().err
+    assert "cannot tell the semantics" in err and "--semantics" in err

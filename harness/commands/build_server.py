@@ -1,34 +1,67 @@
-"""``python -m harness build-server``: build llama-server (cached by a hash of the source and flags)."""
+"""``python -m harness build-server``: build llama-server, cached by a hash of the source tree and flags.
+
+Without ``--source`` it builds the pinned tree (llama.cpp 0c1e570 from the llama-cpp-python 0.3.36
+sdist): ``--semantics shared`` (default) with ``fixtures/pr-27451.patch`` applied, ``--semantics
+master`` as vendored; ``--asan`` adds AddressSanitizer and UBSan (PR semantics). With ``--source DIR``
+it builds any llama.cpp checkout, never writing into it; a tree with the same content as an earlier
+build reuses that build. Prints the binary's path; exit 2 on a usage error, 4 when the build fails.
+"""
 
 from __future__ import annotations
 
 import argparse
 import sys
+from pathlib import Path
 
-from harness.errors import EXIT_BUILD_FAILED, BuildError, UsageError
-from harness.targets.llama_server import FLAVOURS, build_server
+from harness.commands.common import SEMANTICS
+from harness.errors import UsageError
+from harness.targets.llama_server import build_server, build_source
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
-        "--flavour",
-        choices=FLAVOURS,
-        default="pr",
-        help="master: vendored tree; pr: + fixtures/pr-27451.patch; asan: the pr source with ASan+UBSan (default: pr)",
+        "--source",
+        metavar="DIR",
+        type=Path,
+        help="build this llama.cpp tree instead of the pinned one (cached by the tree's content)",
     )
+    parser.add_argument(
+        "--semantics",
+        choices=SEMANTICS,
+        help="the pinned tree with PR #27451 (shared, default) or as vendored (master); not with --source",
+    )
+    parser.add_argument("--asan", action="store_true", help="build with AddressSanitizer and UBSan")
+    parser.add_argument("--flavour", choices=["master", "pr", "asan"], help=argparse.SUPPRESS)  # deprecated
     parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: min(cpus, 2))")
     parser.add_argument("--force", action="store_true", help="rebuild even if a cached binary exists")
+
+
+def _flavour(args: argparse.Namespace) -> str:
+    if args.flavour is not None:
+        new = {"pr": "--semantics shared", "master": "--semantics master", "asan": "--asan"}[args.flavour]
+        print(f"note: --flavour is deprecated; use {new}", file=sys.stderr)
+        if args.semantics is not None or args.asan:
+            raise UsageError("--flavour is the old spelling of --semantics/--asan; use those only")
+        return str(args.flavour)
+    if args.asan and args.semantics == "master":
+        raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
+    return "asan" if args.asan else ("master" if args.semantics == "master" else "pr")
 
 
 def run(args: argparse.Namespace) -> int:
     if args.jobs is not None and args.jobs < 1:
         raise UsageError("--jobs must be >= 1")
-    try:
-        path = build_server(args.flavour, jobs=args.jobs, force=args.force, log=lambda m: print(m, file=sys.stderr))
-    except BuildError as e:
-        print(f"error: build failed: {e}", file=sys.stderr)
-        return EXIT_BUILD_FAILED
+
+    def log(m: str) -> None:
+        print(m, file=sys.stderr)
+
+    if args.source is not None:
+        if args.semantics is not None or args.flavour is not None:
+            raise UsageError("--semantics picks the pinned tree's build; with --source the tree is what it is")
+        path = build_source(args.source, asan=args.asan, jobs=args.jobs, force=args.force, log=log)
+    else:
+        path = build_server(_flavour(args), jobs=args.jobs, force=args.force, log=log)
     print(path)
     return 0

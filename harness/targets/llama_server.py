@@ -396,7 +396,9 @@ def build_server(
     with _file_lock(servers / f".{key}.lock"):
         if not binary.is_file() or force:
             with tempfile.TemporaryDirectory(prefix=".tree-", dir=servers) as tmp:
-                src = _pinned_tree(vendored, patch, Path(tmp), log, flavour)
+                logs = servers / "logs"
+                logs.mkdir(parents=True, exist_ok=True)
+                src = _pinned_tree(vendored, patch, Path(tmp), log, flavour, logs / f"{key}.patch.log")
                 info = {
                     "flavour": flavour,
                     "semantics": "shared" if patch is not None else "master",
@@ -417,7 +419,9 @@ def _cmake() -> str:
     return cmake
 
 
-def _pinned_tree(vendored: Path, patch: bytes | None, tmp: Path, log: Callable[[str], None], label: str) -> Path:
+def _pinned_tree(
+    vendored: Path, patch: bytes | None, tmp: Path, log: Callable[[str], None], label: str, log_path: Path
+) -> Path:
     """The vendored tree itself (``patch`` None) or a copy of it under ``tmp`` with the PR patch applied."""
     if patch is None:
         return vendored
@@ -425,7 +429,6 @@ def _pinned_tree(vendored: Path, patch: bytes | None, tmp: Path, log: Callable[[
     src = tmp / "src"
     # the sdist keeps the submodule's `.git` file (pointing nowhere): drop it so git apply works
     shutil.copytree(vendored, src, symlinks=True, ignore=lambda d, names: [".git"] if d == str(vendored) else [])
-    log_path = tmp / "patch.log"
     try:
         _apply_patch(src, PATCH_PATH, log_path)
     except BuildError as e:
@@ -467,7 +470,7 @@ def pinned_tree_hashes(log: Callable[[str], None] = lambda _m: None) -> dict[str
     except (OSError, ValueError, KeyError):
         pass
     with tempfile.TemporaryDirectory(prefix=".pinned-", dir=vendored.parents[1]) as tmp:
-        patched = _pinned_tree(vendored, PATCH_PATH.read_bytes(), Path(tmp), log, "pinned")
+        patched = _pinned_tree(vendored, PATCH_PATH.read_bytes(), Path(tmp), log, "pinned", Path(tmp) / "patch.log")
         hashes = {"master": tree_hash(vendored), "shared": tree_hash(patched)}
     record.write_text(json.dumps({**hashes, "patch_sha256": patch_sha}, indent=2) + "\n")
     return hashes
@@ -571,11 +574,13 @@ def pinned_status(
     diff = sorted(k for k in pinned.keys() | mine.keys() if pinned.get(k) != mine.get(k))
     patched = set(_patch_files())
     beyond = [d for d in diff if d not in patched]
-    shown = ", ".join(beyond[:6]) + (f" and {len(beyond) - 6} more" if len(beyond) > 6 else "")
+    listed = beyond or diff
+
+    shown = ", ".join(listed[:6]) + (f" and {len(listed) - 6} more" if len(listed) > 6 else "")
+    where = f"{len(beyond)} of them outside the PR #27451 patch" if beyond else "all of them files the PR patch touches"
     return False, (
-        f"the tree differs from llama.cpp {PINNED_COMMIT} (the commit the model is pinned to) in {len(diff)} source "
-        f"files"
-        + (f", {len(beyond)} of them outside the PR #27451 patch: {shown}" if beyond else ", all in the PR patch")
+        f"the tree differs from llama.cpp {PINNED_COMMIT} (the commit the model is pinned to) in {len(diff)} "
+        f"source files, {where}: {shown}"
     )
 
 
