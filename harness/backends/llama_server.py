@@ -847,8 +847,9 @@ def _memory_and_faults(
         f"S = {mem['state_bytes']} B): "
         + ", ".join(f"{k} RSS peak {v['rss_peak_bytes']} B (model {v['model_peak_bytes']} B)" for k, v in m.items())
     )
-    if "master" in m and "pr" in m and m["pr"]["rss_peak_bytes"] > 0:
-        section["rss_ratio_master_over_pr"] = round(m["master"]["rss_peak_bytes"] / m["pr"]["rss_peak_bytes"], 2)
+    pr_key, master_key = (label, other) if semantics == "shared" else (other, label)
+    if master_key in m and pr_key in m and m[pr_key]["rss_peak_bytes"] > 0:
+        section["rss_ratio_master_over_pr"] = round(m[master_key]["rss_peak_bytes"] / m[pr_key]["rss_peak_bytes"], 2)
         line += f"; master/pr = {section['rss_ratio_master_over_pr']}"
     out(line)
     bound = mem["state_bytes"] + mem["checkpoint_bytes"] // 2

@@ -1,0 +1,62 @@
+#!/usr/bin/env bash
+# The prompt-cache gate on a llama.cpp tree: the one script behind ci/github/prompt-cache-gate.yml,
+# and the same steps locally. Usage:
+#   ci/fork_gate.sh install                 install the harness (editable, with the test extras)
+#   ci/fork_gate.sh build   TREE            build llama-server from TREE (cached by the tree's content)
+#   ci/fork_gate.sh server  TREE OUT        gate --backend server --source TREE  -> OUT/gate-server.{json,xml}
+#   ci/fork_gate.sh default TREE OUT        the default gate (model + libllama)   -> OUT/gate.{json,xml}
+#   ci/fork_gate.sh memory  TREE OUT        the memory figures of the server gate -> OUT/memory.{json,md}
+#   ci/fork_gate.sh all     TREE OUT        build, server, default, memory; exits with the worst exit code
+# Extra gate flags: SERVER_GATE_ARGS (e.g. "--semantics master"), GATE_ARGS (e.g. "--seed 3").
+# Exit codes are the gate's: 0 pass, 1 a property failed, 2 usage/environment, 3 crash, 4 build failed.
+set -uo pipefail
+HARNESS="$(cd "$(dirname "$0")/.." && pwd)"
+PY="${PYTHON:-python}"
+export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}"
+
+usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+need_tree() { [ -n "${1:-}" ] && [ -d "$1" ] || { echo "fork_gate: not a directory: ${1:-<missing TREE>}" >&2; exit 2; }; }
+need_out() { [ -n "${1:-}" ] || { echo "fork_gate: missing OUT directory" >&2; exit 2; }; mkdir -p "$1"; }
+abs() { (cd "$1" && pwd); }
+
+step="${1:-}"; shift || true
+case "$step" in
+  install)
+    "$PY" -m pip install -q -e "$HARNESS[test]"
+    ;;
+  build)
+    need_tree "${1:-}"
+    (cd "$HARNESS" && "$PY" -m harness build-server --source "$(abs "$1")")
+    ;;
+  server)
+    need_tree "${1:-}"; need_out "${2:-}"
+    tree="$(abs "$1")"; out="$(abs "$2")"
+    # shellcheck disable=SC2086  # SERVER_GATE_ARGS is a list of flags
+    (cd "$HARNESS" && "$PY" -m harness gate --backend server --source "$tree" ${SERVER_GATE_ARGS:-} \
+      --json "$out/gate-server.json" --junit "$out/gate-server.xml") 2>&1 | tee "$out/gate-server.log"
+    ;;
+  default)
+    need_out "${2:-}"
+    out="$(abs "$2")"
+    # shellcheck disable=SC2086  # GATE_ARGS is a list of flags
+    (cd "$HARNESS" && "$PY" -m harness gate ${GATE_ARGS:-} --json "$out/gate.json" --junit "$out/gate.xml") 2>&1 \
+      | tee "$out/gate.log"
+    ;;
+  memory)
+    need_out "${2:-}"
+    out="$(abs "$2")"
+    (cd "$HARNESS" && "$PY" -m ci.memory_summary "$out/gate-server.json" "$out")
+    ;;
+  all)
+    need_tree "${1:-}"; need_out "${2:-}"
+    worst=0
+    "$0" build "$1" || exit $?
+    for s in server default memory; do
+      "$0" "$s" "$1" "$2"; rc=$?
+      [ "$rc" -gt "$worst" ] && worst=$rc
+    done
+    echo "fork_gate: done, exit $worst (reports in $2)"
+    exit "$worst"
+    ;;
+  *) usage ;;
+esac
