@@ -433,3 +433,15 @@ def test_gate_refuses_source_and_server_bin_problems(tmp_path: Path, capsys: pyt
     assert cli_main(["gate", "--backend", "server", "--server-bin", str(fake)]) == 2
     err = capsys.readouterr().err
     assert "cannot tell the semantics" in err and "--semantics" in err
+
+
+def test_cold_sdist_fetch_builds_nothing_from_source(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cold cache fetches the sdist with pip, for real, and names only llama-cpp-python in
+    --no-binary: ``:all:`` made pip build cmake and ninja from source first (~1 h on 2 cores)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    lines: list[str] = []
+    vendored = ls._sdist_source(lines.append)
+    cmd = next(line for line in lines if line.startswith("$ "))
+    assert "--no-binary llama-cpp-python" in cmd and ":all:" not in cmd and "--no-deps" in cmd
+    assert (vendored / "tools" / "server" / "server-context.cpp").is_file()
+    assert ls.infer_semantics(vendored) == "master"

@@ -172,6 +172,7 @@ def _download_sdist(dest: Path, log: Callable[[str], None]) -> Path:
         sys.executable, "-m", "pip", "download", "--no-deps", "--no-binary", SDIST_NAME,
         f"{SDIST_NAME}=={SDIST_VERSION}", "-d", str(dest),
     ]  # fmt: skip
+    log("$ " + shlex.join(cmd))
     proc = subprocess.run(cmd, capture_output=True, text=True, check=False)
     if proc.returncode != 0 or not tarball.is_file():
         tail = " | ".join((proc.stderr or proc.stdout).strip().splitlines()[-3:])
