@@ -7,6 +7,7 @@ later runs reuse the cached binary. Nothing here is skipped: CI must be able to 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -445,3 +446,50 @@ def test_cold_sdist_fetch_builds_nothing_from_source(tmp_path: Path, monkeypatch
     assert "--no-binary llama-cpp-python" in cmd and ":all:" not in cmd and "--no-deps" in cmd
     assert (vendored / "tools" / "server" / "server-context.cpp").is_file()
     assert ls.infer_semantics(vendored) == "master"
+
+
+def test_pinned_builds_share_one_tree_and_rebuild_incrementally(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """master then pr then master again on one persistent copy and build directory: each switch
+    recompiles only the files the patch touches (a stand-in tree and patch, real CMake and compiler)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    cmakelists = textwrap.dedent(
+        """\
+        cmake_minimum_required(VERSION 3.14)
+        project(fake C)
+        set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+        add_executable(llama-server tools/server/server.c ggml/big.c)
+        """
+    )
+    vendored = _fake_source(tmp_path / "prompt-cache-harness", cmakelists)
+    (vendored / "tools" / "server").mkdir(parents=True)
+    (vendored / "tools" / "server" / "server.c").write_text("int big(void);\nint main(void) { return big() - 1; }\n")
+    (vendored / "ggml").mkdir()
+    (vendored / "ggml" / "big.c").write_text("int big(void) { return 1; }\n")
+    patch = tmp_path / "fake.patch"
+    patch.write_text(
+        "--- a/tools/server/server.c\n+++ b/tools/server/server.c\n@@ -1,2 +1,2 @@\n"
+        " int big(void);\n-int main(void) { return big() - 1; }\n+int main(void) { return big() - 0; }\n"
+    )
+    monkeypatch.setattr(ls, "_sdist_source", lambda log: vendored)
+    monkeypatch.setattr(ls, "PATCH_PATH", patch)
+    monkeypatch.setattr(ls, "_ensure_tree_recorded", lambda *a: None)  # no real pinned tree to hash here
+
+    def build(flavour: str) -> tuple[Path, str]:
+        lines: list[str] = []
+        binary = ls.build_server(flavour, log=lines.append)
+        log = (ls.cache_root() / "llama-server" / "logs" / f"{binary.parent.name}.log").read_text()
+        return binary, log
+
+    master, log = build("master")
+    assert "big.c" in log and subprocess.run([str(master)], check=False).returncode == 0
+    pr, log = build("pr")
+    assert subprocess.run([str(pr)], check=False).returncode == 1  # the patch is in
+    assert "server.c" in log and "big.c" not in log  # only the patched file was recompiled
+    shutil.rmtree(master.parent)  # build master again: the patched file is restored and recompiled
+    master, log = build("master")
+    assert subprocess.run([str(master)], check=False).returncode == 0
+    assert "server.c" in log and "big.c" not in log
+    src = ls.cache_root() / "llama-server" / ".work" / "pinned" / "src"
+    assert (src / "tools" / "server" / "server.c").read_text() == (vendored / "tools/server/server.c").read_text()

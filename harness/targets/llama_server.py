@@ -396,10 +396,11 @@ def build_server(
     binary = final / _BINARY
     with _file_lock(servers / f".{key}.lock"):
         if not binary.is_file() or force:
-            with tempfile.TemporaryDirectory(prefix=".tree-", dir=servers) as tmp:
+            work = servers / ".work" / "pinned"
+            with _file_lock(work / ".lock"):
                 logs = servers / "logs"
                 logs.mkdir(parents=True, exist_ok=True)
-                src = _pinned_tree(vendored, patch, Path(tmp), log, flavour, logs / f"{key}.patch.log")
+                src = _pinned_work_tree(vendored, patch, work, log, flavour, logs / f"{key}.patch.log")
                 info = {
                     "flavour": flavour,
                     "semantics": "shared" if patch is not None else "master",
@@ -408,9 +409,56 @@ def build_server(
                     "patch": str(PATCH_PATH) if patch is not None else None,
                     "patch_sha256": hashlib.sha256(patch).hexdigest() if patch is not None else None,
                 }
-                _build_locked(flavour, args, src, final, cmake, compiler, jobs, log, info)
+                _build_locked(flavour, args, src, final, cmake, compiler, jobs, log, info, _build_dir(work, args))
         _ensure_tree_recorded(final, vendored, patch, compiler, log)
     return binary
+
+
+def _build_dir(work: Path, args: Sequence[str]) -> Path:
+    return work / ("build-" + hashlib.sha256("\n".join(args).encode()).hexdigest()[:12])
+
+
+def _pinned_work_tree(
+    vendored: Path, patch: bytes | None, work: Path, log: Callable[[str], None], label: str, log_path: Path
+) -> Path:
+    """One persistent copy of the pinned tree, patched or not as ``label`` needs, shared by the master
+    and pr builds (and their build directories): the second build recompiles only what the patch
+    touches (``common``, the server) instead of all of ggml and libllama. Switching back rewrites the
+    patched files from the vendored tree with fresh mtimes, so the build tool sees them change."""
+    src = work / "src"
+    state = work / "state"
+    patch_sha = hashlib.sha256(PATCH_PATH.read_bytes()).hexdigest()
+    want = f"patched {patch_sha}" if patch is not None else "plain"
+    have = state.read_text().strip() if state.is_file() and src.is_dir() else None
+    if have is not None and have not in ("plain", f"patched {patch_sha}"):
+        have = None  # patched with another version of the patch: start again from the vendored tree
+    if have is None:
+        log(f"[{label}] copying the pinned tree to {src}")
+        state.unlink(missing_ok=True)
+        shutil.rmtree(src, ignore_errors=True)
+        work.mkdir(parents=True, exist_ok=True)
+        # the sdist keeps the submodule's `.git` file (pointing nowhere): drop it so git apply works
+        shutil.copytree(vendored, src, symlinks=True, ignore=lambda d, names: [".git"] if d == str(vendored) else [])
+        have = "plain"
+        state.write_text(have + "\n")
+    if have == want:
+        return src
+    state.unlink()  # half-switched trees are recopied next time
+    if patch is not None:
+        log(f"[{label}] applying {PATCH_PATH.name}")
+        try:
+            _apply_patch(src, PATCH_PATH, log_path)
+        except BuildError as e:
+            raise BuildError(f"{e} | " + " | ".join(_tail(log_path, 5))) from None
+    else:
+        log(f"[{label}] restoring the files {PATCH_PATH.name} touches")
+        for rel in _patch_files():
+            if (vendored / rel).is_file():
+                shutil.copyfile(vendored / rel, src / rel)  # copyfile: a new mtime
+            else:
+                (src / rel).unlink(missing_ok=True)
+    state.write_text(want + "\n")
+    return src
 
 
 def _cmake() -> str:
@@ -655,7 +703,13 @@ def build_source(
             "semantics": infer_semantics(src),
             "asan": asan,
         }
-        return _build_locked("source", args, src, final, cmake, compiler, jobs, log, {**info, "tree_sha256": digest})
+        # one build directory per tree path and flags, kept: the next build of an edited tree is incremental
+        work = servers / ".work" / ("source-" + hashlib.sha256(str(src).encode()).hexdigest()[:12])
+        with _file_lock(work / ".lock"):
+            return _build_locked(
+                "source", args, src, final, cmake, compiler, jobs, log, {**info, "tree_sha256": digest},
+                _build_dir(work, args),
+            )  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -728,6 +782,7 @@ def _build_locked(
     jobs: int | None,
     log: Callable[[str], None],
     info: Mapping[str, Any],
+    build_dir: Path,
 ) -> Path:
     servers = final.parent
     key = final.name
@@ -742,11 +797,16 @@ def _build_locked(
     try:
         ninja = _tool("ninja")
         gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
-        build_dir = tmp / "build"
-        log(f"[{label}] configuring with cmake (log: {log_path})")
-        _run_logged(
-            [cmake, "-S", str(src), "-B", str(build_dir), *gen, *args], log_path, f"cmake configure ({label}) failed"
-        )
+        log(f"[{label}] configuring with cmake in {build_dir} (log: {log_path})")
+        try:
+            _run_logged(
+                [cmake, "-S", str(src), "-B", str(build_dir), *gen, *args],
+                log_path,
+                f"cmake configure ({label}) failed",
+            )
+        except BuildError:
+            shutil.rmtree(build_dir, ignore_errors=True)  # no half-configured cache for the next try
+            raise
         n = jobs or min(os.cpu_count() or 1, 2)
         log(f"[{label}] building target {_BINARY} with -j{n} (slow on the first run)")
         _run_logged(
