@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -113,3 +117,25 @@ def test_sanitizer_reports_are_found_in_every_server_log(tmp_path: Path) -> None
     assert len(found) == 3
     assert any("heap-use-after-free" in r for r in found) and any("LeakSanitizer" in r for r in found)
 
+
+def test_gate_on_a_binary_built_elsewhere(pr_binary: Path, tmp_path: Path) -> None:
+    """--server-bin: a llama-server copied out of the cache (no build-info.json beside it) runs the full
+    backend; its source is unknown, so the run says the model is pinned to 0c1e570 and asks for the
+    semantics; with them it passes, and a divergence would carry that note."""
+    binary = tmp_path / "bin" / "llama-server"
+    binary.parent.mkdir()
+    shutil.copy2(pr_binary, binary)
+    repo = Path(__file__).resolve().parent.parent
+    base = [sys.executable, "-m", "harness", "gate", "--backend", "server", "--server-bin", str(binary)]
+    r = subprocess.run(base, capture_output=True, text=True, cwd=repo, check=False)
+    assert r.returncode == 2 and "cannot tell the semantics of the binary" in r.stderr
+    out = tmp_path / "gate.json"
+    r = subprocess.run(
+        [*base, "--semantics", "shared", "--max-examples", "1", "--json", str(out)],
+        capture_output=True, text=True, cwd=repo, check=False,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-2000:]
+    assert "the binary's source is unknown; the model is pinned to llama.cpp 0c1e570" in r.stdout
+    server = json.loads(out.read_text())["server"]
+    assert server["build"] == f"binary {binary}" and server["pinned"] is False and server["requests"] > 0
+    assert server["fault_trials"] == 3 and server["rss_peak_bytes"] > 0
