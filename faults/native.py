@@ -18,6 +18,10 @@ What this module promises:
   ``faultshim_arm`` (``ctypes`` in Python, ``dlsym`` in C/C++; see :class:`ShimControl`). A
   SIGABRT or SIGSEGV of the child comes back as a :class:`~harness.child.ChildResult` with
   ``crashed`` set and the C stack (and, for Python children, the Python stack) in ``stacks``.
+* :class:`RemoteShim` arms the shim inside a process that cannot call us (``llama-server``): it gives
+  the environment to start that process with, and :meth:`~RemoteShim.arm` writes
+  ``"NTH PERSISTENT MIN_SIZE"`` to the arm file and sends SIGUSR2, so that the process's ``nth``
+  allocation of at least ``min_size`` bytes (:data:`LARGE_ALLOCATION` unless given) fails.
 * :func:`run_new_demo` classifies the demo's run: ``caught`` (it printed the ``bad_alloc``),
   ``aborted`` (SIGABRT with a stack), ``completed`` (the fault did not fire) or ``error``.
 """
@@ -29,18 +33,22 @@ import hashlib
 import os
 import re
 import shutil
+import signal
 import subprocess
 import tempfile
+import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
 from harness.child import ChildResult, run_child
-from harness.errors import Unavailable
+from harness.errors import Unavailable, UsageError
 
 __all__ = [
+    "LARGE_ALLOCATION",
     "DemoResult",
     "NativeUnavailable",
+    "RemoteShim",
     "ShimControl",
     "build_new_demo",
     "build_shim",
@@ -50,6 +58,9 @@ __all__ = [
 ]
 
 _HERE = Path(__file__).resolve().parent
+
+#: What counts as a large allocation: a cache state or checkpoint buffer, not the small bookkeeping around it.
+LARGE_ALLOCATION = 512 * 1024
 
 
 class NativeUnavailable(Unavailable):
@@ -134,14 +145,99 @@ def run_native(
     persistent: bool = False,
     timeout: float = 30.0,
     env: Mapping[str, str] | None = None,
+    min_size: int = 0,
 ) -> ChildResult:
-    """Run ``argv`` under the shim; with ``nth``, armed from load time (else the child arms it)."""
+    """Run ``argv`` under the shim; with ``nth``, armed from load time (else the child arms it).
+
+    ``min_size``: only allocations of at least that many bytes are counted and can fail.
+    """
     child_env = dict(os.environ if env is None else env)
     child_env.pop("FAULTSHIM_NTH", None)
     if nth is not None:
         child_env["FAULTSHIM_NTH"] = str(nth)
         child_env["FAULTSHIM_PERSISTENT"] = "1" if persistent else "0"
+    if min_size:
+        child_env["FAULTSHIM_MIN_SIZE"] = str(min_size)
     return run_child(argv, env=child_env, timeout=timeout, preload=str(build_shim()))
+
+
+class RemoteShim:
+    """The shim preloaded into another process (``llama-server``) and armed from here with SIGUSR2.
+
+    Start the process with :meth:`env` merged into its environment, then :meth:`arm` it right
+    before the request whose allocation should fail and :meth:`disarm` it afterwards::
+
+        shim = RemoteShim(tmp_path)
+        with ServerProcess(binary, model=model, env=shim.env()) as srv:
+            shim.arm(srv.pid, 1)          # the next allocation of >= 512 KiB fails
+            ...                           # a request that saves a slot to the cache
+            fired = shim.disarm(srv.pid)  # how many allocations failed meanwhile
+
+    A crash's C stack (the shim writes it on SIGABRT/SIGSEGV) is in :meth:`stacks`.
+    """
+
+    def __init__(self, directory: str | os.PathLike[str]) -> None:
+        self.directory = Path(directory)
+        self.directory.mkdir(parents=True, exist_ok=True)
+        self.arm_file = self.directory / "faultshim.arm"
+        self.stacks_file = self.directory / "faultshim.stacks"
+
+    def env(self) -> dict[str, str]:
+        """The environment the process must start with (builds the shim on first use)."""
+        return {
+            "LD_PRELOAD": str(build_shim()),
+            "FAULTSHIM_ARM_FILE": str(self.arm_file),
+            "FAULTS_STACKS": str(self.stacks_file),
+            "GGML_NO_BACKTRACE": "1",  # ggml would attach gdb to a dying process: seconds per crash
+        }
+
+    def arm(self, pid: int, nth: int, *, min_size: int = LARGE_ALLOCATION, persistent: bool = False) -> None:
+        """From now on, fail the process's ``nth`` allocation of at least ``min_size`` bytes (and, if
+        ``persistent``, every later one)."""
+        if nth < 1:
+            raise ValueError(f"nth must be >= 1, got {nth}")
+        self._signal(pid, f"{nth} {int(persistent)} {min_size}")
+
+    def disarm(self, pid: int, timeout: float = 5.0) -> int | None:
+        """Disarm; the number of allocations that failed since :meth:`arm` (None: the process is gone
+        or did not answer within ``timeout``)."""
+        before = self._fired_lines()
+        try:
+            self._signal(pid, "0 0 0")
+        except ProcessLookupError:
+            return None
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            lines = self._fired_lines()
+            if len(lines) > len(before):
+                return lines[-1]
+            time.sleep(0.01)
+        return None
+
+    def stacks(self) -> str:
+        """What the shim wrote: ``faultshim: fired N`` per signal, and the C stack of a fatal signal."""
+        try:
+            return self.stacks_file.read_text(errors="replace")
+        except FileNotFoundError:
+            return ""
+
+    def _signal(self, pid: int, line: str) -> None:
+        # SIGUSR2 kills a process that has no handler for it: make sure it runs with our environment
+        try:
+            environ = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+        except FileNotFoundError:
+            raise ProcessLookupError(f"process {pid} is gone") from None
+        except OSError:
+            environ = None  # no /proc or not ours to read: trust the caller
+        if environ is not None and f"FAULTSHIM_ARM_FILE={self.arm_file}".encode() not in environ:
+            raise UsageError(f"process {pid} was not started with this RemoteShim's env(): it cannot be armed")
+        tmp = self.arm_file.with_suffix(".tmp")
+        tmp.write_text(line + "\n")
+        os.replace(tmp, self.arm_file)  # the handler never reads a half-written line
+        os.kill(pid, signal.SIGUSR2)
+
+    def _fired_lines(self) -> list[int]:
+        return [int(m) for m in re.findall(r"^faultshim: fired (\d+)$", self.stacks(), re.M)]
 
 
 @dataclass

@@ -31,6 +31,11 @@ Two properties of the Python model shape the scenario, and are deliberate:
   Python. The scenario keeps one checkpoint (``--ctx-checkpoints 1``) so that C is exactly what the
   copy needs, as in C++.
 
+:func:`run_limited` is the same mechanism for any callable: ``run_limited(fn, *args, headroom=N)``
+forks, limits the forked process's address space to its size at the fork plus ``headroom`` bytes
+(or to ``limit`` bytes), calls ``fn`` there and brings back a :class:`LimitedRun`: the returned
+value (pickled), a ``MemoryError``, another exception, or the signal that killed it, and its VmPeak.
+
 Exit: 0 when ``shared`` completes and ``master`` does not; 1 when that does not hold; 2 when the
 environment cannot separate the two (no fork, no ``/proc``); 3 when a child died unexpectedly.
 """
@@ -41,8 +46,13 @@ import gc
 import json
 import math
 import os
+import pickle
 import resource
+import select
+import signal
 import sys
+import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -55,7 +65,7 @@ from harness.model.provider import STATE_SEQ_FLAGS_NONE, MemoryKind, SyntheticPr
 from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerContext, ServerParams
 
-__all__ = ["RlimitResult", "ServedProvider", "measure", "run_seed"]
+__all__ = ["LimitedRun", "RlimitResult", "ServedProvider", "measure", "run_limited", "run_seed"]
 
 MiB = 1024 * 1024
 _ROOT = str(Path(__file__).resolve().parent.parent)
@@ -220,6 +230,118 @@ def measure(variant: str, *, headroom: int | None, rs_bytes: int, timeout: float
             why += f"\n{child.stacks.strip()}"
         return RlimitResult(variant, "killed", 0, 0, None, 0, 0, 0, why)
     return RlimitResult(**json.loads(line))
+
+
+# ---- any callable under a limit ------------------------------------------------------------------
+
+
+@dataclass
+class LimitedRun:
+    """How :func:`run_limited`'s call ended.
+
+    ``outcome``: ``returned`` (``value`` holds what it returned), ``memory-error`` (it raised
+    ``MemoryError``), ``raised`` (another exception; ``error`` names it), ``killed`` (a signal;
+    ``error`` names it) or ``timeout`` (killed after ``timeout`` seconds).
+    """
+
+    outcome: str
+    value: Any
+    error: str
+    peak_bytes: int  # VmPeak of the forked process (0 when it died before reporting)
+    baseline_bytes: int  # its VmSize at the fork
+    limit_bytes: int | None  # the RLIMIT_AS it ran under (None: no limit)
+
+    @property
+    def ok(self) -> bool:
+        return self.outcome == "returned"
+
+
+def _limited_child(
+    w: int,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    kwargs: dict[str, Any],
+    headroom: int | None,
+    limit: int | None,
+) -> None:
+    """In the forked process: limit, call, report through ``w``; never returns."""
+    try:
+        vm = _vm()
+        if headroom is not None:
+            limit = vm["VmSize"] + headroom
+        if limit is not None:
+            resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
+        try:
+            row: tuple[str, Any, str] = ("returned", fn(*args, **kwargs), "")
+        except MemoryError as e:
+            row = ("memory-error", None, f"MemoryError: {e}")
+        except BaseException as e:
+            row = ("raised", None, f"{type(e).__name__}: {e}")
+        peak = _vm()["VmPeak"]
+        try:
+            data = pickle.dumps((*row, peak, vm["VmSize"], limit))
+        except MemoryError:
+            data = pickle.dumps(("memory-error", None, "MemoryError pickling the result", peak, vm["VmSize"], limit))
+        except Exception as e:
+            data = pickle.dumps(("raised", None, f"the result cannot be pickled: {e}", peak, vm["VmSize"], limit))
+        view = memoryview(data)
+        while view:
+            view = view[os.write(w, view) :]
+    finally:
+        os._exit(0)
+
+
+def run_limited(
+    fn: Callable[..., Any],
+    /,
+    *args: Any,
+    headroom: int | None = None,
+    limit: int | None = None,
+    timeout: float = 60.0,
+    **kwargs: Any,
+) -> LimitedRun:
+    """Call ``fn(*args, **kwargs)`` in a forked process under ``RLIMIT_AS``; the caller is never limited.
+
+    ``headroom``: bytes of address space above the forked process's size at the fork; ``limit``:
+    an absolute limit; neither: no limit (a probe, for ``peak_bytes``). ``fn`` need not be
+    picklable (the process is forked); its result must be. Linux only (``fork``, ``/proc``).
+    """
+    if headroom is not None and limit is not None:
+        raise ValueError("give headroom or limit, not both")
+    if not hasattr(os, "fork") or not os.path.exists("/proc/self/status"):
+        raise UsageError("run_limited needs fork() and /proc/self/status (Linux)")
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the forked process
+        os.close(r)
+        _limited_child(w, fn, args, kwargs, headroom, limit)
+    os.close(w)
+    chunks: list[bytes] = []
+    deadline = time.monotonic() + timeout
+    timed_out = False
+    with os.fdopen(r, "rb", buffering=0) as f:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                timed_out = True
+                break
+            ready, _, _ = select.select([f], [], [], left)
+            if ready:
+                chunk = f.read(1 << 16)
+                if not chunk:
+                    break
+                chunks.append(chunk)
+    if timed_out:
+        os.kill(pid, signal.SIGKILL)
+    _, status = os.waitpid(pid, 0)
+    if timed_out:
+        return LimitedRun("timeout", None, f"killed after {timeout:g}s", 0, 0, limit)
+    if os.WIFSIGNALED(status):
+        return LimitedRun("killed", None, f"killed by {signal.Signals(os.WTERMSIG(status)).name}", 0, 0, limit)
+    if not chunks:
+        return LimitedRun("killed", None, f"exited with {os.WEXITSTATUS(status)} without a result", 0, 0, limit)
+    outcome, value, error, peak, baseline, lim = pickle.loads(b"".join(chunks))
+    return LimitedRun(outcome, value, error, peak, baseline, lim)
 
 
 @dataclass

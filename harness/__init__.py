@@ -19,4 +19,7 @@ test ``tests/test_architecture.py`` reads every import and fails on a loop or an
    backend module.
 7. ``harness.commands``: one module per ``python -m harness`` subcommand.
 8. ``harness.cli`` and ``harness.__main__``: the entry point, importing its commands directly.
+9. ``harness.pytest_plugin`` (beside ``ci``): the pytest plugin for users' own tests (fixtures, the
+   ``prompt_cache_invariants`` marker, server options); it imports the floors it needs, nothing
+   imports it.
 """

@@ -2,9 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import errno
+import hashlib
 import os
-from collections.abc import Iterator
+import resource
+import shutil
+import subprocess
+import sys
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -12,12 +19,27 @@ from typing import TYPE_CHECKING
 import numpy as np
 import pytest
 
-from fixtures import ARCHS, BOS_ID, BYTE_TOKEN_OFFSET, DRAFT, SPACE_ID, SPECS, VOCAB_SIZE, draft_path, model_path
+from faults.native import cache_dir as native_cache_dir
+from fixtures import (
+    ARCHS,
+    BOS_ID,
+    BYTE_TOKEN_OFFSET,
+    DRAFT,
+    SPACE_ID,
+    SPECS,
+    VOCAB_SIZE,
+    draft_path,
+    model_path,
+    models,
+)
+from harness.errors import ModelLoadError
 
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
 gguf = pytest.importorskip("gguf")
+
+ROOT = Path(__file__).resolve().parents[1]
 
 NAMES = (*ARCHS, "draft")
 
@@ -63,8 +85,8 @@ def test_generated_deterministic_and_small(name: str, tmp_path: Path) -> None:
     mtime = a.stat().st_mtime_ns
     assert _path(name, tmp_path / "a") == a
     assert a.stat().st_mtime_ns == mtime
-    # no temporary files left behind
-    assert [p.name for p in (tmp_path / "a").iterdir()] == [a.name]
+    # no temporary files left behind: the model and its recorded sha256
+    assert sorted(p.name for p in (tmp_path / "a").iterdir()) == [a.name, a.name + ".sha256"]
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -101,7 +123,7 @@ def test_concurrent_first_use(tmp_path: Path) -> None:
     with ThreadPoolExecutor(max_workers=4) as pool:
         paths = list(pool.map(lambda _: model_path("jamba", seed=3, cache_dir=tmp_path), range(4)))
     assert len(set(paths)) == 1
-    assert [p.name for p in tmp_path.iterdir()] == [paths[0].name]
+    assert sorted(p.name for p in tmp_path.iterdir()) == [paths[0].name, paths[0].name + ".sha256"]
     assert paths[0].read_bytes() == model_path("jamba", seed=3, cache_dir=tmp_path / "solo").read_bytes()
 
 
@@ -181,3 +203,122 @@ def test_architecture_via_low_level_api(loaded: tuple[str, Llama]) -> None:
         assert llama_cpp.llama_model_is_recurrent(llm.model)
     if buf.value.decode() in ("jamba", "lfm2"):
         assert llama_cpp.llama_model_is_hybrid(llm.model)
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# a damaged cache: regenerated with one line, or one line and exit 2 when it cannot be
+# ---------------------------------------------------------------------------------------------------------------
+
+
+def _corrupt(path: Path, how: str) -> None:
+    if how == "truncate":
+        os.truncate(path, 5000)
+    else:  # overwrite tensor bytes: libllama would load it and compute with wrong weights
+        with path.open("r+b") as f:
+            f.seek(path.stat().st_size // 2)
+            f.write(b"\xff" * 64)
+
+
+@pytest.mark.parametrize("how", ["truncate", "overwrite"])
+def test_corrupt_cached_model_is_regenerated(how: str, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    p = model_path("llama", cache_dir=tmp_path)
+    good = p.read_bytes()
+    _corrupt(p, how)
+    assert model_path("llama", cache_dir=tmp_path) == p
+    assert p.read_bytes() == good
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"cached model {p} was corrupt" in err and "regenerated" in err
+
+
+def test_model_without_record_is_checked_and_adopted_silently(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    p = model_path("mamba", cache_dir=tmp_path)
+    record = p.with_name(p.name + ".sha256")
+    record.unlink()  # a cache written before hashes were recorded
+    inode = p.stat().st_ino
+    assert model_path("mamba", cache_dir=tmp_path) == p
+    assert record.read_text().split() == [hashlib.sha256(p.read_bytes()).hexdigest(), p.name]
+    assert p.stat().st_ino == inode  # the model itself was not rewritten
+    assert capsys.readouterr().err == ""
+
+
+def test_corrupt_model_that_cannot_be_regenerated_is_one_line(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    p = model_path("llama", cache_dir=tmp_path)
+    _corrupt(p, "truncate")
+
+    def disk_full(spec: object, seed: int, path: Path) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
+
+    monkeypatch.setattr(models, "write_model", disk_full)
+    with pytest.raises(ModelLoadError) as e:
+        model_path("llama", cache_dir=tmp_path)
+    msg = str(e.value)
+    assert "\n" not in msg and f"{p} is corrupt" in msg and "No space left" in msg
+    assert e.value.exit_code == 2
+    assert [q.name for q in tmp_path.iterdir() if q.name.endswith(".tmp")] == []
+
+
+def _gate_env(xdg: Path) -> dict[str, str]:
+    # the models in a fresh cache; the compiled fault shim stays where it is (no rebuild)
+    return dict(os.environ, XDG_CACHE_HOME=str(xdg), PROMPT_CACHE_HARNESS_CACHE=str(native_cache_dir()))
+
+
+def _seeded_cache(xdg: Path) -> tuple[Path, Path]:
+    models_dir = xdg / "prompt-cache-harness" / "models"
+    return model_path("llama", cache_dir=models_dir), draft_path(cache_dir=models_dir)
+
+
+_GATE = [sys.executable, "-m", "harness", "gate", "--backend", "llama", "--arch", "llama", "--max-examples", "3"]
+
+
+def test_gate_regenerates_corrupt_cached_models_and_passes(tmp_path: Path) -> None:
+    llama, draft = _seeded_cache(tmp_path)
+    _corrupt(llama, "truncate")
+    _corrupt(draft, "overwrite")
+    r = subprocess.run(_GATE, cwd=ROOT, env=_gate_env(tmp_path), capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "Traceback" not in r.stderr
+    regenerated = [line for line in r.stderr.splitlines() if "regenerated" in line]
+    assert len(regenerated) == 2, r.stderr
+    assert str(llama) in regenerated[0] and str(draft) in regenerated[1]
+    assert r.stdout.rstrip().endswith("PASS")
+
+
+@contextlib.contextmanager
+def _unwritable(d: Path) -> Iterator[Callable[[], None] | None]:
+    """Make ``d`` unwritable; yields a ``preexec_fn`` for the child when only a file-size limit can (root)."""
+    d.chmod(0o555)
+    chattr = shutil.which("chattr")
+    immutable = False
+    preexec: Callable[[], None] | None = None
+    try:
+        (d / ".probe").touch()
+        (d / ".probe").unlink()
+    except OSError:
+        pass  # the mode bits are enough
+    else:  # root ignores them: an immutable directory, else no file may grow (EFBIG: Python ignores SIGXFSZ)
+        if chattr and subprocess.run([chattr, "+i", str(d)], capture_output=True).returncode == 0:
+            immutable = True
+        else:
+            preexec = lambda: resource.setrlimit(resource.RLIMIT_FSIZE, (0, 0))  # noqa: E731
+    try:
+        yield preexec
+    finally:
+        if immutable:
+            subprocess.run([chattr or "chattr", "-i", str(d)], check=True)
+        d.chmod(0o755)
+
+
+def test_gate_on_corrupt_model_in_unwritable_cache_fails_with_one_line(tmp_path: Path) -> None:
+    llama, _ = _seeded_cache(tmp_path)
+    _corrupt(llama, "truncate")
+    with _unwritable(llama.parent) as preexec:
+        r = subprocess.run(
+            _GATE, cwd=ROOT, env=_gate_env(tmp_path), capture_output=True, text=True, timeout=600, preexec_fn=preexec
+        )
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert r.stdout == ""
+    lines = r.stderr.splitlines()
+    assert len(lines) == 1, r.stderr
+    assert lines[0].startswith(f"error: tiny model {llama} is corrupt") and "cannot be (re)generated" in lines[0]

@@ -27,7 +27,7 @@ from typing import Any
 from hypothesis import settings
 
 from faults.llama_native import OPS, sweep_llama_native
-from fixtures.models import ARCHS, model_path
+from fixtures.models import ARCHS, draft_path, model_path
 from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
 from harness.errors import PropertyFailure
 from harness.findings import FINDINGS, finding
@@ -139,6 +139,11 @@ def _run_llama(
 ) -> None:
     """Machines per model, full context, memray, draft recovery, native faults; then the layout finding."""
     archs = list(archs or ARCHS)
+    # every model first: a corrupt cached one is regenerated (one line) or ends the run with one line
+    # (ModelLoadError, exit 2) before any machine starts
+    for arch in archs:
+        model_path(arch)
+    draft_path()
     lp = LLAMA_PROFILES[profile]
     cfg_settings = make_settings(profile, db, max_examples or lp["max_examples"])
     cfg_settings = settings(cfg_settings, stateful_step_count=lp["steps"])
