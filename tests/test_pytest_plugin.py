@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PLUGIN = ("-p", "harness.pytest_plugin", "--strict-markers", "-p", "no:cacheprovider")
 MiB = 1 << 20
 
-BREAKERS = '''
+BREAKERS = """
 import pytest
 from harness.model import ServerParams
 
@@ -59,7 +59,7 @@ def test_master_with_the_peak_only_recorded(modelled_server):
 @pytest.mark.prompt_cache_invariants
 def test_marked_but_no_modelled_server():
     pass
-'''
+"""
 
 
 def test_marker_fails_a_test_that_breaks_an_invariant(pytester: pytest.Pytester) -> None:
@@ -126,7 +126,7 @@ def test_native_faults_run_fails_the_nth_large_allocation(native_faults: NativeF
 
 # ---- the real server --------------------------------------------------------------------------------
 
-SERVER_TEST = '''
+SERVER_TEST = """
 import os
 
 def test_server_is_stopped_even_when_the_test_fails(llama_server):
@@ -135,7 +135,7 @@ def test_server_is_stopped_even_when_the_test_fails(llama_server):
         f.write(str(srv.pid))
     assert srv.completion("Hello", n_predict=2)["content"] is not None
     raise RuntimeError("the test fails; the server must still be stopped")
-'''
+"""
 
 
 def _alive(pid: int) -> bool:
@@ -203,7 +203,9 @@ def test_llama_server_skips_when_there_is_no_binary(pytester: pytest.Pytester, m
     pytester.makepyfile(test_server="def test_needs_a_server(llama_server):\n    llama_server()\n")
     result = pytester.runpytest(*PLUGIN, "-rs")
     result.assert_outcomes(skipped=1)
-    result.stdout.fnmatch_lines(["SKIPPED * no llama-server binary: pass --llama-server-bin PATH, or *"])
+    result.stdout.fnmatch_lines(
+        ["SKIPPED * no llama-server binary: pass --llama-server-bin PATH, --llama-source DIR, *"]
+    )
 
 
 def test_server_options_are_checked_before_any_test(pytester: pytest.Pytester) -> None:
@@ -211,6 +213,6 @@ def test_server_options_are_checked_before_any_test(pytester: pytest.Pytester) -
     missing = pytester.runpytest(*PLUGIN, "--llama-server-bin", str(pytester.path / "nope"))
     assert missing.ret == pytest.ExitCode.USAGE_ERROR
     missing.stderr.fnmatch_lines(["*--llama-server-bin */nope: not an executable file*"])
-    both = pytester.runpytest(*PLUGIN, "--llama-server-bin", sys.executable, "--llama-server-flavour", "pr")
+    both = pytester.runpytest(*PLUGIN, "--llama-server-bin", sys.executable, "--llama-server-semantics", "shared")
     assert both.ret == pytest.ExitCode.USAGE_ERROR
-    both.stderr.fnmatch_lines(["*give --llama-server-bin or --llama-server-flavour, not both*"])
+    both.stderr.fnmatch_lines(["*not --llama-server-bin and --llama-server-semantics*"])

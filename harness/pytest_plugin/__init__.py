@@ -10,7 +10,7 @@ Installed with the harness, it is loaded by every pytest run in that environment
   address-space-limited child);
 * the marker ``@pytest.mark.prompt_cache_invariants`` (:mod:`harness.pytest_plugin.marker`): the
   gate's invariants on every modelled server the test made, during and after its body;
-* the options ``--llama-server-bin PATH`` and ``--llama-server-flavour pr|master``
+* the options ``--llama-server-bin PATH``, ``--llama-source DIR`` and ``--llama-server-semantics shared|master``
   (:mod:`harness.pytest_plugin.options`).
 
 The plugin is the top floor of the house: it imports the floors below it, and nothing imports it.

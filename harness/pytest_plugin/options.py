@@ -1,9 +1,10 @@
 """The plugin's command-line options and which ``llama-server`` binary they choose.
 
-``--llama-server-bin PATH``       use this binary (built anywhere)
-``--llama-server-flavour pr|master``  build (or reuse) the harness's own build of that flavour
-(neither)                         reuse the cached ``pr`` build if there is one, else skip the tests
-                                  that need a server, saying how to get one
+``--llama-server-bin PATH``              use this binary (built anywhere)
+``--llama-source DIR``                   build (or reuse) llama-server from this llama.cpp checkout
+``--llama-server-semantics shared|master``  build (or reuse) the pinned tree with PR #27451 or as vendored
+(none of them)                           reuse the cached ``shared`` build if there is one, else skip the
+                                         tests that need a server, saying how to get one
 """
 
 from __future__ import annotations
@@ -15,11 +16,12 @@ from pathlib import Path
 import pytest
 
 from harness.errors import HarnessError
-from harness.targets.llama_server import build_server, cached_binary
+from harness.targets.llama_server import build_server, build_source, cached_binary
 
-__all__ = ["SERVER_FLAVOURS", "add_options", "check_options", "server_binary"]
+__all__ = ["SERVER_SEMANTICS", "add_options", "check_options", "server_binary"]
 
-SERVER_FLAVOURS = ("pr", "master")
+SERVER_SEMANTICS = ("shared", "master")
+_FLAVOUR = {"shared": "pr", "master": "master"}
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -31,31 +33,36 @@ def add_options(parser: pytest.Parser) -> None:
         help="the llama-server binary the llama_server fixture starts",
     )
     group.addoption(
-        "--llama-server-flavour",
-        choices=SERVER_FLAVOURS,
+        "--llama-source",
+        metavar="DIR",
         default=None,
-        help="build (or reuse the cached) llama-server of this flavour from the llama-cpp-python sdist: "
-        "pr (PR #27451 applied) or master",
+        help="build llama-server from this llama.cpp checkout (cached by a hash of the tree's content)",
     )
-    # ---- PLACE FOR --llama-source DIR ---------------------------------------------------------------
-    # Added together with harness.targets.llama_server.build_source(path: Path, *, asan: bool = False,
-    # jobs: int | None = None, force: bool = False, log=print) -> Path (another change):
-    #   group.addoption("--llama-source", metavar="DIR", default=None,
-    #                   help="build llama-server from this llama.cpp checkout (cached by a hash of the tree)")
-    # then resolve it in server_binary() below and refuse it with the other two in check_options().
-    # ------------------------------------------------------------------------------------------------
+    group.addoption(
+        "--llama-server-semantics",
+        choices=SERVER_SEMANTICS,
+        default=None,
+        help="build (or reuse) llama-server from the pinned llama.cpp 0c1e570: shared (PR #27451 applied) "
+        "or master (as vendored)",
+    )
 
 
 def check_options(config: pytest.Config) -> None:
     """Refuse contradictory or broken server options before any test runs."""
     binary = config.getoption("llama_server_bin", None)
-    flavour = config.getoption("llama_server_flavour", None)
-    if binary is not None and flavour is not None:
-        raise pytest.UsageError("give --llama-server-bin or --llama-server-flavour, not both")
+    source = config.getoption("llama_source", None)
+    semantics = config.getoption("llama_server_semantics", None)
+    given = [n for n, v in (("--llama-server-bin", binary), ("--llama-source", source),
+                            ("--llama-server-semantics", semantics)) if v is not None]  # fmt: skip
+    if len(given) > 1:
+        raise pytest.UsageError(f"give one of --llama-server-bin, --llama-source, --llama-server-semantics, "
+                                f"not {' and '.join(given)}")  # fmt: skip
     if binary is not None:
         p = Path(binary).expanduser()
         if not p.is_file() or not os.access(p, os.X_OK):
             raise pytest.UsageError(f"--llama-server-bin {binary}: not an executable file")
+    if source is not None and not (Path(source).expanduser() / "tools" / "server").is_dir():
+        raise pytest.UsageError(f"--llama-source {source}: not a llama.cpp tree (no tools/server)")
 
 
 def server_binary(config: pytest.Config, log: Callable[[str], None]) -> Path:
@@ -64,17 +71,19 @@ def server_binary(config: pytest.Config, log: Callable[[str], None]) -> Path:
     binary = config.getoption("llama_server_bin", None)
     if binary is not None:
         return Path(binary).expanduser().resolve()
-    # ---- PLACE FOR --llama-source DIR: `return build_source(Path(source), log=log)` -------------------
-    flavour = config.getoption("llama_server_flavour", None)
-    if flavour is not None:
-        try:
-            return build_server(flavour, log=log)
-        except HarnessError as e:
-            pytest.fail(f"building llama-server ({flavour}) failed: {e}", pytrace=False)
+    source = config.getoption("llama_source", None)
+    semantics = config.getoption("llama_server_semantics", None)
+    try:
+        if source is not None:
+            return build_source(Path(source), log=log)
+        if semantics is not None:
+            return build_server(_FLAVOUR[semantics], log=log)
+    except HarnessError as e:
+        pytest.fail(f"building llama-server ({source or semantics}) failed: {e}", pytrace=False)
     cached = cached_binary("pr")
     if cached is None:
         pytest.skip(
-            "no llama-server binary: pass --llama-server-bin PATH, or --llama-server-flavour pr|master "
-            "to build one (about 10 minutes on 2 cores, then cached)"
+            "no llama-server binary: pass --llama-server-bin PATH, --llama-source DIR, or "
+            "--llama-server-semantics shared|master to build one (then cached)"
         )
     return cached
