@@ -18,8 +18,10 @@ What this module promises:
   ``faultshim_arm`` (``ctypes`` in Python, ``dlsym`` in C/C++; see :class:`ShimControl`). A
   SIGABRT or SIGSEGV of the child comes back as a :class:`~harness.child.ChildResult` with
   ``crashed`` set and the C stack (and, for Python children, the Python stack) in ``stacks``.
-* :func:`run_new_demo` classifies the demo's run: ``caught`` (it printed the ``bad_alloc``),
-  ``aborted`` (SIGABRT with a stack), ``completed`` (the fault did not fire) or ``error``.
+* :func:`run_new_demo` classifies the demo's run as a :class:`faults.kinds.Outcome`:
+  ``accepted-error`` (it caught and printed the ``bad_alloc``), ``aborted`` (SIGABRT with a stack),
+  ``ok`` (the fault did not fire), ``killed`` (another signal, or a hang) or ``crash`` (it exited
+  with an error).
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from faults.kinds import Outcome
 from harness.child import ChildResult, run_child
 from harness.errors import Unavailable
 
@@ -148,16 +151,16 @@ def run_native(
 class DemoResult:
     """What :func:`run_new_demo` saw: ``outcome`` and, when caught, the allocation that failed."""
 
-    outcome: str  # "caught" | "aborted" | "completed" | "error"
+    outcome: Outcome  # accepted-error (caught) | aborted | ok (the fault did not fire) | killed | crash
     failed_at: int | None
     child: ChildResult
 
     def describe(self) -> str:
-        if self.outcome == "caught":
+        if self.outcome == Outcome.ACCEPTED:
             return f"caught std::bad_alloc at allocation #{self.failed_at}"
-        if self.outcome == "aborted":
+        if self.outcome == Outcome.ABORTED:
             return f"terminated by {self.child.signal} (std::bad_alloc had no handler); stack captured"
-        if self.outcome == "completed":
+        if self.outcome == Outcome.OK:
             return "completed: the fault did not fire"
         return f"unexpected: {self.child.describe()}: {self.child.stderr.strip()[:200]}"
 
@@ -169,12 +172,12 @@ def run_new_demo(nth: int, *, catch: bool, count: int = 16, timeout: float = 30.
     )
     m = re.search(r"caught std::bad_alloc: .* at allocation #(\d+)", child.stdout)
     if child.status == "exited" and child.returncode == 0 and m:
-        return DemoResult("caught", int(m.group(1)), child)
+        return DemoResult(Outcome.ACCEPTED, int(m.group(1)), child)
     if child.status == "signalled" and child.signal == "SIGABRT":
-        return DemoResult("aborted", None, child)
+        return DemoResult(Outcome.ABORTED, None, child)
     if child.status == "exited" and child.returncode == 0 and "completed" in child.stdout:
-        return DemoResult("completed", None, child)
-    return DemoResult("error", None, child)
+        return DemoResult(Outcome.OK, None, child)
+    return DemoResult(Outcome.KILLED if child.crashed else Outcome.CRASH, None, child)
 
 
 def _main() -> int:

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from faults.kinds import Outcome
 from faults.native import build_shim, run_native, run_new_demo
 from harness.child import run_child
 
@@ -72,18 +73,18 @@ def test_shim_is_cached_by_source_hash() -> None:
 @pytest.mark.parametrize("nth", [1, 2, 5, 9])
 def test_native_fault_fires_exactly_at_n(nth: int) -> None:
     r = run_new_demo(nth, catch=True, count=12)
-    assert r.outcome == "caught" and r.failed_at == nth, r.child
+    assert r.outcome == Outcome.ACCEPTED and r.failed_at == nth, r.child
     assert "caught std::bad_alloc" in r.child.stdout
 
 
 @needs_cc
 def test_uncaught_bad_alloc_aborts_with_native_stack_and_runner_goes_on() -> None:
     r = run_new_demo(3, catch=False, count=12)
-    assert r.outcome == "aborted" and r.child.signal == "SIGABRT"
+    assert r.outcome == Outcome.ABORTED and r.child.signal == "SIGABRT"
     assert "native stack (faultshim, signal SIGABRT)" in r.child.stacks and "build_entries" in r.child.stacks
     assert "std::bad_alloc" in r.child.stderr  # libstdc++'s terminate handler says what escaped
     ok = run_new_demo(100, catch=False, count=12)  # the fault is past the last allocation
-    assert ok.outcome == "completed"
+    assert ok.outcome == Outcome.OK
 
 
 @needs_cc

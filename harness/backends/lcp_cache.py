@@ -62,6 +62,7 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
+from faults.kinds import Outcome, died
 from fixtures.models import model_path
 from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
 from harness.child import child_setup, run_child
@@ -406,10 +407,13 @@ def seam_armed(cache: Any, where: str, nth: int) -> Iterator[Seam]:
         raise ValueError(where)
 
 
+ALLOWED_STATES = ("unchanged", "inserted")
+
+
 def diagnose_fault(
     before: Sequence[Key], after: Sequence[Key], key: Key, expected: Sequence[Key], over_capacity: bool
 ) -> tuple[str, str | None]:
-    """Classify the cache's keys after a failed insert: ``(outcome, finding)``; ``finding`` None when allowed.
+    """Classify the cache's keys after a failed insert: ``(state, finding)``; ``finding`` None when allowed.
 
     Allowed: ``unchanged`` (``after == before``) and ``inserted`` (``after == expected``, the keys a
     successful insert leaves, with the capacity enforced).
@@ -677,9 +681,9 @@ def machine_class(
             if expected is None:  # disk: a successful insert keeps the newest entries, the new one included
                 full = [k for k in before if k != key] + [key]
                 expected = after if (after and after == full[len(full) - len(after) :] and not over) else full
-            outcome, finding = diagnose_fault(before, after, key, expected, over)
+            cache_state, finding = diagnose_fault(before, after, key, expected, over)
             self.check("fault_atomic")
-            if outcome in ("unchanged", "inserted"):
+            if cache_state in ALLOWED_STATES:
                 snap = {k: adapter.peek(self.cache, k) for k in after}
                 if key in after and snap[key].llama_state != state.llama_state:
                     raise LcpViolation("fault_atomic", f"after a {where} fault the entry {key} is not the new state")
@@ -697,7 +701,7 @@ def machine_class(
             raise LcpViolation(
                 "fault_atomic",
                 f"MemoryError at {where} call #{nth} of cache[{key}] = state: keys {before} became {after} "
-                f"(cache_size {size_now}, capacity {self.capacity}): {outcome}",
+                f"(cache_size {size_now}, capacity {self.capacity}): {cache_state}",
                 finding,
             )
 
@@ -720,6 +724,13 @@ def _scenario(adapter: CacheAdapter, env: ModelEnv, act: str) -> tuple[Any, Key,
         for k in keys:
             cache[k] = env.state(k)
     return cache, new, env.state(new), cap
+
+
+def fault_outcome(cache_state: str, *, fired: bool) -> Outcome:
+    """A fault trial's :class:`Outcome` from what the cache holds after it (see :func:`diagnose_fault`)."""
+    if cache_state not in ALLOWED_STATES:
+        return Outcome.VIOLATION
+    return Outcome.ACCEPTED if fired else Outcome.OK
 
 
 def _testcapi() -> ModuleType | None:
@@ -773,12 +784,13 @@ def _pymem_child(spec: dict[str, Any]) -> int:
                     gc.enable()
             after = adapter.keys(cache)
             over = int(cache.cache_size) > cap
-            outcome, finding = diagnose_fault(before, after, key, expected, over)
+            cache_state, finding = diagnose_fault(before, after, key, expected, over)
             row = {
                 "nth": nth,
                 "reached": reached,
                 "escaped": None if escaped is None else f"{type(escaped).__name__}: {escaped}"[:160],
-                "outcome": outcome,
+                "outcome": fault_outcome(cache_state, fired=reached),
+                "state": cache_state,
                 "finding": finding,
                 "before": [len(k) for k in before],
                 "after": [len(k) for k in after],
@@ -823,7 +835,7 @@ def _sweep_points(
         got = [json.loads(ln) for ln in child.stdout.splitlines() if ln.startswith("{")]
         if got and "unavailable" in got[0]:
             return
-        rows.extend(got)
+        rows.extend({**r, "outcome": Outcome(r["outcome"])} for r in got)
         if (got and not got[-1]["reached"]) or len(got) >= len(points):
             break
         dead = points[len(got)]
@@ -832,7 +844,8 @@ def _sweep_points(
                 "nth": dead,
                 "reached": True,
                 "escaped": f"child {child.describe()}",
-                "outcome": "fatal",
+                "outcome": died(child),
+                "state": None,
                 "finding": None,
                 "before": [],
                 "after": [],
@@ -909,7 +922,8 @@ def _rlimit_child(spec: dict[str, Any]) -> int:
                         res["escaped"] = f"MemoryError: {e}"[:160]
                     resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
                     after = adapter.keys(cache)
-                    res["outcome"], res["finding"] = diagnose_fault(before, after, key, [keys[0], keys[2], key], False)
+                    res["state"], res["finding"] = diagnose_fault(before, after, key, [keys[0], keys[2], key], False)
+                    res["outcome"] = fault_outcome(res["state"], fired=res["escaped"] is not None)
                     res["state_bytes"] = held_bytes(new)
                     os.write(w, json.dumps(res).encode())
                 finally:
@@ -919,7 +933,10 @@ def _rlimit_child(spec: dict[str, Any]) -> int:
                 text = f.read()
             os.waitpid(pid, 0)
             print(
-                text if text else json.dumps({"headroom": headroom, "outcome": "killed", "finding": None}), flush=True
+                text
+                if text
+                else json.dumps({"headroom": headroom, "outcome": Outcome.KILLED, "state": None, "finding": None}),
+                flush=True,
             )
             adapter.close(cache)
             adapter.cleanup()
@@ -944,11 +961,13 @@ def run_rlimit(cache: str, headrooms: Sequence[int | None], timeout: float = 90.
             timeout=timeout,
         )
     rows = [json.loads(ln) for ln in child.stdout.splitlines() if ln.startswith("{")]
+    rows = [{**r, "outcome": Outcome(r["outcome"])} for r in rows]
     if child.crashed or len(rows) < len(headrooms):
         rows.append(
             {
                 "headroom": None,
-                "outcome": "fatal",
+                "outcome": died(child),
+                "state": None,
                 "finding": None,
                 "escaped": f"child {child.describe()}: {child.stderr.strip()[-300:]}",
             }
@@ -1079,8 +1098,13 @@ def run_lcp_gate(
             rows = sweep_pymem(cache, act, max_points=120 if cache == "ram" else 60, stride=stride)
             reached = [r for r in rows if r["reached"]]
             tally = Counter(r["outcome"] for r in reached)
+            states = Counter(r["state"] for r in reached if r["state"])
             stats.checked["fault_atomic"] += len(reached)
-            out(f"  pymem {act}: {len(reached)} points (stride {stride}): {dict(tally)}")
+            out(
+                f"  pymem {act}: {len(reached)} points (stride {stride}): "
+                + ", ".join(f"{o} {k}" for o, k in tally.items())
+                + " (cache " + ", ".join(f"{s} {k}" for s, k in states.items()) + ")"
+            )
             for r in reached:
                 if r["finding"] and _known(r["finding"], cache):
                     found(
@@ -1089,9 +1113,9 @@ def run_lcp_gate(
                         f"{r['escaped']}; entries {r['before']} -> {r['after']} (key lengths)",
                         f"pymem {act}",
                     )
-                elif r["outcome"] == "fatal":  # the interpreter died (e.g. in sqlite3): not the cache's doing
+                elif r["outcome"] in (Outcome.ABORTED, Outcome.KILLED):  # the interpreter died (e.g. in sqlite3)
                     out_of_scope.append({"layer": "pymem", "act": act, **r})
-                elif r["outcome"] not in ("unchanged", "inserted"):
+                elif r["outcome"] not in (Outcome.OK, Outcome.ACCEPTED):
                     failures.append(
                         {
                             "property": "fault_atomic",
@@ -1109,7 +1133,7 @@ def run_lcp_gate(
         rows = run_rlimit(cache, [None, 256 * 1024])
         stats.checked["fault_atomic"] += len(rows)
         for r in rows:
-            out(f"  rlimit headroom {r.get('headroom')}: {r.get('outcome')} ({r.get('escaped')})")
+            out(f"  rlimit headroom {r.get('headroom')}: {r['outcome']} ({r.get('state')}, {r.get('escaped')})")
             if r.get("finding") and _known(r["finding"], cache):
                 found(
                     r["finding"],
@@ -1117,7 +1141,7 @@ def run_lcp_gate(
                     f"state: {r['escaped']}; the cached entry is gone",
                     "rlimit",
                 )
-            elif r.get("outcome") not in ("unchanged", "inserted"):
+            elif r["outcome"] not in (Outcome.OK, Outcome.ACCEPTED):
                 failures.append(
                     {
                         "property": "fault_atomic",
