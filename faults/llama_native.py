@@ -25,17 +25,19 @@ Each trial's outcome is a :class:`faults.kinds.Outcome`, its layer's word first 
 ``crash-out-of-scope``  ``python-error``: the failed allocation was Python's own (``MemoryError``
                         around the call), not libllama's
 
-One child process runs consecutive trials (model loaded once); when a trial kills it, the next
-child resumes at the following allocation number. Each trial id (``lfm2.set.7``) replays it:
-``python -m faults.llama_native --case lfm2.set.7``.
+One child process (``python -m faults.llama_native --child``, under the shim) loads the model once
+and runs each trial in a forked copy of itself (:func:`harness.child.run_child` with a function),
+so a trial that aborts takes only itself down; when the child itself dies, the next child resumes
+at the following allocation number. Each trial id (``lfm2.set.7``) replays it:
+``python -m harness native --case lfm2.set.7``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-import signal
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -44,7 +46,7 @@ from typing import Any
 from faults.kinds import Outcome, died
 from faults.native import ShimControl, run_native
 from fixtures.models import model_path
-from harness.child import STACKS_ENV, ChildResult, child_setup
+from harness.child import ChildResult, child_setup, run_child
 from harness.targets.libllama import LlamaProvider, load_model
 
 __all__ = ["OPS", "LlamaNativeReport", "NativeTrial", "sweep_llama_native"]
@@ -52,6 +54,7 @@ __all__ = ["OPS", "LlamaNativeReport", "NativeTrial", "sweep_llama_native"]
 OPS = ("get", "get-part", "set", "decode")
 _RESULT = "NATIVE-TRIAL "
 _COMPLETED = 10  # a forked trial's exit status when the call completed with no fault fired
+_TRIAL_TIMEOUT = 60.0  # one forked trial; a hang is a ``killed`` trial and the sweep goes on
 
 
 @dataclass
@@ -228,8 +231,6 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
     ret, clean_logits = prov._decode_raw(ctx, 1, nxt, len(prompt), want_logits=True)
     assert ret == 0
 
-    stacks_path = os.environ.get(STACKS_ENV, "")
-
     def trial(nth: int) -> tuple[Outcome, str]:
         reset()
         detail = ""
@@ -274,35 +275,25 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
             return Outcome.ACCEPTED, f"absorbed {detail}".rstrip()
         return Outcome.VIOLATION, f"wrong {detail}".rstrip()
 
+    def forked_trial(nth: int) -> int:
+        outcome, detail = trial(nth)
+        print(_RESULT + json.dumps({"nth": nth, "outcome": outcome, "detail": detail}))
+        return _COMPLETED if outcome == Outcome.OK else 0
+
     # one forked process per trial: a trial that aborts takes only itself down
     for nth in range(start, stop + 1):
-        sys.stdout.flush()
-        offset = os.path.getsize(stacks_path) if stacks_path and os.path.exists(stacks_path) else 0
-        pid = os.fork()
-        if pid == 0:
-            outcome, detail = trial(nth)
-            print(_RESULT + json.dumps({"nth": nth, "outcome": outcome, "detail": detail}), flush=True)
-            os._exit(_COMPLETED if outcome == Outcome.OK else 0)
-        _, status = os.waitpid(pid, 0)
-        if os.WIFSIGNALED(status):
-            sig = signal.Signals(os.WTERMSIG(status)).name
-            stacks = ""
-            if stacks_path and os.path.exists(stacks_path):
-                with open(stacks_path, errors="replace") as f:
-                    f.seek(offset)
-                    stacks = f.read()
-            row = {
-                "nth": nth,
-                "outcome": Outcome.ABORTED if sig == "SIGABRT" else Outcome.KILLED,
-                "detail": f"killed by {sig}",
-                "stacks": stacks,
-            }
+        done = run_child(functools.partial(forked_trial, nth), timeout=_TRIAL_TIMEOUT)
+        sys.stdout.write(done.stdout)  # the trial's row, for the runner
+        sys.stderr.write(done.stderr)
+        if done.crashed:
+            row = {"nth": nth, "outcome": died(done), "detail": done.describe(), "stacks": done.stacks}
             print(_RESULT + json.dumps(row), flush=True)
-        elif os.WEXITSTATUS(status) == _COMPLETED:
+        elif done.returncode == _COMPLETED:
             return 0  # the trial printed its row: the call completed with no fault fired
-        elif os.WEXITSTATUS(status) != 0:
-            row = {"nth": nth, "outcome": Outcome.KILLED, "detail": f"trial exited with {os.WEXITSTATUS(status)}"}
+        elif done.returncode != 0:
+            row = {"nth": nth, "outcome": Outcome.KILLED, "detail": f"trial exited with {done.returncode}"}
             print(_RESULT + json.dumps(row), flush=True)
+        sys.stdout.flush()
     return 0
 
 

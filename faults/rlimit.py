@@ -9,8 +9,9 @@ address space, while ``shared`` (PR #27451) needs S. Under ``RLIMIT_AS`` set jus
 How it runs, and what it promises:
 
 * Every measurement is made in a child (``python -m faults.rlimit --child``) that builds the
-  server, then **forks**: the forked process starts with ``VmPeak`` equal to its current size, sets
-  the limit on itself only, saves, and reports ``VmPeak``. The runner is never limited.
+  server, then **forks** (:func:`harness.child.run_child` with a function): the forked process
+  starts with ``VmPeak`` equal to its current size, sets the limit on itself only, saves, and
+  reports ``VmPeak``. The runner is never limited.
 * The budget is measured, not guessed: a first pass saves without a limit in both semantics and
   reads each save's peak above the baseline; the budget is ``shared``'s peak plus a quarter of
   the gap to ``master``'s. It is printed and written with ``--json`` as ``budget_bytes`` (headroom
@@ -43,7 +44,6 @@ import json
 import math
 import os
 import resource
-import signal
 import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -178,24 +178,17 @@ def _child_main(spec_text: str) -> int:
     spec = json.loads(spec_text)
     server, s, c, cram = _build(spec["variant"], spec["rs_bytes"])
     gc.collect()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the saving process
-        os.close(r)
-        try:
-            res = _save_under_limit(server, spec["headroom"])
-            os.write(w, json.dumps(res).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        text = f.read()
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status) or not text:
-        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+
+    def save() -> None:  # the saving process: forked, so its VmPeak starts at the size of this one
+        print(json.dumps(_save_under_limit(server, spec["headroom"])))
+
+    saved = run_child(save, timeout=spec["timeout"])
+    text = saved.stdout.strip()
+    res: dict[str, Any]
+    if saved.crashed or not text:
         res = {
-            "outcome": Outcome.ABORTED if sig == signal.SIGABRT else Outcome.KILLED,
-            "detail": f"the saving process died (signal {sig})",
+            "outcome": died(saved),
+            "detail": f"the saving process {saved.describe()} without a result: {saved.stderr.strip()[-200:]}",
             "peak": 0,
             "baseline": 0,
             "limit": None,
@@ -217,7 +210,7 @@ def measure(variant: str, *, headroom: int | None, rs_bytes: int, timeout: float
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     env["MALLOC_ARENA_MAX"] = "1"  # one glibc arena: no reserved arena space to fall back on
-    spec = {"variant": variant, "headroom": headroom, "rs_bytes": rs_bytes}
+    spec = {"variant": variant, "headroom": headroom, "rs_bytes": rs_bytes, "timeout": timeout * 0.8}
     child = run_child([sys.executable, "-m", "faults.rlimit", "--child", json.dumps(spec)], env=env, timeout=timeout)
     line = next((ln for ln in child.stdout.splitlines() if ln.startswith("{")), None)
     if child.crashed or line is None:

@@ -41,11 +41,13 @@ layers: CPython allocation failures (``_testcapi.set_nomemory``) swept over ``ca
 from __future__ import annotations
 
 import contextlib
+import functools
 import gc
 import importlib
 import json
 import os
 import pickle
+import resource
 import shutil
 import sys
 import tempfile
@@ -862,10 +864,30 @@ def _vm_size() -> int:
     return 0
 
 
+def _reinsert_under_limit(
+    adapter: CacheAdapter, cache: Any, key: Key, new: Any, before: list[Key], expected: list[Key], headroom: int | None
+) -> None:
+    """In a forked process (its VmSize is its parent's): limit, re-insert ``key``, report one JSON row."""
+    res: dict[str, Any] = {"headroom": headroom}
+    if headroom is not None:
+        _, hard = resource.getrlimit(resource.RLIMIT_AS)
+        resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + headroom, hard))
+    try:
+        with adapter.quiet():
+            cache[key] = new
+        res["escaped"] = None
+    except MemoryError as e:
+        res["escaped"] = f"MemoryError: {e}"[:160]
+    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    after = adapter.keys(cache)
+    res["state"], res["finding"] = diagnose_fault(before, after, key, expected, False)
+    res["outcome"] = fault_outcome(res["state"], fired=res["escaped"] is not None)
+    res["state_bytes"] = held_bytes(new)
+    print(json.dumps(res))
+
+
 def _rlimit_child(spec: dict[str, Any]) -> int:
     """Build a big re-insert scenario, then fork once per headroom: limit, re-insert, report."""
-    import resource
-
 
     global _TMP
     _TMP = spec["tmp"]
@@ -905,39 +927,13 @@ def _rlimit_child(spec: dict[str, Any]) -> int:
             )
             before = adapter.keys(cache)
             gc.collect()
-            r, w = os.pipe()
-            pid = os.fork()
-            if pid == 0:
-                os.close(r)
-                try:
-                    res: dict[str, Any] = {"headroom": headroom}
-                    if headroom is not None:
-                        _, hard = resource.getrlimit(resource.RLIMIT_AS)
-                        resource.setrlimit(resource.RLIMIT_AS, (_vm_size() + headroom, hard))
-                    try:
-                        with adapter.quiet():
-                            cache[key] = new
-                        res["escaped"] = None
-                    except MemoryError as e:
-                        res["escaped"] = f"MemoryError: {e}"[:160]
-                    resource.setrlimit(resource.RLIMIT_AS, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-                    after = adapter.keys(cache)
-                    res["state"], res["finding"] = diagnose_fault(before, after, key, [keys[0], keys[2], key], False)
-                    res["outcome"] = fault_outcome(res["state"], fired=res["escaped"] is not None)
-                    res["state_bytes"] = held_bytes(new)
-                    os.write(w, json.dumps(res).encode())
-                finally:
-                    os._exit(0)
-            os.close(w)
-            with os.fdopen(r) as f:
-                text = f.read()
-            os.waitpid(pid, 0)
-            print(
-                text
-                if text
-                else json.dumps({"headroom": headroom, "outcome": Outcome.KILLED, "state": None, "finding": None}),
-                flush=True,
-            )
+
+            expected = [keys[0], keys[2], key]
+            reinsert = functools.partial(_reinsert_under_limit, adapter, cache, key, new, before, expected, headroom)
+            done = run_child(reinsert, timeout=spec["timeout"])
+            text = done.stdout.strip()
+            dead = {"headroom": headroom, "outcome": died(done), "state": None, "finding": None}
+            print(text if text else json.dumps(dead), flush=True)
             adapter.close(cache)
             adapter.cleanup()
     finally:
@@ -952,7 +948,7 @@ def run_rlimit(cache: str, headrooms: Sequence[int | None], timeout: float = 90.
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(ROOT), env.get("PYTHONPATH")) if p)
     env["MALLOC_ARENA_MAX"] = "1"
     tmp = tempfile.mkdtemp(prefix="lcp-rlimit-", dir=_TMP)
-    spec = {"cache": cache, "headrooms": list(headrooms), "tmp": tmp}
+    spec = {"cache": cache, "headrooms": list(headrooms), "tmp": tmp, "timeout": timeout / (len(headrooms) + 1)}
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, tmp, True)
         child = run_child(
