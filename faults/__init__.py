@@ -35,8 +35,9 @@ and cannot reach.
     interpreter); :mod:`faults.llama_native` sweeps libllama's state calls and decode with it.
     *Cannot reach*: mmap-only or statically linked allocators.
 
-Outcomes are the same words everywhere: ``ok``, ``accepted-error``, ``violation``, ``crash`` and
-``crash-out-of-scope`` (see :mod:`faults.kinds`).
+Outcomes are one :class:`faults.kinds.Outcome` everywhere: ``ok``, ``accepted-error``, ``violation``,
+``crash`` and ``crash-out-of-scope`` from every layer, ``aborted`` and ``killed`` from the layers that
+run a child process (see :mod:`faults.kinds`).
 
 **What counts as a crash, and why ``crash-out-of-scope`` exists.** Upstream catches ``bad_alloc``
 only inside ``server_prompt_cache::alloc``: around the two state resizes on master, around the
@@ -53,25 +54,22 @@ hidden as ``ok`` nor charged to the PR. The pass criterion of ``sweep`` is no ``
 ``crash``.
 
 Entry points: ``python -m harness sweep`` (:mod:`faults.sweep`), ``python -m harness rlimit``
-(:mod:`faults.rlimit`), :func:`faults.pymem.sweep_pymem`, :func:`faults.native.run_native` and
-:func:`faults.native.run_new_demo`. Every child runs through :func:`harness.child.run_child`, which
-never lets a child's death or hang become the runner's.
+(:mod:`faults.rlimit`), ``python -m harness native`` (:mod:`faults.llama_native`),
+:func:`faults.pymem.sweep_pymem`, :func:`faults.native.run_native`, :func:`faults.native.run_new_demo`,
+and the ``pymem``/``rlimit`` layers on llama-cpp-python's caches (:mod:`faults.lcp`, run by the
+``llama-cpp-python-cache`` gate). Every child, a command or a forked function, runs through
+:func:`harness.child.run_child`, which never lets a child's death or hang become the runner's.
 """
 
-from faults.kinds import ACCEPTED, CRASH, CRASH_OUT_OF_SCOPE, FAULT_KINDS, OK, OUTCOMES, VIOLATION, FaultKind, Outcome
+from faults.kinds import FAULT_KINDS, OUTCOMES, FaultKind, Outcome
 from faults.scenarios import SCENARIOS, Scenario
 from faults.sweep import SweepReport, TrialResult, parse_case_id, run_sweep, run_trial
 from harness.child import ChildResult, run_child
 
 __all__ = [
-    "ACCEPTED",
-    "CRASH",
-    "CRASH_OUT_OF_SCOPE",
     "FAULT_KINDS",
-    "OK",
     "OUTCOMES",
     "SCENARIOS",
-    "VIOLATION",
     "ChildResult",
     "FaultKind",
     "Outcome",

@@ -4,46 +4,71 @@ Each :class:`FaultKind` says how the fault is armed and disarmed, which errors c
 what the fault can reach and what it cannot, and which entry point runs it. The module docstring of
 :mod:`faults` renders the same table for readers; :data:`FAULT_KINDS` is what code and tests use.
 
-Outcomes (:data:`OUTCOMES`) are the same words in every report and JSON file:
+Outcomes (:class:`Outcome`) are the same words in every fault layer, report and JSON file. The
+model seam's sweep (:mod:`faults.sweep`) runs in process and reports the first five; the child
+layers (``pymem``, ``rlimit``, ``native``, :mod:`faults.llama_native`, :mod:`faults.lcp`) add the
+two deaths a real process can die. Each layer's finer word (``MemoryError`` escaped or absorbed, the
+call reported or absorbed the failure, the cache unchanged or inserted) is in the trial's detail.
 
-``ok``                  no fault fired; the scenario gave the right result; every invariant holds.
-``accepted-error``      a fault fired and the code under test absorbed it as upstream promises
-                        (``alloc`` caught ``bad_alloc`` and recovered); the result is one of the
-                        documented degraded results; every invariant holds.
-``violation``           a wrong result, or an invariant broke (including ``no_partial_entries``).
-``crash``               an error escaped the target on a path the PR's handler is meant to cover
-                        (or any non-allocation error escaped): upstream would terminate.
-``crash-out-of-scope``  a ``bad_alloc`` escaped on a path that neither upstream nor PR #27451
-                        protects (checkpoint creation, slot clone, speculative checkpoint update).
-                        Upstream terminates there in both semantics; it is reported and counted on
-                        its own, never folded into ``ok`` and never counted as a failure of the PR.
+``ok``                  no fault fired (or none was reached); the act gave the right result and every
+                        invariant holds. The trial that ends a sweep is ``ok``.
+``accepted-error``      a fault fired and the code under test absorbed or reported it as its contract
+                        promises (``alloc`` caught ``bad_alloc`` and recovered; a ``MemoryError`` left
+                        the state consistent; libllama returned its failure value; the cache holds what
+                        it held before or that plus the new entry); every invariant holds.
+``violation``           a wrong result, or an invariant broke (including ``no_partial_entries``, an
+                        inconsistent state after a ``MemoryError``, a lost cache entry).
+``crash``               an error escaped the target on a path the contract under test covers (or any
+                        non-allocation error escaped): upstream would terminate.
+``crash-out-of-scope``  an allocation failure escaped where nothing under test promises to handle it:
+                        a ``bad_alloc`` on a path that neither upstream nor PR #27451 protects
+                        (checkpoint creation, slot clone, speculative checkpoint update), or a failure
+                        of the harness's own Python allocations. Reported and counted on its own,
+                        never folded into ``ok`` and never counted as a failure of the target.
+``aborted``             a child process died of SIGABRT: a ``bad_alloc`` or ``GGML_ABORT`` nobody
+                        caught, the native form of ``crash``; reported with its stacks.
+``killed``              a child process died of another signal (SIGSEGV ...), hung past its
+                        watchdog and was killed, or ended without reporting its trial; reported with
+                        its stacks.
+
+:attr:`Outcome.failed` is the same in every layer: ``violation``, ``crash``, ``aborted`` and
+``killed`` are findings; ``ok``, ``accepted-error`` and ``crash-out-of-scope`` are not.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Final, Literal
+from enum import StrEnum
 
-__all__ = [
-    "ACCEPTED",
-    "CRASH",
-    "CRASH_OUT_OF_SCOPE",
-    "FAULT_KINDS",
-    "OK",
-    "OUTCOMES",
-    "VIOLATION",
-    "FaultKind",
-    "Outcome",
-]
+from harness.child import ChildResult
 
-Outcome = Literal["ok", "accepted-error", "violation", "crash", "crash-out-of-scope"]
+__all__ = ["FAULT_KINDS", "OUTCOMES", "FaultKind", "Outcome", "died"]
 
-OK: Final = "ok"
-ACCEPTED: Final = "accepted-error"
-VIOLATION: Final = "violation"
-CRASH: Final = "crash"
-CRASH_OUT_OF_SCOPE: Final = "crash-out-of-scope"
-OUTCOMES: tuple[Outcome, ...] = (OK, ACCEPTED, VIOLATION, CRASH, CRASH_OUT_OF_SCOPE)
+
+class Outcome(StrEnum):
+    """How one fault trial ended (see the module docstring); serialises as its value."""
+
+    OK = "ok"
+    ACCEPTED = "accepted-error"
+    VIOLATION = "violation"
+    CRASH = "crash"
+    CRASH_OUT_OF_SCOPE = "crash-out-of-scope"
+    ABORTED = "aborted"
+    KILLED = "killed"
+
+    @property
+    def failed(self) -> bool:
+        """A finding in every layer: a wrong result, a broken invariant, an escape or a dead process."""
+        return self in _FAILED
+
+
+_FAILED = frozenset({Outcome.VIOLATION, Outcome.CRASH, Outcome.ABORTED, Outcome.KILLED})
+OUTCOMES: tuple[Outcome, ...] = tuple(Outcome)
+
+
+def died(child: ChildResult) -> Outcome:
+    """The outcome of a trial whose child process ended without reporting it."""
+    return Outcome.ABORTED if child.signal == "SIGABRT" else Outcome.KILLED
 
 
 @dataclass(frozen=True)

@@ -10,37 +10,43 @@ with no fault fired, SQLite style. Operations:
 ``set``       ``llama_state_seq_set_data_ext(flags=0)`` into an empty sequence (a cache load)
 ``decode``    ``llama_decode`` of a few tokens continuing a sequence
 
-Each trial's outcome, the same words as the rest of :mod:`faults` where they apply:
+Each trial's outcome is a :class:`faults.kinds.Outcome`, its layer's word first in the detail:
 
-``reported``     the fault fired and the call returned its failure value (0 bytes, ret != 0);
-                 afterwards the context still works (a clean retry of the call succeeds)
-``absorbed``     the fault fired, the call succeeded, and its result is exactly the clean result
-``wrong``        the fault fired, the call claimed success, but its result differs: a finding
-``aborted``      the process died of SIGABRT (a ``bad_alloc`` or ``GGML_ABORT`` nobody caught):
-                 reported with the native and Python stacks and the allocation number
-``crashed``      another fatal signal (SIGSEGV ...) or a hang: a finding, with stacks
-``python-error`` the failed allocation was Python's own (``MemoryError`` around the call)
-``completed``    no allocation failed: the call makes fewer than ``nth`` allocations; the sweep ends
+``ok``                  ``completed``: no allocation failed; the call makes fewer than ``nth``
+                        allocations, and the sweep ends
+``accepted-error``      ``reported``: the fault fired and the call returned its failure value (0 bytes,
+                        ret != 0); afterwards the context still works (a clean retry succeeds); or
+                        ``absorbed``: the fault fired, the call succeeded, its result is exactly the clean one
+``violation``           ``wrong``: the fault fired, the call claimed success, but its result differs
+``aborted``             the process died of SIGABRT (a ``bad_alloc`` or ``GGML_ABORT`` nobody caught):
+                        reported with the native and Python stacks and the allocation number
+``killed``              another fatal signal (SIGSEGV ...), a hang, or an exit without a report: a
+                        finding, with stacks
+``crash-out-of-scope``  ``python-error``: the failed allocation was Python's own (``MemoryError``
+                        around the call), not libllama's
 
-One child process runs consecutive trials (model loaded once); when a trial kills it, the next
-child resumes at the following allocation number. Each trial id (``lfm2.set.7``) replays it:
-``python -m faults.llama_native --case lfm2.set.7``.
+One child process (``python -m faults.llama_native --child``, under the shim) loads the model once
+and runs each trial in a forked copy of itself (:func:`harness.child.run_child` with a function),
+so a trial that aborts takes only itself down; when the child itself dies, the next child resumes
+at the following allocation number. Each trial id (``lfm2.set.7``) replays it:
+``python -m harness native --case lfm2.set.7``.
 """
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import re
-import signal
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any
 
+from faults.kinds import Outcome, died
 from faults.native import ShimControl, run_native
 from fixtures.models import model_path
-from harness.child import STACKS_ENV, ChildResult, child_setup
+from harness.child import ChildResult, child_setup, run_child
 from harness.targets.libllama import LlamaProvider, load_model
 
 __all__ = ["OPS", "LlamaNativeReport", "NativeTrial", "sweep_llama_native"]
@@ -48,13 +54,14 @@ __all__ = ["OPS", "LlamaNativeReport", "NativeTrial", "sweep_llama_native"]
 OPS = ("get", "get-part", "set", "decode")
 _RESULT = "NATIVE-TRIAL "
 _COMPLETED = 10  # a forked trial's exit status when the call completed with no fault fired
+_TRIAL_TIMEOUT = 60.0  # one forked trial; a hang is a ``killed`` trial and the sweep goes on
 
 
 @dataclass
 class NativeTrial:
     case: str
     nth: int
-    outcome: str
+    outcome: Outcome
     detail: str = ""
     stacks: str = ""
 
@@ -67,19 +74,19 @@ class LlamaNativeReport:
     capped: bool = False
 
     @property
-    def counts(self) -> Counter[str]:
+    def counts(self) -> Counter[Outcome]:
         return Counter(t.outcome for t in self.trials)
 
     @property
     def findings(self) -> list[NativeTrial]:
-        return [t for t in self.trials if t.outcome in ("wrong", "aborted", "crashed")]
+        return [t for t in self.trials if t.outcome.failed]
 
     def groups(self) -> list[dict[str, Any]]:
         """Findings grouped by outcome and the first libllama/ggml frame: one row per distinct failure site."""
         rows: dict[tuple[str, str], dict[str, Any]] = {}
         for t in self.findings:
             site = _site(t.stacks)
-            first = {"outcome": t.outcome, "site": site, "first_case": t.case, "count": 0}
+            first = {"outcome": t.outcome, "detail": t.detail, "site": site, "first_case": t.case, "count": 0}
             row = rows.setdefault((t.outcome, site), {**first, "stack": _first_frames(t.stacks)})
             row["count"] += 1
         return list(rows.values())
@@ -88,7 +95,7 @@ class LlamaNativeReport:
         return {
             "arch": self.arch,
             "op": self.op,
-            "allocations_swept": max((t.nth for t in self.trials if t.outcome != "completed"), default=0),
+            "allocations_swept": max((t.nth for t in self.trials if t.outcome != Outcome.OK), default=0),
             "capped": self.capped,
             "outcomes": dict(self.counts),
             "findings": self.groups(),
@@ -168,12 +175,10 @@ def sweep_llama_native(
     return report
 
 
-def _death(child: ChildResult) -> str:
-    if child.status == "signalled" and child.signal == "SIGABRT":
-        return "aborted"
-    if child.status == "exited" and child.returncode is not None:
-        return "python-error" if "MemoryError" in child.stderr else "crashed"
-    return "crashed"
+def _death(child: ChildResult) -> Outcome:
+    if child.status == "exited" and "MemoryError" in child.stderr:
+        return Outcome.CRASH_OUT_OF_SCOPE  # python-error: the failed allocation was Python's own
+    return died(child)
 
 
 def _parse(report: LlamaNativeReport, child: ChildResult) -> bool:
@@ -185,12 +190,12 @@ def _parse(report: LlamaNativeReport, child: ChildResult) -> bool:
         t = NativeTrial(
             f"{report.arch}.{report.op}.{row['nth']}",
             row["nth"],
-            row["outcome"],
+            Outcome(row["outcome"]),
             row.get("detail", ""),
             row.get("stacks", ""),
         )
         report.trials.append(t)
-        if t.outcome == "completed":
+        if t.outcome == Outcome.OK:
             done = True
     return done
 
@@ -226,9 +231,7 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
     ret, clean_logits = prov._decode_raw(ctx, 1, nxt, len(prompt), want_logits=True)
     assert ret == 0
 
-    stacks_path = os.environ.get(STACKS_ENV, "")
-
-    def trial(nth: int) -> tuple[str, str]:
+    def trial(nth: int) -> tuple[Outcome, str]:
         reset()
         detail = ""
         try:
@@ -263,42 +266,34 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
                 same = ok and ctypes.string_at(ll.llama_get_logits_ith(ctx, -1), len(clean_logits)) == clean_logits
         except MemoryError as e:
             shim.disarm()
-            return "python-error", f"MemoryError: {e}"
+            return Outcome.CRASH_OUT_OF_SCOPE, f"python-error: MemoryError: {e}"
         if fired == 0:
-            return "completed", detail
+            return Outcome.OK, f"completed {detail}".rstrip()
         if not ok:
-            return "reported", detail
-        return ("absorbed" if same else "wrong"), detail
+            return Outcome.ACCEPTED, f"reported {detail}".rstrip()
+        if same:
+            return Outcome.ACCEPTED, f"absorbed {detail}".rstrip()
+        return Outcome.VIOLATION, f"wrong {detail}".rstrip()
+
+    def forked_trial(nth: int) -> int:
+        outcome, detail = trial(nth)
+        print(_RESULT + json.dumps({"nth": nth, "outcome": outcome, "detail": detail}))
+        return _COMPLETED if outcome == Outcome.OK else 0
 
     # one forked process per trial: a trial that aborts takes only itself down
     for nth in range(start, stop + 1):
-        sys.stdout.flush()
-        offset = os.path.getsize(stacks_path) if stacks_path and os.path.exists(stacks_path) else 0
-        pid = os.fork()
-        if pid == 0:
-            outcome, detail = trial(nth)
-            print(_RESULT + json.dumps({"nth": nth, "outcome": outcome, "detail": detail}), flush=True)
-            os._exit(_COMPLETED if outcome == "completed" else 0)
-        _, status = os.waitpid(pid, 0)
-        if os.WIFSIGNALED(status):
-            sig = signal.Signals(os.WTERMSIG(status)).name
-            stacks = ""
-            if stacks_path and os.path.exists(stacks_path):
-                with open(stacks_path, errors="replace") as f:
-                    f.seek(offset)
-                    stacks = f.read()
-            row = {
-                "nth": nth,
-                "outcome": "aborted" if sig == "SIGABRT" else "crashed",
-                "detail": f"killed by {sig}",
-                "stacks": stacks,
-            }
+        done = run_child(functools.partial(forked_trial, nth), timeout=_TRIAL_TIMEOUT)
+        sys.stdout.write(done.stdout)  # the trial's row, for the runner
+        sys.stderr.write(done.stderr)
+        if done.crashed:
+            row = {"nth": nth, "outcome": died(done), "detail": done.describe(), "stacks": done.stacks}
             print(_RESULT + json.dumps(row), flush=True)
-        elif os.WEXITSTATUS(status) == _COMPLETED:
+        elif done.returncode == _COMPLETED:
             return 0  # the trial printed its row: the call completed with no fault fired
-        elif os.WEXITSTATUS(status) != 0:
-            row = {"nth": nth, "outcome": "crashed", "detail": f"trial exited with {os.WEXITSTATUS(status)}"}
+        elif done.returncode != 0:
+            row = {"nth": nth, "outcome": Outcome.KILLED, "detail": f"trial exited with {done.returncode}"}
             print(_RESULT + json.dumps(row), flush=True)
+        sys.stdout.flush()
     return 0
 
 

@@ -22,8 +22,10 @@ What this module promises:
   the environment to start that process with, and :meth:`~RemoteShim.arm` writes
   ``"NTH PERSISTENT MIN_SIZE"`` to the arm file and sends SIGUSR2, so that the process's ``nth``
   allocation of at least ``min_size`` bytes (:data:`LARGE_ALLOCATION` unless given) fails.
-* :func:`run_new_demo` classifies the demo's run: ``caught`` (it printed the ``bad_alloc``),
-  ``aborted`` (SIGABRT with a stack), ``completed`` (the fault did not fire) or ``error``.
+* :func:`run_new_demo` classifies the demo's run as a :class:`faults.kinds.Outcome`:
+  ``accepted-error`` (it caught and printed the ``bad_alloc``), ``aborted`` (SIGABRT with a stack),
+  ``ok`` (the fault did not fire), ``killed`` (another signal, or a hang) or ``crash`` (it exited
+  with an error).
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from faults.kinds import Outcome
 from harness.child import ChildResult, run_child
 from harness.errors import Unavailable, UsageError
 
@@ -244,16 +247,16 @@ class RemoteShim:
 class DemoResult:
     """What :func:`run_new_demo` saw: ``outcome`` and, when caught, the allocation that failed."""
 
-    outcome: str  # "caught" | "aborted" | "completed" | "error"
+    outcome: Outcome  # accepted-error (caught) | aborted | ok (the fault did not fire) | killed | crash
     failed_at: int | None
     child: ChildResult
 
     def describe(self) -> str:
-        if self.outcome == "caught":
+        if self.outcome == Outcome.ACCEPTED:
             return f"caught std::bad_alloc at allocation #{self.failed_at}"
-        if self.outcome == "aborted":
+        if self.outcome == Outcome.ABORTED:
             return f"terminated by {self.child.signal} (std::bad_alloc had no handler); stack captured"
-        if self.outcome == "completed":
+        if self.outcome == Outcome.OK:
             return "completed: the fault did not fire"
         return f"unexpected: {self.child.describe()}: {self.child.stderr.strip()[:200]}"
 
@@ -265,12 +268,12 @@ def run_new_demo(nth: int, *, catch: bool, count: int = 16, timeout: float = 30.
     )
     m = re.search(r"caught std::bad_alloc: .* at allocation #(\d+)", child.stdout)
     if child.status == "exited" and child.returncode == 0 and m:
-        return DemoResult("caught", int(m.group(1)), child)
+        return DemoResult(Outcome.ACCEPTED, int(m.group(1)), child)
     if child.status == "signalled" and child.signal == "SIGABRT":
-        return DemoResult("aborted", None, child)
+        return DemoResult(Outcome.ABORTED, None, child)
     if child.status == "exited" and child.returncode == 0 and "completed" in child.stdout:
-        return DemoResult("completed", None, child)
-    return DemoResult("error", None, child)
+        return DemoResult(Outcome.OK, None, child)
+    return DemoResult(Outcome.KILLED if child.crashed else Outcome.CRASH, None, child)
 
 
 def _main() -> int:

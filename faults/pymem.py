@@ -18,16 +18,18 @@ What it promises:
   probe allocation under the still-installed hook tells whether allocation ``nth`` was reached:
   when the probe fails, the act made fewer than ``nth`` allocations and the transient sweep ends
   there. The persistent sweep covers the same points.
-* A child that dies (SIGABRT from "Cannot recover from MemoryErrors", SIGSEGV) or hangs is a
-  ``fatal`` trial with the stacks the child wrote; the runner starts a new child at the next point.
+* A child that dies (SIGABRT from "Cannot recover from MemoryErrors", SIGSEGV) or hangs is an
+  ``aborted`` (SIGABRT) or ``killed`` trial with the stacks the child wrote; the runner starts a
+  new child at the next point.
 * :func:`pymem_unavailable` says, in one line, why the layer cannot run (no ``_testcapi``, as in
   some distribution builds of CPython); :func:`sweep_pymem` then raises :class:`PymemUnavailable`.
 
-Trial outcomes: ``ok`` (the failure was not reached), ``absorbed`` (reached, the act still gave
-the right result), ``memory-error`` (``MemoryError`` escaped, every invariant holds afterwards),
-``inconsistent`` (``MemoryError`` escaped and an invariant broke: the model is not exception-safe
-there), ``violation`` (no error escaped, yet a wrong result or a broken invariant), ``crash``
-(another exception escaped), ``fatal`` (the child died or hung).
+Trial outcomes (:class:`faults.kinds.Outcome`): ``ok`` (the failure was not reached),
+``accepted-error`` (reached, and either the act still gave the right result, detail ``absorbed``,
+or a ``MemoryError`` escaped with every invariant holding afterwards, detail ``MemoryError at``),
+``violation`` (a wrong result or a broken invariant, with or without a ``MemoryError``: the model is
+not exception-safe there), ``crash`` (another exception escaped), ``killed`` (the child died or
+hung; ``aborted`` when it died of SIGABRT, e.g. "Cannot recover from MemoryErrors").
 """
 
 from __future__ import annotations
@@ -38,10 +40,12 @@ import importlib
 import json
 import os
 import sys
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 from types import ModuleType
 
+from faults.kinds import Outcome, died
 from faults.scenarios import SCENARIOS
 from harness.child import child_setup, child_stacks_file, run_child
 from harness.errors import Unavailable
@@ -50,7 +54,6 @@ from properties.invariants import Shadow, Violation, check_state, clear_all
 __all__ = ["PymemTrial", "PymemUnavailable", "pymem_unavailable", "sweep_pymem"]
 
 _ROOT = str(Path(__file__).resolve().parent.parent)
-FINDINGS = ("inconsistent", "violation", "crash", "fatal")
 
 
 class PymemUnavailable(Unavailable):
@@ -79,7 +82,7 @@ def pymem_unavailable() -> str | None:
 class PymemTrial:
     nth: int
     mode: str
-    outcome: str
+    outcome: Outcome
     detail: str = ""
     stacks: str = ""
     reached: bool = True
@@ -96,7 +99,7 @@ class PymemReport:
 
     @property
     def findings(self) -> list[PymemTrial]:
-        return [t for t in self.trials if t.outcome in FINDINGS]
+        return [t for t in self.trials if t.outcome.failed]
 
 
 def sweep_pymem(
@@ -133,7 +136,7 @@ def sweep_pymem(
 def _run_points(
     report: PymemReport, mode: str, points: list[int], trial_timeout: float, timeout: float
 ) -> list[PymemTrial]:
-    """Run ``points`` in as many children as it takes; a dead child's point becomes ``fatal``."""
+    """Run ``points`` in as many children as it takes; a dead child's point becomes ``killed`` or ``aborted``."""
     out: list[PymemTrial] = []
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
@@ -147,7 +150,7 @@ def _run_points(
         }
         argv = [sys.executable, "-m", "faults.pymem", "--child", json.dumps(spec)]
         child = run_child(argv, env=env, timeout=timeout)
-        got = [PymemTrial(**json.loads(line)) for line in child.stdout.splitlines() if line.startswith("{")]
+        got = [_trial(json.loads(line)) for line in child.stdout.splitlines() if line.startswith("{")]
         out.extend(got)
         if got and not got[-1].reached:
             break
@@ -157,10 +160,14 @@ def _run_points(
         if child.crashed or child.returncode != 0:
             hung = "Timeout (" in child.stacks
             what = f"hung (watchdog after {trial_timeout}s)" if hung else f"child {child.describe()}"
-            out.append(PymemTrial(points[0], mode, "fatal", f"{what}: {child.stderr.strip()[-200:]}", child.stacks))
+            out.append(PymemTrial(points[0], mode, died(child), f"{what}: {child.stderr.strip()[-200:]}", child.stacks))
             points = points[1:]
     report.trials.extend(out)
     return out
+
+
+def _trial(row: dict[str, object]) -> PymemTrial:
+    return PymemTrial(**{**row, "outcome": Outcome(row["outcome"])})  # type: ignore[arg-type]
 
 
 # ---- child side ---------------------------------------------------------------------------------
@@ -193,7 +200,7 @@ def _child_trial(capi: ModuleType, scenario: str, variant: str, mode: str, nth: 
         remove()
         gc.enable()
     if not reached:
-        return PymemTrial(nth, mode, "ok", "allocation not reached", reached=False)
+        return PymemTrial(nth, mode, Outcome.OK, "allocation not reached", reached=False)
     integrity = ""
     try:
         if escaped is None and (err := prepared.check(value, False)) is not None:
@@ -204,14 +211,14 @@ def _child_trial(capi: ModuleType, scenario: str, variant: str, mode: str, nth: 
         integrity = integrity or str(v)
     if escaped is None:
         if integrity:
-            return PymemTrial(nth, mode, "violation", integrity)
-        return PymemTrial(nth, mode, "absorbed", "reached; the act completed with the right result")
+            return PymemTrial(nth, mode, Outcome.VIOLATION, integrity)
+        return PymemTrial(nth, mode, Outcome.ACCEPTED, "absorbed: reached; the act completed with the right result")
     where = _where(escaped)
     if not isinstance(escaped, MemoryError):
-        return PymemTrial(nth, mode, "crash", f"{type(escaped).__name__}: {escaped} at {where}")
+        return PymemTrial(nth, mode, Outcome.CRASH, f"{type(escaped).__name__}: {escaped} at {where}")
     if integrity:
-        return PymemTrial(nth, mode, "inconsistent", f"MemoryError at {where}, then {integrity}")
-    return PymemTrial(nth, mode, "memory-error", f"MemoryError at {where}; invariants hold")
+        return PymemTrial(nth, mode, Outcome.VIOLATION, f"MemoryError at {where}, then {integrity}")
+    return PymemTrial(nth, mode, Outcome.ACCEPTED, f"MemoryError at {where}; invariants hold")
 
 
 def _where(e: BaseException) -> str:
@@ -254,10 +261,8 @@ def _main(argv: list[str]) -> int:
         print(f"error: {reason}", file=sys.stderr)
         return 2
     r = sweep_pymem(scenario, variant)
-    tally: dict[str, int] = {}
-    for t in r.trials:
-        tally[t.outcome] = tally.get(t.outcome, 0) + 1
-    print(f"pymem {scenario} ({variant}): {len(r.trials)} trials: {tally}")
+    tally = Counter(t.outcome for t in r.trials)
+    print(f"pymem {scenario} ({variant}): {len(r.trials)} trials: " + ", ".join(f"{n} {o}" for o, n in tally.items()))
     for t in r.findings[:10]:
         print(f"  {t.mode} #{t.nth}: {t.outcome}: {t.detail}")
     return 1 if r.findings else 0

@@ -9,17 +9,19 @@ address space, while ``shared`` (PR #27451) needs S. Under ``RLIMIT_AS`` set jus
 How it runs, and what it promises:
 
 * Every measurement is made in a child (``python -m faults.rlimit --child``) that builds the
-  server, then **forks**: the forked process starts with ``VmPeak`` equal to its current size, sets
-  the limit on itself only, saves, and reports ``VmPeak``. The runner is never limited.
+  server, then **forks** (:func:`harness.child.run_child` with a function): the forked process
+  starts with ``VmPeak`` equal to its current size, sets the limit on itself only, saves, and
+  reports ``VmPeak``. The runner is never limited.
 * The budget is measured, not guessed: a first pass saves without a limit in both semantics and
   reads each save's peak above the baseline; the budget is ``shared``'s peak plus a quarter of
   the gap to ``master``'s. It is printed and written with ``--json`` as ``budget_bytes`` (headroom
   above the baseline at the save), with both outcomes.
 * A real ``ENOMEM`` inside a modelled allocation becomes the model's ``BadAlloc`` at that site
-  (the Python ``MemoryError`` is translated at the seam), so each semantics' own handler decides:
-  ``completed``, ``handled`` (caught by ``alloc``: the save returned False), ``crash`` (the
-  ``bad_alloc`` escaped: upstream terminates), ``memory-error`` (the failure hit the interpreter
-  outside a modelled allocation) or ``killed`` (the child died).
+  (the Python ``MemoryError`` is translated at the seam), so each semantics' own handler decides the
+  :class:`faults.kinds.Outcome`: ``ok`` (the save completed), ``accepted-error`` (caught by ``alloc``:
+  the save returned False), ``crash`` (the ``bad_alloc`` escaped: upstream terminates),
+  ``crash-out-of-scope`` (the failure hit the interpreter outside a modelled allocation), or
+  ``aborted``/``killed`` (the saving process died).
 
 Two properties of the Python model shape the scenario, and are deliberate:
 
@@ -57,6 +59,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from faults.kinds import Outcome, died
 from faults.scenarios import prompt
 from harness.child import child_setup, run_child
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, BadAlloc, UsageError
@@ -92,7 +95,7 @@ class ServedProvider(SyntheticProvider):
 @dataclass
 class RlimitResult:
     variant: str
-    outcome: str  # completed | handled | crash | memory-error | killed
+    outcome: Outcome
     peak_bytes: int  # VmPeak of the saving process
     baseline_bytes: int  # its VmSize when the save began
     limit_bytes: int | None  # RLIMIT_AS it ran under (None: unlimited probe)
@@ -166,11 +169,14 @@ def _save_under_limit(server: ServerContext, headroom: int | None) -> dict[str, 
     assert cache is not None
     try:
         ok = slot.prompt_save(cache)
-        outcome, detail = ("completed", "the entry is cached") if ok else ("handled", "; ".join(cache.log[-2:]))
+        outcome, detail = (Outcome.OK, "completed: the entry is cached") if ok else (
+            Outcome.ACCEPTED,
+            "handled: " + "; ".join(cache.log[-2:]),
+        )
     except BadAlloc as e:
-        outcome, detail = "crash", f"{e} escaped prompt_save: upstream terminates"
+        outcome, detail = Outcome.CRASH, f"{e} escaped prompt_save: upstream terminates"
     except MemoryError:
-        outcome, detail = "memory-error", "MemoryError outside a modelled allocation"
+        outcome, detail = Outcome.CRASH_OUT_OF_SCOPE, "MemoryError outside a modelled allocation"
     return {"outcome": outcome, "detail": detail, "peak": _vm()["VmPeak"], "baseline": vm["VmSize"], "limit": limit}
 
 
@@ -182,24 +188,17 @@ def _child_main(spec_text: str) -> int:
     spec = json.loads(spec_text)
     server, s, c, cram = _build(spec["variant"], spec["rs_bytes"])
     gc.collect()
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # the saving process
-        os.close(r)
-        try:
-            res = _save_under_limit(server, spec["headroom"])
-            os.write(w, json.dumps(res).encode())
-        finally:
-            os._exit(0)
-    os.close(w)
-    with os.fdopen(r) as f:
-        text = f.read()
-    _, status = os.waitpid(pid, 0)
-    if os.WIFSIGNALED(status) or not text:
-        sig = os.WTERMSIG(status) if os.WIFSIGNALED(status) else 0
+
+    def save() -> None:  # the saving process: forked, so its VmPeak starts at the size of this one
+        print(json.dumps(_save_under_limit(server, spec["headroom"])))
+
+    saved = run_child(save, timeout=spec["timeout"])
+    text = saved.stdout.strip()
+    res: dict[str, Any]
+    if saved.crashed or not text:
         res = {
-            "outcome": "killed",
-            "detail": f"the saving process died (signal {sig})",
+            "outcome": died(saved),
+            "detail": f"the saving process {saved.describe()} without a result: {saved.stderr.strip()[-200:]}",
             "peak": 0,
             "baseline": 0,
             "limit": None,
@@ -207,7 +206,7 @@ def _child_main(spec_text: str) -> int:
     else:
         res = json.loads(text)
     out = RlimitResult(
-        spec["variant"], res["outcome"], res["peak"], res["baseline"], res["limit"], s, c, cram, res["detail"]
+        spec["variant"], Outcome(res["outcome"]), res["peak"], res["baseline"], res["limit"], s, c, cram, res["detail"]
     )
     print(json.dumps(asdict(out)), flush=True)
     return 0
@@ -221,15 +220,16 @@ def measure(variant: str, *, headroom: int | None, rs_bytes: int, timeout: float
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     env["MALLOC_ARENA_MAX"] = "1"  # one glibc arena: no reserved arena space to fall back on
-    spec = {"variant": variant, "headroom": headroom, "rs_bytes": rs_bytes}
+    spec = {"variant": variant, "headroom": headroom, "rs_bytes": rs_bytes, "timeout": timeout * 0.8}
     child = run_child([sys.executable, "-m", "faults.rlimit", "--child", json.dumps(spec)], env=env, timeout=timeout)
     line = next((ln for ln in child.stdout.splitlines() if ln.startswith("{")), None)
     if child.crashed or line is None:
         why = f"child {child.describe()}: {child.stderr.strip()[-300:]}"
         if child.stacks:
             why += f"\n{child.stacks.strip()}"
-        return RlimitResult(variant, "killed", 0, 0, None, 0, 0, 0, why)
-    return RlimitResult(**json.loads(line))
+        return RlimitResult(variant, died(child), 0, 0, None, 0, 0, 0, why)
+    row = json.loads(line)
+    return RlimitResult(**{**row, "outcome": Outcome(row["outcome"])})
 
 
 # ---- any callable under a limit ------------------------------------------------------------------
@@ -352,9 +352,10 @@ class SeedRun:
 
     def exit_code(self) -> int:
         by = {r.variant: r for r in self.results}
-        if any(r.outcome == "killed" for r in self.probes) or by["shared"].outcome == "killed":
+        dead = (Outcome.ABORTED, Outcome.KILLED)
+        if any(r.outcome in dead for r in self.probes) or by["shared"].outcome in dead:
             return EXIT_CRASH
-        ok = by["shared"].outcome == "completed" and by["master"].outcome != "completed"
+        ok = by["shared"].outcome == Outcome.OK and by["master"].outcome != Outcome.OK
         return EXIT_OK if ok else EXIT_FAILED
 
     def to_json(self) -> dict[str, object]:
@@ -371,8 +372,8 @@ def run_seed(rs_mib: int = 40, timeout: float = 120.0) -> SeedRun:
         raise UsageError("the rlimit layer needs fork() and /proc/self/status (Linux)")
     rs = rs_mib * MiB
     probes = [measure(v, headroom=None, rs_bytes=rs, timeout=timeout) for v in ("shared", "master")]
-    if any(p.outcome != "completed" for p in probes):
-        bad = next(p for p in probes if p.outcome != "completed")
+    if any(p.outcome != Outcome.OK for p in probes):
+        bad = next(p for p in probes if p.outcome != Outcome.OK)
         return SeedRun(0, probes, [bad, *(p for p in probes if p is not bad)])
     shared, master = probes
     gap = master.peak_excess - shared.peak_excess

@@ -36,7 +36,7 @@ from collections import Counter
 from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
-from faults.kinds import ACCEPTED, CRASH, CRASH_OUT_OF_SCOPE, OK, VIOLATION, Outcome
+from faults.kinds import Outcome
 from faults.scenarios import SCENARIOS, Scenario, Variant
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, BadAlloc, UsageError
 from properties.invariants import Shadow, Tracer, Violation, check_state, clear_all
@@ -116,7 +116,7 @@ def run_trial(scenario: Scenario, variant: Variant, mode: str, nth: int) -> Tria
         value = prepared.act()
     except Violation as v:
         seam.disarm()
-        return result(VIOLATION, str(v), v.name, traceback.format_exc())
+        return result(Outcome.VIOLATION, str(v), v.name, traceback.format_exc())
     except Exception as e:
         escaped = e
     finally:
@@ -126,11 +126,11 @@ def run_trial(scenario: Scenario, variant: Variant, mode: str, nth: int) -> Tria
     if escaped is not None:
         trace = "".join(traceback.format_exception(escaped))
         if isinstance(escaped, BadAlloc):
-            outcome: Outcome = CRASH if scenario.in_pr_scope else CRASH_OUT_OF_SCOPE
+            outcome: Outcome = Outcome.CRASH if scenario.in_pr_scope else Outcome.CRASH_OUT_OF_SCOPE
             where = "inside the PR's scope" if scenario.in_pr_scope else "outside any bad_alloc handler"
             detail = f"{escaped} escaped {where}: upstream terminates"
         else:
-            outcome, detail = CRASH, f"{type(escaped).__name__}: {escaped} escaped the target"
+            outcome, detail = Outcome.CRASH, f"{type(escaped).__name__}: {escaped} escaped the target"
         try:
             check_state(server, shadow)
         except Violation as v:
@@ -138,20 +138,20 @@ def run_trial(scenario: Scenario, variant: Variant, mode: str, nth: int) -> Tria
         try:
             clear_all(server)
         except Violation as v:
-            return result(VIOLATION, f"{detail}; leak after unwinding: {v}", v.name, trace)
+            return result(Outcome.VIOLATION, f"{detail}; leak after unwinding: {v}", v.name, trace)
         return result(outcome, detail, trace=trace)
 
     err = prepared.check(value, fired)
     if err is not None:
-        return result(VIOLATION, err, "result")
+        return result(Outcome.VIOLATION, err, "result")
     try:
         check_state(server, shadow)
         clear_all(server)
     except Violation as v:
-        return result(VIOLATION, str(v), v.name, traceback.format_exc())
+        return result(Outcome.VIOLATION, str(v), v.name, traceback.format_exc())
     if fired:
-        return result(ACCEPTED, f"bad_alloc at {', '.join(seam.fired_sites)} absorbed")
-    return result(OK, f"completed; {seam.count} allocation(s) counted")
+        return result(Outcome.ACCEPTED, f"bad_alloc at {', '.join(seam.fired_sites)} absorbed")
+    return result(Outcome.OK, f"completed; {seam.count} allocation(s) counted")
 
 
 def sweep_scenario(scenario: Scenario, variant: Variant, mode: str) -> list[TrialResult]:
@@ -170,24 +170,24 @@ class SweepReport:
     variant: str
     cases: list[TrialResult]
 
-    def count(self, outcome: str) -> int:
+    def count(self, outcome: Outcome) -> int:
         return sum(1 for c in self.cases if c.outcome == outcome)
 
     def summary(self) -> dict[str, int]:
         return {
             "trials": len(self.cases),
             "points": sum(1 for c in self.cases if c.fired),
-            "violations": self.count(VIOLATION),
-            "crashes": self.count(CRASH),
-            "crashes_out_of_scope": self.count(CRASH_OUT_OF_SCOPE),
+            "violations": self.count(Outcome.VIOLATION),
+            "crashes": self.count(Outcome.CRASH),
+            "crashes_out_of_scope": self.count(Outcome.CRASH_OUT_OF_SCOPE),
             "partial_entries": sum(1 for c in self.cases if c.invariant == "no_partial_entries"),
-            "accepted_errors": self.count(ACCEPTED),
+            "accepted_errors": self.count(Outcome.ACCEPTED),
         }
 
     def exit_code(self) -> int:
-        if self.count(CRASH):
+        if self.count(Outcome.CRASH):
             return EXIT_CRASH
-        return EXIT_FAILED if self.count(VIOLATION) else EXIT_OK
+        return EXIT_FAILED if self.count(Outcome.VIOLATION) else EXIT_OK
 
     def to_json(self) -> dict[str, object]:
         return {"variant": self.variant, "cases": [c.row() for c in self.cases], "summary": self.summary()}
@@ -209,9 +209,7 @@ def run_sweep(
         if progress is not None:
             pts = ", ".join(f"{m} {sum(t.fired for t in ts)}" for m, ts in per_mode.items())
             tally = Counter(t.outcome for ts in per_mode.values() for t in ts)
-            outcomes = ", ".join(
-                f"{tally[o]} {o}" for o in (OK, ACCEPTED, VIOLATION, CRASH, CRASH_OUT_OF_SCOPE) if tally[o]
-            )
+            outcomes = ", ".join(f"{tally[o]} {o}" for o in Outcome if tally[o])
             scope = f"scope={sc.scope or 'act'}{'' if sc.in_pr_scope else ', outside the PR'}"
             progress(f"  {sc.name:<26} points: {pts:<28} {outcomes}  [{scope}]")
     return SweepReport(str(variant), cases)

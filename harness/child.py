@@ -1,17 +1,28 @@
 """Run a child process that may die, hang or exhaust memory, and report what happened to it.
 
 The fault layers that cannot run inside the runner (``pymem``, ``rlimit``, ``native``) run their
-target in a child through :func:`run_child`. It promises:
+target in a child through :func:`run_child`, and nothing else in the project forks or spawns a
+child of its own. The child is either a command (``argv``: a fresh process, e.g. ``python -m
+faults.pymem --child``) or a function (a **forked** copy of the caller that runs it and exits):
+forking is for children that must start from the caller's state, e.g. a loaded model shared by
+thousands of native-fault trials, or an address-space measurement whose ``VmPeak`` must start at
+the caller's current size (``fork`` resets it) rather than include the set-up. It promises:
 
 * **The runner survives.** A child killed by a signal or stuck past its timeout is a
   :class:`ChildResult` (``status`` ``"signalled"`` or ``"timeout"``), never an exception. The child
-  runs in its own session; on timeout, and in every case in ``finally``, its whole process group is
-  killed, so a forked grandchild cannot outlive the run.
+  runs in its own session; on timeout, on Ctrl-C, and in every case in ``finally``, its whole
+  process group is killed and the child is reaped, so neither it nor a grandchild outlives the run.
+* **What it printed.** ``stdout`` and ``stderr`` of either kind of child are captured (a forked
+  child's file descriptors 1 and 2 are redirected, so C libraries' output is captured too); a
+  function's return value is the exit status (``None``: 0), an exception escaping it is printed to
+  its ``stderr`` and exits 1.
 * **Stacks of a crashed child.** The child gets the path of a stacks file in ``FAULTS_STACKS``. A
   Python child calls :func:`child_setup`, which enables :mod:`faulthandler` on that file (Python
   stacks on SIGSEGV, SIGABRT, SIGBUS, SIGFPE, SIGILL) and a watchdog that dumps every thread and
   exits when the child overruns. The native shim writes the C stack (``backtrace``) to the same
-  file on a fatal signal. :attr:`ChildResult.stacks` holds whatever was written.
+  file on a fatal signal. :attr:`ChildResult.stacks` holds whatever was written. A forked child
+  inherits its parent's stacks file (faulthandler and the shim keep it open): its ``stacks`` are
+  what it appended there.
 """
 
 from __future__ import annotations
@@ -19,14 +30,16 @@ from __future__ import annotations
 import contextlib
 import faulthandler
 import os
+import select
 import signal
 import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Mapping, Sequence
+import traceback
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import IO
+from typing import IO, NoReturn
 
 __all__ = ["STACKS_ENV", "WATCHDOG_ENV", "ChildResult", "child_setup", "child_stacks_file", "run_child"]
 
@@ -62,13 +75,21 @@ class ChildResult:
 
 
 def run_child(
-    argv: Sequence[str],
+    argv: Sequence[str] | Callable[[], int | None],
     *,
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
     preload: str | None = None,
 ) -> ChildResult:
-    """Run ``argv`` with ``FAULTS_STACKS`` (and ``LD_PRELOAD=preload``); never raises for its death."""
+    """Run ``argv`` with ``FAULTS_STACKS`` (and ``LD_PRELOAD=preload``); never raises for its death.
+
+    ``argv`` may be a function instead: it runs in a forked child, which inherits the environment
+    and the preloaded libraries of the caller (``env`` and ``preload`` are refused).
+    """
+    if callable(argv):
+        if env is not None or preload is not None:
+            raise ValueError("a forked child inherits the caller's environment: env and preload are for commands")
+        return _run_forked(argv, timeout)
     with tempfile.TemporaryDirectory(prefix="faults-child-") as tmp:
         stacks = os.path.join(tmp, "stacks.txt")
         child_env = dict(os.environ if env is None else env)
@@ -107,19 +128,132 @@ def run_child(
                 stack_text = f.read()
         except OSError:
             stack_text = ""
-    rc = proc.returncode
+    return _result(list(argv), proc.returncode, timed_out, out, err, stack_text, elapsed)
+
+
+def _result(
+    argv: list[str], rc: int | None, timed_out: bool, out: str, err: str, stacks: str, elapsed: float
+) -> ChildResult:
     if timed_out:
         status, sig = "timeout", None
     elif rc is not None and rc < 0:
         status, sig = "signalled", signal.Signals(-rc).name
     else:
         status, sig = "exited", None
-    return ChildResult(list(argv), status, None if rc is None or rc < 0 else rc, sig, out, err, stack_text, elapsed)
+    return ChildResult(argv, status, None if rc is None or rc < 0 else rc, sig, out, err, stacks, elapsed)
 
 
 def _kill_group(proc: subprocess.Popen[str]) -> None:
+    _kill_pid_group(proc.pid)
+
+
+def _kill_pid_group(pid: int) -> None:
     with contextlib.suppress(ProcessLookupError, PermissionError):
-        os.killpg(proc.pid, signal.SIGKILL)
+        os.killpg(pid, signal.SIGKILL)
+
+
+# ---- forked children ----------------------------------------------------------------------------
+
+
+def _run_forked(fn: Callable[[], int | None], timeout: float) -> ChildResult:
+    argv = [f"<fork {getattr(fn, '__qualname__', type(fn).__name__)}>"]
+    inherited = os.environ.get(STACKS_ENV)  # the native shim keeps writing there: read what the fork appends
+    offset = _file_size(inherited)
+    with tempfile.TemporaryFile() as out_f, tempfile.TemporaryFile() as err_f, tempfile.TemporaryFile() as stacks_f:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()  # or the child would write the parent's pending output again
+        t0 = time.monotonic()
+        pid = os.fork()
+        if pid == 0:
+            _forked(fn, out_f.fileno(), err_f.fileno(), inherited, stacks_f.fileno())
+        exited = False
+        try:
+            exited = _wait_exit(pid, timeout)
+        finally:
+            _kill_pid_group(pid)  # grandchildren, and the child itself on timeout or Ctrl-C
+            if not exited:  # also when it was stopped before its setsid made the group
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(pid, signal.SIGKILL)
+            _, status = os.waitpid(pid, 0)
+        elapsed = time.monotonic() - t0
+        out, err = _read_all(out_f), _read_all(err_f)
+        stacks = _read_from(inherited, offset) if inherited else _read_all(stacks_f)
+    rc = os.waitstatus_to_exitcode(status) if exited else None
+    return _result(argv, rc, not exited, out, err, stacks, elapsed)
+
+
+def _forked(fn: Callable[[], int | None], out_fd: int, err_fd: int, stacks: str | None, stacks_fd: int) -> NoReturn:
+    """The forked child: its own session, output to the capture files, ``fn``'s status; never returns."""
+    code = 1
+    try:
+        os.setsid()
+        os.dup2(out_fd, 1)
+        os.dup2(err_fd, 2)
+        # Python's streams may not be file descriptors 1 and 2 (a test runner's capture): rebind them
+        sys.stdout = open(1, "w", errors="replace", closefd=False)  # noqa: SIM115 - lives until _exit
+        sys.stderr = open(2, "w", errors="replace", closefd=False)  # noqa: SIM115
+        if stacks:
+            stacks_fd = os.open(stacks, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+        faulthandler.enable(stacks_fd, all_threads=True)
+        ret = fn()
+        code = 0 if ret is None else int(ret)
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        with contextlib.suppress(Exception):
+            traceback.print_exc()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            with contextlib.suppress(Exception):
+                stream.flush()
+        os._exit(code)
+
+
+def _wait_exit(pid: int, timeout: float) -> bool:
+    """Wait for ``pid`` to exit without reaping it (a zombie keeps its group killable); False on timeout."""
+    deadline = time.monotonic() + timeout
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    if pidfd is not None:
+        try:
+            ready, _, _ = select.select([pidfd], [], [], max(0.0, timeout))
+            return bool(ready)
+        finally:
+            os.close(pidfd)
+    delay = 0.001
+    while time.monotonic() < deadline:  # no pidfd (an old kernel): poll without reaping
+        info = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        if info is not None:
+            return True
+        time.sleep(delay)
+        delay = min(delay * 2, 0.05)
+    return False
+
+
+def _file_size(path: str | None) -> int:
+    try:
+        return os.path.getsize(path) if path else 0
+    except OSError:
+        return 0
+
+
+def _read_from(path: str | None, offset: int) -> str:
+    if not path:
+        return ""
+    try:
+        with open(path, errors="replace") as f:
+            f.seek(offset)
+            return f.read()
+    except OSError:
+        return ""
+
+
+def _read_all(f: IO[bytes]) -> str:
+    f.seek(0)
+    return f.read().decode(errors="replace")
 
 
 def child_stacks_file() -> IO[str]:

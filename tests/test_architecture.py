@@ -112,3 +112,15 @@ def test_a_module_that_imports_upward_is_caught() -> None:
     assert floor("harness.model.cache") < floor("harness.targets.libllama")
     assert floor("properties.machine") < floor("faults.sweep") < floor("harness.backends.base")
     assert floor("harness.commands.gate") < floor("harness.cli")
+
+
+def test_only_the_child_helper_forks() -> None:
+    """Every child process goes through ``harness.child.run_child`` (which always reaps and kills)."""
+    bad = []
+    for mod, path in modules().items():
+        if mod == "harness.child":
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Attribute) and node.attr in ("fork", "forkpty", "waitpid"):
+                bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: os.{node.attr}: use harness.child.run_child")
+    assert not bad, "\n".join(bad)

@@ -9,6 +9,7 @@ from pathlib import Path
 
 import pytest
 
+from faults.kinds import Outcome
 from faults.llama_native import LlamaNativeReport, NativeTrial, sweep_llama_native
 from harness.backends import libllama as llama_backend
 from harness.backends.base import GateReport
@@ -20,9 +21,10 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_get_sweep_reaches_completion_and_names_each_case() -> None:
     rep = sweep_llama_native("llama", "get")
     outcomes = [t.outcome for t in rep.trials]
-    assert outcomes[-1] == "completed" and not rep.capped
-    assert outcomes[0] == "aborted"  # the finding: the io object is allocated outside the try
-    assert set(outcomes[1:-1]) == {"reported"}
+    assert outcomes[-1] == Outcome.OK and not rep.capped
+    assert outcomes[0] == Outcome.ABORTED  # the finding: the io object is allocated outside the try
+    assert set(outcomes[1:-1]) == {Outcome.ACCEPTED}
+    assert all(t.detail.startswith("reported") for t in rep.trials[1:-1])
     assert [t.nth for t in rep.trials] == list(range(1, len(rep.trials) + 1))
     assert rep.trials[3].case == "llama.get.4"
     (group,) = rep.groups()
@@ -39,7 +41,8 @@ def test_one_case_replays_alone() -> None:
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    assert r.stdout.startswith("mamba.get-part.3") and "reported" in r.stdout.splitlines()[0]
+    first = r.stdout.splitlines()[0]
+    assert first.startswith("mamba.get-part.3") and "accepted-error" in first and "reported" in first
 
 
 def test_unknown_op_is_refused() -> None:
@@ -50,12 +53,12 @@ def test_unknown_op_is_refused() -> None:
 @pytest.mark.parametrize(
     ("op", "outcome", "site", "known"),
     [
-        ("set", "aborted", "llama_context::state_seq_set_data(int, ...)", "state-io-alloc-outside-try"),
-        ("decode", "aborted", "llama_kv_cache::find_slot(...)", "decode-bad-alloc-terminates"),
-        ("decode", "crashed", "ggml_graph_compute", "graph-compute-segv"),
-        ("get", "wrong", "?", None),  # silent corruption is never a known finding
-        ("set", "crashed", "llama_kv_cache::state_read(...)", None),
-        ("get", "aborted", "llama_kv_cache::state_write(...)", None),
+        ("set", Outcome.ABORTED, "llama_context::state_seq_set_data(int, ...)", "state-io-alloc-outside-try"),
+        ("decode", Outcome.ABORTED, "llama_kv_cache::find_slot(...)", "decode-bad-alloc-terminates"),
+        ("decode", Outcome.KILLED, "ggml_graph_compute", "graph-compute-segv"),
+        ("get", Outcome.VIOLATION, "?", None),  # silent corruption is never a known finding
+        ("set", Outcome.KILLED, "llama_kv_cache::state_read(...)", None),
+        ("get", Outcome.ABORTED, "llama_kv_cache::state_write(...)", None),
     ],
 )
 def test_classification(op: str, outcome: str, site: str, known: str | None) -> None:
@@ -67,7 +70,10 @@ def test_an_unlisted_native_outcome_fails_the_gate(monkeypatch: pytest.MonkeyPat
 
     def fake(arch: str, op: str) -> LlamaNativeReport:
         rep = LlamaNativeReport(arch, op)
-        rep.trials = [NativeTrial(f"{arch}.{op}.1", 1, "wrong"), NativeTrial(f"{arch}.{op}.2", 2, "completed")]
+        rep.trials = [
+            NativeTrial(f"{arch}.{op}.1", 1, Outcome.VIOLATION, "wrong ret 0"),
+            NativeTrial(f"{arch}.{op}.2", 2, Outcome.OK, "completed"),
+        ]
         return rep
 
     monkeypatch.setattr(llama_backend, "sweep_llama_native", fake)

@@ -18,7 +18,7 @@ def test_rlimit_shared_completes_master_fails(tmp_path: Path, capsys: pytest.Cap
     data = json.loads(out.read_text())
     budget = data["budget_bytes"]
     by = {r["variant"]: r for r in data["results"]}
-    assert by["shared"]["outcome"] == "completed"
+    assert by["shared"]["outcome"] == "ok"  # the save completed
     assert by["master"]["outcome"] == "crash" and "ckpt_copy.tgt" in by["master"]["detail"]
     s, c = by["shared"]["state_bytes"], by["shared"]["checkpoint_bytes"]
     assert s + c <= by["shared"]["cache_ram_bytes"]  # the entry satisfies --cache-ram

@@ -14,16 +14,10 @@ import pytest
 pytest.importorskip("llama_cpp")
 
 
-import harness.backends.lcp_cache as lcp
-from harness.backends.lcp_cache import (
-    KNOWN_LCP_FINDINGS,
-    CacheAdapter,
-    LcpViolation,
-    ModelEnv,
-    Stats,
-    machine_class,
-    run_lcp_gate,
-)
+import properties.lcp_machine as lcp
+from harness.backends.lcp_cache import run_lcp_gate
+from harness.targets.lcp_cache import NEXT_TOKEN, CacheAdapter, ModelEnv
+from properties.lcp_machine import KNOWN_LCP_FINDINGS, LcpViolation, Stats, machine_class
 from properties.run import run_seeded
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -53,7 +47,7 @@ def run_mutant(
     if not faults:  # a plain method in a subclass takes the rule out of the machine
         cls = type(cls.__name__, (cls,), {"insert_with_fault": lambda self: None})
     try:
-        run_seeded(cls, lcp._settings(n), 0)
+        run_seeded(cls, lcp.machine_settings(n), 0)
     except LcpViolation as v:
         return v
     return None
@@ -163,7 +157,7 @@ def test_a_cache_that_stores_another_prompts_kv_breaks_restore(env: ModelEnv) ->
     class Stale(llama_cpp.LlamaRAMCache):
         def __setitem__(self, key: Any, value: Any) -> None:
             key = tuple(key)
-            other = env.state((*key[:-1], lcp.NEXT_TOKEN)) if len(key) > 1 else value
+            other = env.state((*key[:-1], NEXT_TOKEN)) if len(key) > 1 else value
             bad = llama_cpp.LlamaState(
                 value.input_ids, value.scores, value.n_tokens, other.llama_state, other.llama_state_size, value.seed
             )

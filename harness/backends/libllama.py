@@ -26,6 +26,7 @@ from typing import Any
 
 from hypothesis import settings
 
+from faults.kinds import Outcome
 from faults.llama_native import OPS, sweep_llama_native
 from fixtures.models import ARCHS, draft_path, model_path
 from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
@@ -44,11 +45,11 @@ NATIVE_FINDINGS = [f for f in FINDINGS.values() if f.backend == "llama" and f.pr
 def classify_native(op: str, group: dict[str, Any]) -> str | None:
     """The known finding a native-fault group belongs to, or None (an unexpected outcome: a gate failure)."""
     outcome, site = group["outcome"], group["site"]
-    if op != "decode" and outcome == "aborted" and "state_seq_" in site:
+    if op != "decode" and outcome == Outcome.ABORTED and "state_seq_" in site:
         return "state-io-alloc-outside-try"
-    if op == "decode" and outcome == "aborted":
+    if op == "decode" and outcome == Outcome.ABORTED:
         return "decode-bad-alloc-terminates"
-    if op == "decode" and outcome == "crashed" and site.startswith("ggml_graph_compute"):
+    if op == "decode" and outcome == Outcome.KILLED and site.startswith("ggml_graph_compute"):
         return "graph-compute-segv"
     return None
 
@@ -296,10 +297,12 @@ def _run_llama_native(
                 if known is not None:
                     seen[known].append(g["first_case"])
                     continue
-                msg = f"{g['outcome']} at {g['site']} ({g['count']} allocations, first {g['first_case']})"
+                msg = (
+                    f"{g['outcome']} ({g['detail']}) at {g['site']} ({g['count']} allocations, first {g['first_case']})"
+                )
                 f = Failure(
                     "native_fault",
-                    "crash" if g["outcome"] in ("aborted", "crashed") else "violation",
+                    "violation" if g["outcome"] == Outcome.VIOLATION else "crash",
                     msg + "\n" + g.get("stack", ""),
                     "",
                     f"python -m harness native --case {g['first_case']}",

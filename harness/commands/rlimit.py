@@ -11,6 +11,7 @@ import argparse
 import json
 import sys
 
+from faults.kinds import Outcome
 from faults.rlimit import run_seed
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {r.variant:<7} {r.outcome:<10} peak +{r.peak_excess:>11} bytes  {r.detail}")
     if not seed.budget_bytes:
         print(f"error: a probe did not complete: {seed.results[0].detail}", file=sys.stderr)
-        return EXIT_CRASH if seed.results[0].outcome == "killed" else EXIT_USAGE
+        return EXIT_CRASH if seed.results[0].outcome in (Outcome.ABORTED, Outcome.KILLED) else EXIT_USAGE
     print(f"budget: RLIMIT_AS = baseline + {seed.budget_bytes} bytes (shared's peak + a quarter of the gap)")
     for r in seed.results:
         print(

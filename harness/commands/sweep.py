@@ -10,7 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 
-from faults.kinds import CRASH, CRASH_OUT_OF_SCOPE, VIOLATION
+from faults.kinds import Outcome
 from faults.scenarios import SCENARIOS
 from faults.sweep import SweepReport, TrialResult, parse_case_id, run_sweep, run_trial
 from harness.commands.common import add_semantics, semantics_of
@@ -47,7 +47,7 @@ def _replay(args: argparse.Namespace) -> int:
     report = SweepReport(args.variant, [r])
     if args.json:
         _write_json(args.json, report.to_json())
-    if r.outcome == CRASH_OUT_OF_SCOPE:
+    if r.outcome == Outcome.CRASH_OUT_OF_SCOPE:
         print("  (outside PR #27451's handler: upstream terminates here in both semantics; not counted as a failure)")
     return report.exit_code()
 
@@ -66,7 +66,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"allocation-failure sweep, variant {args.variant}, modes {'+'.join(modes)}")
     report = run_sweep(args.variant, modes, scenarios, progress=print)
     s = report.summary()
-    for title, outcome in (("crashes", CRASH), ("violations", VIOLATION), ("crashes out of scope", CRASH_OUT_OF_SCOPE)):
+    for outcome, title in (
+        (Outcome.CRASH, "crashes"),
+        (Outcome.VIOLATION, "violations"),
+        (Outcome.CRASH_OUT_OF_SCOPE, "crashes out of scope"),
+    ):
         rows = [c for c in report.cases if c.outcome == outcome]
         if rows:
             print(f"{title} ({len(rows)}), by first failing site (count, first case id):")
@@ -83,7 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.json:
         _write_json(args.json, report.to_json())
     code = report.exit_code()
-    first = next((c for c in report.cases if c.outcome in (CRASH, VIOLATION)), None)
+    first = next((c for c in report.cases if c.outcome in (Outcome.CRASH, Outcome.VIOLATION)), None)
     if first is not None:
         print(f"replay: python -m harness sweep --semantics {args.variant} --case {first.id}")
     return code
