@@ -50,10 +50,8 @@ import math
 import os
 import pickle
 import resource
-import select
-import signal
 import sys
-import time
+import tempfile
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -169,9 +167,13 @@ def _save_under_limit(server: ServerContext, headroom: int | None) -> dict[str, 
     assert cache is not None
     try:
         ok = slot.prompt_save(cache)
-        outcome, detail = (Outcome.OK, "completed: the entry is cached") if ok else (
-            Outcome.ACCEPTED,
-            "handled: " + "; ".join(cache.log[-2:]),
+        outcome, detail = (
+            (Outcome.OK, "completed: the entry is cached")
+            if ok
+            else (
+                Outcome.ACCEPTED,
+                "handled: " + "; ".join(cache.log[-2:]),
+            )
         )
     except BadAlloc as e:
         outcome, detail = Outcome.CRASH, f"{e} escaped prompt_save: upstream terminates"
@@ -237,14 +239,14 @@ def measure(variant: str, *, headroom: int | None, rs_bytes: int, timeout: float
 
 @dataclass
 class LimitedRun:
-    """How :func:`run_limited`'s call ended.
+    """How :func:`run_limited`'s call ended, in the fault layers' one vocabulary (:class:`Outcome`).
 
-    ``outcome``: ``returned`` (``value`` holds what it returned), ``memory-error`` (it raised
-    ``MemoryError``), ``raised`` (another exception; ``error`` names it), ``killed`` (a signal;
-    ``error`` names it) or ``timeout`` (killed after ``timeout`` seconds).
+    ``ok`` (it returned; ``value`` holds what), ``accepted-error`` (it raised ``MemoryError``: the
+    limit was met the way Python reports it), ``crash-out-of-scope`` (another exception; ``error``
+    names it), ``killed`` (a signal or the timeout; ``error`` says which) or ``aborted`` (SIGABRT).
     """
 
-    outcome: str
+    outcome: Outcome
     value: Any
     error: str
     peak_bytes: int  # VmPeak of the forked process (0 when it died before reporting)
@@ -253,42 +255,41 @@ class LimitedRun:
 
     @property
     def ok(self) -> bool:
-        return self.outcome == "returned"
+        return self.outcome == Outcome.OK
 
 
 def _limited_child(
-    w: int,
+    result_path: str,
     fn: Callable[..., Any],
     args: tuple[Any, ...],
     kwargs: dict[str, Any],
     headroom: int | None,
     limit: int | None,
-) -> None:
-    """In the forked process: limit, call, report through ``w``; never returns."""
+) -> int:
+    """In the forked process: limit, call, write the pickled result to ``result_path``."""
+    vm = _vm()
+    if headroom is not None:
+        limit = vm["VmSize"] + headroom
+    if limit is not None:
+        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
     try:
-        vm = _vm()
-        if headroom is not None:
-            limit = vm["VmSize"] + headroom
-        if limit is not None:
-            resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-        try:
-            row: tuple[str, Any, str] = ("returned", fn(*args, **kwargs), "")
-        except MemoryError as e:
-            row = ("memory-error", None, f"MemoryError: {e}")
-        except BaseException as e:
-            row = ("raised", None, f"{type(e).__name__}: {e}")
-        peak = _vm()["VmPeak"]
-        try:
-            data = pickle.dumps((*row, peak, vm["VmSize"], limit))
-        except MemoryError:
-            data = pickle.dumps(("memory-error", None, "MemoryError pickling the result", peak, vm["VmSize"], limit))
-        except Exception as e:
-            data = pickle.dumps(("raised", None, f"the result cannot be pickled: {e}", peak, vm["VmSize"], limit))
-        view = memoryview(data)
-        while view:
-            view = view[os.write(w, view) :]
-    finally:
-        os._exit(0)
+        row: tuple[Outcome, Any, str] = (Outcome.OK, fn(*args, **kwargs), "")
+    except MemoryError as e:
+        row = (Outcome.ACCEPTED, None, f"MemoryError: {e}")
+    except BaseException as e:
+        row = (Outcome.CRASH_OUT_OF_SCOPE, None, f"{type(e).__name__}: {e}")
+    peak = _vm()["VmPeak"]
+    try:
+        data = pickle.dumps((*row, peak, vm["VmSize"], limit))
+    except MemoryError:
+        data = pickle.dumps((Outcome.ACCEPTED, None, "MemoryError pickling the result", peak, vm["VmSize"], limit))
+    except Exception as e:
+        data = pickle.dumps(
+            (Outcome.CRASH_OUT_OF_SCOPE, None, f"the result cannot be pickled: {e}", peak, vm["VmSize"], limit)
+        )
+    with open(result_path, "wb") as f:
+        f.write(data)
+    return 0
 
 
 def run_limited(
@@ -300,7 +301,8 @@ def run_limited(
     timeout: float = 60.0,
     **kwargs: Any,
 ) -> LimitedRun:
-    """Call ``fn(*args, **kwargs)`` in a forked process under ``RLIMIT_AS``; the caller is never limited.
+    """Call ``fn(*args, **kwargs)`` in a forked child (:func:`harness.child.run_child`) under
+    ``RLIMIT_AS``; the caller is never limited.
 
     ``headroom``: bytes of address space above the forked process's size at the fork; ``limit``:
     an absolute limit; neither: no limit (a probe, for ``peak_bytes``). ``fn`` need not be
@@ -310,38 +312,17 @@ def run_limited(
         raise ValueError("give headroom or limit, not both")
     if not hasattr(os, "fork") or not os.path.exists("/proc/self/status"):
         raise UsageError("run_limited needs fork() and /proc/self/status (Linux)")
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the forked process
-        os.close(r)
-        _limited_child(w, fn, args, kwargs, headroom, limit)
-    os.close(w)
-    chunks: list[bytes] = []
-    deadline = time.monotonic() + timeout
-    timed_out = False
-    with os.fdopen(r, "rb", buffering=0) as f:
-        while True:
-            left = deadline - time.monotonic()
-            if left <= 0:
-                timed_out = True
-                break
-            ready, _, _ = select.select([f], [], [], left)
-            if ready:
-                chunk = f.read(1 << 16)
-                if not chunk:
-                    break
-                chunks.append(chunk)
-    if timed_out:
-        os.kill(pid, signal.SIGKILL)
-    _, status = os.waitpid(pid, 0)
-    if timed_out:
-        return LimitedRun("timeout", None, f"killed after {timeout:g}s", 0, 0, limit)
-    if os.WIFSIGNALED(status):
-        return LimitedRun("killed", None, f"killed by {signal.Signals(os.WTERMSIG(status)).name}", 0, 0, limit)
-    if not chunks:
-        return LimitedRun("killed", None, f"exited with {os.WEXITSTATUS(status)} without a result", 0, 0, limit)
-    outcome, value, error, peak, baseline, lim = pickle.loads(b"".join(chunks))
-    return LimitedRun(outcome, value, error, peak, baseline, lim)
+    with tempfile.TemporaryDirectory(prefix="run-limited-") as tmp:
+        result_path = os.path.join(tmp, "result.pickle")
+        child = run_child(lambda: _limited_child(result_path, fn, args, kwargs, headroom, limit), timeout=timeout)
+        if child.status == "exited" and os.path.exists(result_path):
+            with open(result_path, "rb") as f:
+                outcome, value, error, peak, baseline, lim = pickle.load(f)
+            return LimitedRun(outcome, value, error, peak, baseline, lim)
+    if child.status == "exited":
+        return LimitedRun(Outcome.KILLED, None, f"{child.describe()} without a result: {child.stderr[-300:]}", 0, 0,
+                          limit)  # fmt: skip
+    return LimitedRun(died(child), None, child.describe(), 0, 0, limit)
 
 
 @dataclass
