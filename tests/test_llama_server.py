@@ -389,7 +389,7 @@ def test_source_copy_reuses_the_build_and_says_it_is_pinned(
     assert cli_main(["build-server", "--source", str(tree)]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == str(binary)  # same content and flags as the pinned pr build: no compile
-    assert "reusing" in err
+    assert "is the pinned llama.cpp 0c1e570 tree: using the pr build" in err
     pinned, line = ls.pinned_status(tree)
     assert pinned and "PR #27451" in line
     with (tree / "src" / "llama-context.cpp").open("a") as f:

@@ -641,6 +641,20 @@ def _patch_files() -> list[str]:
     return re.findall(r"^\+\+\+ b/(\S+)", text, re.M)
 
 
+def _pinned_flavour(digest: str, asan: bool) -> str | None:
+    """The flavour whose tree has this content (``master``, ``pr``, or ``asan`` for the patched tree
+    with ``asan``), or None; None too when the pinned tree cannot be had (no sdist, no network)."""
+    try:
+        hashes = pinned_tree_hashes()
+    except HarnessError:
+        return None
+    if digest == hashes["shared"]:
+        return "asan" if asan else "pr"
+    if digest == hashes["master"] and not asan:
+        return "master"
+    return None
+
+
 def _find_build(digest: str, args: Sequence[str], compiler: str) -> Path | None:
     """A cached binary built from a tree with this content and these flags (any origin)."""
     for info_path in sorted((cache_root() / "llama-server").glob("*/build-info.json")):
@@ -680,6 +694,11 @@ def build_source(
     compiler = _compiler_id()
     log(f"[source] hashing {src}")
     digest = tree_hash(src)
+    flavour = _pinned_flavour(digest, asan)
+    if flavour is not None:
+        # the pinned tree itself (e.g. a copy of it): build it where the pinned builds share their work
+        log(f"[source] {src} is the pinned llama.cpp {PINNED_COMMIT} tree: using the {flavour} build")
+        return build_server(flavour, jobs=jobs, force=force, log=log)
     h = hashlib.sha256(f"tree {digest}\ncompiler {compiler}\n".encode())
     for a in args:
         h.update(f"arg {a}\n".encode())
