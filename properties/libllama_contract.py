@@ -51,7 +51,8 @@ Properties, checked by the rules:
   tokens of a recurrent state must change that state (the recurrent part's bytes).
 
 A violation of upstream's contract that is verified by a standalone reproducer is a *finding*
-(:data:`FINDINGS`), matched by operation, architecture and condition; the machine reports it and
+(:data:`CONTRACT_FINDINGS`: the ``contract`` rows of the registry :mod:`harness.findings`), matched by
+operation, architecture and condition (:class:`~harness.findings.ContractCondition`); the machine reports it and
 resets the sequence instead of failing. Everything else fails the run with the shrunk program.
 
 Run: ``python -m harness contract [--arch llama gemma2] [--seed 0] [--max-examples N]
@@ -80,14 +81,14 @@ from hypothesis.stateful import (
 )
 
 from fixtures.models import ARCHS, model_path
+from harness.findings import FINDINGS, Finding
 from harness.targets.libllama import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
 from properties.run import run_seeded
 
 __all__ = [
-    "FINDINGS",
+    "CONTRACT_FINDINGS",
     "LAYOUT_FINDING",
     "ContractConfig",
-    "ContractFinding",
     "ContractViolation",
     "Engine",
     "configs_for",
@@ -169,117 +170,8 @@ def configs_for(arch: str) -> list[ContractConfig]:
     return [ContractConfig(arch, u, s) for s in swa for u in (False, True)]
 
 
-@dataclass(frozen=True)
-class ContractFinding:
-    """A verified violation of upstream's contract, matched by operation, architecture and condition."""
-
-    name: str
-    op: str  # the operation that carries the condition tag
-    archs: frozenset[str]
-    condition: str  # a tag the machine puts on the op when the condition holds
-    title: str
-    upstream: str  # file:line at 0c1e570
-    reproducer: str
-    kv_unified: bool | None = None  # None: either
-
-    def matches(self, cfg: ContractConfig, tags: Iterable[str]) -> bool:
-        if cfg.arch not in self.archs:
-            return False
-        if self.kv_unified is not None and cfg.kv_unified != self.kv_unified:
-            return False
-        return f"{self.op}:{self.condition}" in set(tags)
-
-
-FINDINGS: list[ContractFinding] = [
-    ContractFinding(
-        "seq-keep-ignores-other-streams",
-        "seq_keep",
-        frozenset({"llama", "gemma2", "jamba", "lfm2"}),
-        "per_slot_kv",
-        "llama_memory_seq_keep with a per-slot KV (kv_unified false) only clears cells in seq_id's own stream: "
-        "the other sequences keep their tokens (transformers: seq_pos_max unchanged; hybrids: the attention "
-        "cells survive while the recurrent part is cleared, so the next decode attends to stale cells)",
-        "src/llama-kv-cache.cpp:551",
-        "fixtures/findings/seq_keep_per_slot_kv.py",
-        kv_unified=False,
-    ),
-    ContractFinding(
-        "recurrent-seq-rm-any-seq-refused",
-        "seq_rm_all",
-        frozenset({"mamba", "jamba", "lfm2"}),
-        "any_seq",
-        "llama_memory_seq_rm(mem, -1, -1, -1) returns false and removes nothing on recurrent and hybrid memory: "
-        "the recurrent seq_rm rejects seq_id -1 as >= n_seq_max before its own branch for negative ids, "
-        "although llama.h says removing a whole sequence never fails and seq_id < 0 matches any sequence",
-        "src/llama-memory-recurrent.cpp:172 (and src/llama-memory-hybrid.cpp:146)",
-        "fixtures/findings/recurrent_seq_rm_any_seq.py",
-    ),
-    ContractFinding(
-        "recurrent-seq-rm-range-silent",
-        "seq_rm_range",
-        frozenset({"mamba", "jamba", "lfm2"}),
-        "recurrent_not_tail",
-        "llama_memory_seq_rm of a range that ends before the tail (a prefix or a middle range) returns true on "
-        "recurrent memory and removes nothing from the recurrent state (the refusal test only covers ranges "
-        "that contain the tail cell); a hybrid then removes the attention cells, so its parts disagree",
-        "src/llama-memory-recurrent.cpp:194 (test), :218-246 (no cell matches, returns true)",
-        "fixtures/findings/recurrent_seq_rm_range_silent.py",
-    ),
-    ContractFinding(
-        "seq-add-moves-shared-cells",
-        "seq_add",
-        frozenset(ARCHS),
-        "shared_cells",
-        "llama_memory_seq_add shifts cells that seq_cp made shared (one KV stream, or a recurrent tail cell), "
-        "so every sequence sharing them is shifted too, not only seq_id",
-        "src/llama-kv-cache.cpp:606-607 (pos_add on shared cells), src/llama-memory-recurrent.cpp:342",
-        "fixtures/findings/seq_add_moves_shared_cells.py",
-    ),
-    ContractFinding(
-        "recurrent-seq-cp-ignores-range",
-        "seq_cp_prefix",
-        frozenset({"mamba", "jamba", "lfm2"}),
-        "recurrent",
-        "llama_memory_seq_cp with a range copies the whole recurrent state (p0/p1 are never used, and the void "
-        "call cannot refuse): the destination silently gets the entire source history",
-        "src/llama-memory-recurrent.cpp:249-284",
-        "fixtures/findings/recurrent_seq_cp_ignores_range.py",
-    ),
-    ContractFinding(
-        "state-get-misses-pending-seq-cp",
-        "state_get",
-        frozenset({"llama", "gemma2", "jamba", "lfm2"}),
-        "unflushed_cp",
-        "with a per-slot KV, seq_cp between streams defers the K/V buffer copy to the next decode; "
-        "llama_state_seq_get_data_ext taken before that decode saves the destination's positions with the "
-        "stale K/V of its stream, and the restored state gives wrong logits",
-        "src/llama-kv-cache.cpp:508-509 (copy deferred), src/llama-context.cpp:3443 (state written without update)",
-        "fixtures/findings/state_get_before_pending_seq_cp.py",
-        kv_unified=False,
-    ),
-    ContractFinding(
-        "state-set-leaks-into-pending-seq-cp",
-        "state_set",
-        frozenset({"llama", "gemma2", "jamba", "lfm2"}),
-        "into_unflushed_cp",
-        "with a per-slot KV, a state restored into either end of a cross-stream seq_cp before the next decode "
-        "is mixed up by the deferred buffer copy: restored into the source, it is what the destination gets; "
-        "restored into the destination, it is overwritten by the source's buffer",
-        "src/llama-kv-cache.cpp:508-509 (copy deferred), src/llama-context.cpp:3223 (set_data without update)",
-        "fixtures/findings/state_set_before_pending_seq_cp.py",
-        kv_unified=False,
-    ),
-    ContractFinding(
-        "state-get-misses-pending-shift",
-        "state_get",
-        frozenset({"llama", "gemma2", "lfm2"}),
-        "unflushed_shift",
-        "a state saved between llama_memory_seq_add and the next decode has the shifted positions but keys "
-        "not yet rotated (the K-shift runs at the next decode); restored, it gives wrong logits",
-        "src/llama-context.cpp:3443 (state written without update), src/llama-kv-cache.cpp:2226 (new pos written)",
-        "fixtures/findings/state_get_before_pending_shift.py",
-    ),
-]
+# the contract's findings, from the one registry (each with its condition, upstream location, reproducer)
+CONTRACT_FINDINGS: list[Finding] = [f for f in FINDINGS.values() if f.backend == "contract"]
 
 
 class ContractViolation(AssertionError):
@@ -625,10 +517,11 @@ class ContractMachine(RuleBasedStateMachine):
     def _violation(self, s: int, prop: str, msg: str, tags: Iterable[str] = ()) -> None:
         """A finding when one matches the op's condition (then the sequence is reset), else a failure."""
         all_tags = [*self._tags(s), *tags]
-        for f in FINDINGS:
-            if f.matches(self.cfg, all_tags):
-                ev = f"{self.cfg.name} seq {s}: {msg} (ops {self.seqs[s].pending})"
-                self.stats.findings.setdefault(f.name, []).append(ev)
+        for f in CONTRACT_FINDINGS:
+            assert f.condition is not None
+            if f.condition.matches(self.cfg.arch, self.cfg.kv_unified, all_tags):
+                ev = f"{self.cfg.name} seq {s}: {prop}: {msg} (ops {self.seqs[s].pending})"
+                self.stats.findings.setdefault(f.id, []).append(ev)
                 self._reset(s)
                 return
         raise ContractViolation(
@@ -1077,13 +970,12 @@ def run_contract(
                 f = dict(r["failure"], config=cfg.name, replay=f"{replay} --archs {arch}")
                 mismatches.append(f)
                 out(f"  {f['property']}: {f['message']}\n  program:\n    " + f["program"].replace("\n", "\n    "))
-    by_name = {f.name: f for f in FINDINGS}
     findings = [
         {
             "name": k,
-            "title": by_name[k].title,
-            "upstream": by_name[k].upstream,
-            "reproducer": by_name[k].reproducer,
+            "title": FINDINGS[k].title,
+            "upstream": FINDINGS[k].upstream,
+            "reproducer": FINDINGS[k].reproducer,
             "evidence": v[:3],
         }
         for k, v in seen.items()

@@ -9,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from fixtures.models import ARCHS
+from harness.findings import FINDINGS, Finding
 from properties.libllama_contract import (
     _REFS,
-    FINDINGS,
+    CONTRACT_FINDINGS,
     ContractConfig,
     Engine,
     cells_of,
@@ -144,9 +146,22 @@ def test_mutants_are_caught(mutant: Any) -> None:
     assert "state = Contract_llama_kvs()" in r["failure"]["program"]
 
 
-@pytest.mark.parametrize("f", FINDINGS, ids=lambda f: f.name)
-def test_finding_reproducers_exit_1_while_present(f: Any) -> None:
-    arch = sorted(f.archs)[0]
+def test_contract_findings_live_in_the_one_registry() -> None:
+    assert CONTRACT_FINDINGS, "the contract's findings are the registry's 'contract' rows"
+    for f in CONTRACT_FINDINGS:
+        assert FINDINGS[f.id] is f
+        assert f.condition is not None and f.condition.archs <= set(ARCHS), f.id
+        assert f.upstream and f.reproducer and (ROOT / f.reproducer).is_file(), f.id
+    rep = run_contract(["mamba"], seed=0, max_examples=5, steps=10, out=lambda s: None)
+    assert rep["findings"]
+    for row in rep["findings"]:  # the report's rows keep their keys
+        assert set(row) == {"name", "title", "upstream", "reproducer", "evidence"}
+
+
+@pytest.mark.parametrize("f", CONTRACT_FINDINGS, ids=lambda f: f.id)
+def test_finding_reproducers_exit_1_while_present(f: Finding) -> None:
+    assert f.condition is not None and f.reproducer is not None
+    arch = sorted(f.condition.archs)[0]
     args = [sys.executable, str(ROOT / f.reproducer)]
     if "recurrent_seq_cp" not in f.reproducer:
         args.append(arch)
