@@ -242,6 +242,21 @@ _ALL = [
         "src/llama-kv-cache.cpp:2226 (new pos written)",
         condition=ContractCondition("state_get", "unflushed_shift", frozenset({"llama", "gemma2", "lfm2"})),
     ),
+    Finding(
+        "swa-prepare-purge-not-undone",
+        "contract",
+        "next-decode-equals-fresh",
+        "llama_decode of a batch longer than n_ubatch on a sliding-window cache places all its ubatches in a "
+        "dry run first (llama_kv_cache::prepare) and undoes only the cells of each ubatch's slot; when a later "
+        "ubatch is given a window-masked cell of its sequence, apply_ubatch purges that sequence's positions "
+        "below it and the purge is not undone, so the earlier ubatches of the same call are computed without "
+        "positions still inside their window: wrong K/V and logits (about 10 % of the largest logit on gemma2), "
+        "where the same ubatches as separate llama_decode calls are right",
+        "fixtures/findings/swa_prepare_purge_not_undone.py",
+        upstream="src/llama-kv-cache.cpp:751-811 (prepare saves and restores only the slot's cells, :785, :805), "
+        ":1166-1177 (apply_ubatch's purge, seq_rm), :1057 (find_slot takes window-masked cells)",
+        condition=ContractCondition("decode", "swa_ubatches_differ", frozenset({"gemma2"})),
+    ),
     # ---- a real llama-server (server backend) ----
     Finding(
         "greedy-flip-on-cache-path",

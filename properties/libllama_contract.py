@@ -52,7 +52,10 @@ Properties, checked by the rules:
 
 A violation of upstream's contract that is verified by a standalone reproducer is a *finding*
 (:data:`CONTRACT_FINDINGS`: the ``contract`` rows of the registry :mod:`harness.findings`), matched by
-operation, architecture and condition (:class:`~harness.findings.ContractCondition`); the machine reports it and
+operation, architecture and condition (:class:`~harness.findings.ContractCondition`). On the SWA model
+the machine's engine is a :class:`UbatchTwin`: a second context gets every call too, each batch as
+one ``llama_decode`` per ubatch, and a decode whose logits differ from the twin's is tagged
+``decode:swa_ubatches_differ`` (finding ``swa-prepare-purge-not-undone``); the machine reports it and
 resets the sequence instead of failing. Everything else fails the run with the shrunk program.
 
 Run: ``python -m harness contract [--arch llama gemma2] [--seed 0] [--max-examples N]
@@ -195,6 +198,10 @@ def _ll() -> Any:
 class Engine:
     """One ``llama_context`` with the machine's KV options, and the raw calls on it."""
 
+    # the last decode was longer than a ubatch and gave other logits than its ubatches as separate
+    # calls (only an :class:`UbatchTwin` can tell)
+    split_differs = False
+
     def __init__(self, model: LlamaModel, cfg: ContractConfig, n_seq: int) -> None:
         ll = _ll()
         self.ll = ll
@@ -244,7 +251,7 @@ class Engine:
         ret, _ = self.decode(self.n_seq - 1, [1], 0, logits=False)
         if ret != 0:
             raise RuntimeError(f"scratch decode failed ({ret})")
-        self.ll.llama_memory_seq_rm(self.mem, self.n_seq - 1, -1, -1)
+        self.rm(self.n_seq - 1, -1, -1)
 
     def get(self, seq: int, flags: int) -> bytes:
         ll = self.ll
@@ -260,6 +267,15 @@ class Engine:
     def rm(self, seq: int, p0: int, p1: int) -> bool:
         return bool(self.ll.llama_memory_seq_rm(self.mem, seq, p0, p1))
 
+    def cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self.ll.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
+
+    def keep(self, seq: int) -> None:
+        self.ll.llama_memory_seq_keep(self.mem, seq)
+
+    def add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self.ll.llama_memory_seq_add(self.mem, seq, p0, p1, delta)
+
     def cell_order(self, seq: int) -> tuple[int, ...]:
         return cell_order(self.get(seq, 0))
 
@@ -271,6 +287,67 @@ class Engine:
 
     def clear(self) -> None:
         self.ll.llama_memory_clear(self.mem, True)
+
+
+class UbatchTwin(Engine):
+    """The machine's engine with a twin context that gets every mutating call too, but each batch as
+    one ``llama_decode`` per ubatch.
+
+    Used on the SWA model: ``llama_decode`` places all ubatches of a batch in a dry run first
+    (``llama_kv_cache::prepare``), and there the purge of window-masked positions is not undone
+    (finding ``swa-prepare-purge-not-undone``). The twin has the same cells (the same calls, and a
+    batch's ubatches get the cells the dry run gives them), so a decode whose logits differ from the
+    twin's computed the same ubatches on other cell contents: :attr:`split_differs` says so, and the
+    machine tags that decode with the condition.
+    """
+
+    def __init__(self, main: Engine, twin: Engine) -> None:
+        self.__dict__.update(main.__dict__)
+        self.main = main
+        self.twin = twin
+        self.split_differs = False
+
+    def close(self) -> None:
+        self.main.close()
+        self.twin.close()
+        self.ctx = None
+
+    def decode(self, seq: int, tokens: Sequence[int], pos0: int, *, logits: bool = True) -> tuple[int, bytes]:
+        ret, out = self.main.decode(seq, tokens, pos0, logits=logits)
+        tret, tout = 0, b""
+        for i in range(0, len(tokens), N_UBATCH):
+            last = i + N_UBATCH >= len(tokens)
+            tret, tout = self.twin.decode(seq, tokens[i : i + N_UBATCH], pos0 + i, logits=logits and last)
+            if tret != 0:
+                break
+        if tret != ret:
+            raise RuntimeError(f"llama_decode returned {ret}, the twin's ubatch by ubatch {tret}")
+        self.split_differs = ret == 0 and logits and len(tokens) > N_UBATCH and out != tout
+        return ret, out
+
+    def rm(self, seq: int, p0: int, p1: int) -> bool:
+        self.twin.rm(seq, p0, p1)
+        return self.main.rm(seq, p0, p1)
+
+    def cp(self, src: int, dst: int, p0: int, p1: int) -> None:
+        self.main.cp(src, dst, p0, p1)
+        self.twin.cp(src, dst, p0, p1)
+
+    def keep(self, seq: int) -> None:
+        self.main.keep(seq)
+        self.twin.keep(seq)
+
+    def add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        self.main.add(seq, p0, p1, delta)
+        self.twin.add(seq, p0, p1, delta)
+
+    def set(self, seq: int, data: bytes, flags: int) -> int:
+        self.twin.set(seq, data, flags)
+        return self.main.set(seq, data, flags)
+
+    def clear(self) -> None:
+        self.main.clear()
+        self.twin.clear()
 
 
 class Reference:
@@ -358,7 +435,7 @@ class Reference:
                     return None
                 holes = dirty = True
             elif ev[0] == "add":
-                e.ll.llama_memory_seq_add(e.mem, 0, ev[1], ev[2], ev[3])
+                e.add(0, ev[1], ev[2], ev[3])
                 holes = dirty = True
             elif ev[0] == "flush":
                 e.flush()
@@ -482,6 +559,8 @@ class ContractMachine(RuleBasedStateMachine):
         eng = Engine(self.model, self.cfg, N_SEQ + 1)
         wrap = type(self).__dict__.get("wrap_fn")
         self.eng = wrap.__func__(eng) if isinstance(wrap, staticmethod) else eng
+        if self.model.n_swa > 0:  # the SWA model: each batch also ubatch by ubatch in a twin context
+            self.eng = UbatchTwin(self.eng, Engine(self.model, self.cfg, N_SEQ + 1))
         self.seqs = [Seq() for _ in range(N_SEQ)]
         self.blobs: list[Blob] = []
         self.shared: list[set[int]] = [set() for _ in range(N_SEQ)]  # seq_cp made cells common to these
@@ -600,6 +679,8 @@ class ContractMachine(RuleBasedStateMachine):
             self._violation(s, "decode", f"llama_decode of {len(toks)} tokens at {pos0} returned {ret}")
             return
         self._flushed()
+        if self.eng.split_differs:  # this call computed its ubatches on other cells than they had
+            q.pending.append("decode,decode:swa_ubatches_differ")
         recipe_before = q.recipe
         order = (self.eng.cell_order(s),) if self.ordered else ()
         q.recipe = (*q.recipe, ("d", tuple(toks), pos0, *order))
@@ -737,7 +818,7 @@ class ContractMachine(RuleBasedStateMachine):
         ranged = 0 < prefix < end and (self.cfg.kv_unified or self.pure_recurrent)
         self._reset(dst)
         p1 = prefix if ranged else -1
-        self.eng.ll.llama_memory_seq_cp(self.eng.mem, src, dst, -1, p1)
+        self.eng.cp(src, dst, -1, p1)
         if not self.cfg.kv_unified and not self.pure_recurrent:
             self.unflushed.add("cp")
             self.pending_cp.append((src, dst))
@@ -755,7 +836,7 @@ class ContractMachine(RuleBasedStateMachine):
 
     @rule(s=st.integers(0, N_SEQ - 1))
     def keep(self, s: int) -> None:
-        self.eng.ll.llama_memory_seq_keep(self.eng.mem, s)
+        self.eng.keep(s)
         self._op("seq_keep", range(N_SEQ), *([] if self.cfg.kv_unified else ["per_slot_kv"]))
         for t in range(N_SEQ):
             if t != s:
@@ -776,7 +857,7 @@ class ContractMachine(RuleBasedStateMachine):
         delta = max(delta, lo)
         if delta == 0 or cells[-1][1] + delta >= MAX_POS:
             return
-        self.eng.ll.llama_memory_seq_add(self.eng.mem, s, p0, -1, delta)
+        self.eng.add(s, p0, -1, delta)
         self.unflushed.add("shift")
         self._op("seq_add", [s, *self.shared[s]], *(["shared_cells"] if self.shared[s] else []))
         self.seqs[s].recipe = (*self.seqs[s].recipe, ("add", p0, -1, delta))
@@ -850,6 +931,11 @@ class ContractMachine(RuleBasedStateMachine):
     def no_orphan_positions(self) -> None:
         if self.eng.pos_max(SCRATCH) != -1:
             raise ContractViolation("pos-max", f"{self.cfg.name}: the scratch sequence was not emptied")
+        if isinstance(self.eng, UbatchTwin):  # the twin got every call: the same positions
+            main, twin = self.eng.main, self.eng.twin
+            for t in range(N_SEQ + 1):
+                if (main.pos_min(t), main.pos_max(t)) != (twin.pos_min(t), twin.pos_max(t)):
+                    raise RuntimeError(f"the ubatch twin's sequence {t} drifted from the machine's")
 
 
 _CLASSES: dict[tuple[ContractConfig, int], type[ContractMachine]] = {}

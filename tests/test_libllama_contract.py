@@ -87,6 +87,37 @@ def test_unified_kv_reference_follows_the_cell_order(cfg: ContractConfig, progra
     assert _REFS[cfg].relayouts >= relayouts
 
 
+# Seed 2's gemma2_kvu failure, shrunk: seq 2's batch of 9 tokens at 9 is one llama_decode of two
+# ubatches; the dry run gives the second a window-masked cell of seq 2 (position 1) and purges
+# position 0, which the first ubatch still attends to (finding swa-prepare-purge-not-undone).
+_SEED2_GEMMA2_KVU = [
+    ("start", {"prompts": [[[3, 3, 3, 3, 3], [3] * 12], [[3]], [[4]]]}),
+    ("decode", {"s": 0, "toks": [3, 3, 3, 3]}),
+    ("rm_range", {"a": 13, "n": 1, "s": 0}),
+    ("rm_range", {"a": 0, "n": 1, "s": 0}),
+    ("decode", {"s": 0, "toks": [3]}),
+    ("decode", {"s": 0, "toks": [3]}),
+    ("decode", {"s": 0, "toks": [3] * 7}),
+    ("decode", {"s": 2, "toks": [3] * 8}),
+    ("rm_range", {"a": 12, "n": 12, "s": 0}),
+    ("rm_range", {"a": 2, "n": 1, "s": 2}),
+    ("decode", {"s": 2, "toks": [3] * 9}),
+]
+
+
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_swa_dry_run_purge_is_the_finding_not_a_failure(swa_full: bool) -> None:
+    cls = machine_class(ContractConfig("gemma2", kv_unified=True, swa_full=swa_full))
+    m = cls()
+    try:
+        for rule, kw in _SEED2_GEMMA2_KVU:
+            getattr(m, rule)(**kw)
+    finally:
+        m.teardown()
+    (evidence,) = cls.stats.findings["swa-prepare-purge-not-undone"]
+    assert "seq 2: next-decode-equals-fresh" in evidence and "decode:swa_ubatches_differ" in evidence
+
+
 def test_machine_runs_and_counts_every_operation() -> None:
     rep = run_contract(["llama", "gemma2"], seed=3, max_examples=12, steps=25, out=lambda s: None)
     assert rep["ok"], rep["mismatches"]
