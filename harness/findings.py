@@ -5,17 +5,42 @@ is at fault (file:line at 0c1e570 unless said otherwise) and, where one exists, 
 reproducer under ``fixtures/findings/`` that exits 1 while the bug is present. Each backend decides
 *whether* a run shows a finding (matched by the violated property and the state that makes it, never
 by a broad tolerance); this table says *what* each one is, once. :meth:`Finding.entry` renders the
-``known_findings`` row of the gate's JSON.
+``known_findings`` row of the gate's JSON. The contract machine's findings also say where upstream is
+at fault (``upstream``) and the state that shows them (:class:`ContractCondition`).
 
 Imports nothing of the project: every floor may use it.
 """
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["FINDINGS", "Finding", "finding"]
+__all__ = ["FINDINGS", "ContractCondition", "Finding", "finding"]
+
+
+@dataclass(frozen=True)
+class ContractCondition:
+    """The state in which the contract machine (``properties/libllama_contract.py``) shows a finding.
+
+    The machine tags each call with the conditions that hold (``seq_rm_range`` of a recurrent
+    memory's range short of the tail is ``seq_rm_range:recurrent_not_tail``); a violation is this
+    finding when a call since the last check carries ``op:tag``, on one of ``archs``, with the KV mode
+    ``kv_unified`` (None: either).
+    """
+
+    op: str
+    tag: str
+    archs: frozenset[str]
+    kv_unified: bool | None = None
+
+    def matches(self, arch: str, kv_unified: bool, tags: Iterable[str]) -> bool:
+        if arch not in self.archs:
+            return False
+        if self.kv_unified is not None and kv_unified != self.kv_unified:
+            return False
+        return f"{self.op}:{self.tag}" in set(tags)
 
 
 @dataclass(frozen=True)
@@ -23,11 +48,13 @@ class Finding:
     """A suspected upstream bug: ``id`` is its name everywhere (JSON, reproducer, replay lines)."""
 
     id: str
-    backend: str  # "synthetic" | "llama" | "server" | "llama-cpp-python-cache"
+    backend: str  # "synthetic" | "llama" | "server" | "llama-cpp-python-cache" | "contract" (harness contract)
     property: str  # the property it violates
     title: str
     reproducer: str | None = None  # path of the standalone reproducer, relative to the repository
     scope: tuple[str, ...] = ()  # where it applies, when narrower than the backend (e.g. the cache kind)
+    upstream: str | None = None  # where upstream's code is at fault, file:line at 0c1e570, when not in the title
+    condition: ContractCondition | None = None  # the contract machine's: the state that shows it
 
     def entry(self, machine: str, status: str, **extra: Any) -> dict[str, Any]:
         """The ``known_findings`` row: id, title, machine, reproducer (if any), status, then ``extra``."""
@@ -38,6 +65,11 @@ class Finding:
         row.update(extra)
         return row
 
+
+# the fixtures models (fixtures/models.py ARCHS), by memory kind, for the contract's conditions
+_TRANSFORMERS = frozenset({"llama", "gemma2"})
+_HYBRIDS = frozenset({"jamba", "lfm2"})
+_RECURRENT = frozenset({"mamba", "jamba", "lfm2"})
 
 _ALL = [
     # ---- the model's machines (synthetic backend): upstream's logic, modelled ----
@@ -121,6 +153,109 @@ _ALL = [
         "two allocations inside ggml_graph_compute (ggml-cpu) are used without a NULL check: failing either "
         "crashes llama_decode with SIGSEGV",
         "fixtures/findings/graph_compute_segv.py",
+    ),
+    # ---- libllama's memory API against its own contract (python -m harness contract) ----
+    Finding(
+        "seq-keep-ignores-other-streams",
+        "contract",
+        "pos-max",
+        "llama_memory_seq_keep with a per-slot KV (kv_unified false) only clears cells in seq_id's own stream: "
+        "the other sequences keep their tokens (transformers: seq_pos_max unchanged; hybrids: the attention "
+        "cells survive while the recurrent part is cleared, so the next decode attends to stale cells)",
+        "fixtures/findings/seq_keep_per_slot_kv.py",
+        upstream="src/llama-kv-cache.cpp:551",
+        condition=ContractCondition("seq_keep", "per_slot_kv", _TRANSFORMERS | _HYBRIDS, kv_unified=False),
+    ),
+    Finding(
+        "recurrent-seq-rm-any-seq-refused",
+        "contract",
+        "seq-rm-whole",
+        "llama_memory_seq_rm(mem, -1, -1, -1) returns false and removes nothing on recurrent and hybrid memory: "
+        "the recurrent seq_rm rejects seq_id -1 as >= n_seq_max before its own branch for negative ids, "
+        "although llama.h says removing a whole sequence never fails and seq_id < 0 matches any sequence",
+        "fixtures/findings/recurrent_seq_rm_any_seq.py",
+        upstream="src/llama-memory-recurrent.cpp:172 (and src/llama-memory-hybrid.cpp:146)",
+        condition=ContractCondition("seq_rm_all", "any_seq", _RECURRENT),
+    ),
+    Finding(
+        "recurrent-seq-rm-range-silent",
+        "contract",
+        "success-changes-state",
+        "llama_memory_seq_rm of a range that ends before the tail (a prefix or a middle range) returns true on "
+        "recurrent memory and removes nothing from the recurrent state (the refusal test only covers ranges "
+        "that contain the tail cell); a hybrid then removes the attention cells, so its parts disagree",
+        "fixtures/findings/recurrent_seq_rm_range_silent.py",
+        upstream="src/llama-memory-recurrent.cpp:194 (test), :218-246 (no cell matches, returns true)",
+        condition=ContractCondition("seq_rm_range", "recurrent_not_tail", _RECURRENT),
+    ),
+    Finding(
+        "seq-add-moves-shared-cells",
+        "contract",
+        "pos-max",
+        "llama_memory_seq_add shifts cells that seq_cp made shared (one KV stream, or a recurrent tail cell), "
+        "so every sequence sharing them is shifted too, not only seq_id",
+        "fixtures/findings/seq_add_moves_shared_cells.py",
+        upstream="src/llama-kv-cache.cpp:606-607 (pos_add on shared cells), src/llama-memory-recurrent.cpp:342",
+        condition=ContractCondition("seq_add", "shared_cells", _TRANSFORMERS | _HYBRIDS | _RECURRENT),
+    ),
+    Finding(
+        "recurrent-seq-cp-ignores-range",
+        "contract",
+        "cp-range",
+        "llama_memory_seq_cp with a range copies the whole recurrent state (p0/p1 are never used, and the void "
+        "call cannot refuse): the destination silently gets the entire source history",
+        "fixtures/findings/recurrent_seq_cp_ignores_range.py",
+        upstream="src/llama-memory-recurrent.cpp:249-284",
+        condition=ContractCondition("seq_cp_prefix", "recurrent", _RECURRENT),
+    ),
+    Finding(
+        "state-get-misses-pending-seq-cp",
+        "contract",
+        "next-decode-equals-fresh",
+        "with a per-slot KV, seq_cp between streams defers the K/V buffer copy to the next decode; "
+        "llama_state_seq_get_data_ext taken before that decode saves the destination's positions with the "
+        "stale K/V of its stream, and the restored state gives wrong logits",
+        "fixtures/findings/state_get_before_pending_seq_cp.py",
+        upstream="src/llama-kv-cache.cpp:508-509 (copy deferred), "
+        "src/llama-context.cpp:3443 (state written without update)",
+        condition=ContractCondition("state_get", "unflushed_cp", _TRANSFORMERS | _HYBRIDS, kv_unified=False),
+    ),
+    Finding(
+        "state-set-leaks-into-pending-seq-cp",
+        "contract",
+        "next-decode-equals-fresh",
+        "with a per-slot KV, a state restored into either end of a cross-stream seq_cp before the next decode "
+        "is mixed up by the deferred buffer copy: restored into the source, it is what the destination gets; "
+        "restored into the destination, it is overwritten by the source's buffer",
+        "fixtures/findings/state_set_before_pending_seq_cp.py",
+        upstream="src/llama-kv-cache.cpp:508-509 (copy deferred), src/llama-context.cpp:3223 (set_data without update)",
+        condition=ContractCondition("state_set", "into_unflushed_cp", _TRANSFORMERS | _HYBRIDS, kv_unified=False),
+    ),
+    Finding(
+        "state-get-misses-pending-shift",
+        "contract",
+        "next-decode-equals-fresh",
+        "a state saved between llama_memory_seq_add and the next decode has the shifted positions but keys "
+        "not yet rotated (the K-shift runs at the next decode); restored, it gives wrong logits",
+        "fixtures/findings/state_get_before_pending_shift.py",
+        upstream="src/llama-context.cpp:3443 (state written without update), "
+        "src/llama-kv-cache.cpp:2226 (new pos written)",
+        condition=ContractCondition("state_get", "unflushed_shift", frozenset({"llama", "gemma2", "lfm2"})),
+    ),
+    Finding(
+        "swa-prepare-purge-not-undone",
+        "contract",
+        "next-decode-equals-fresh",
+        "llama_decode of a batch longer than n_ubatch on a sliding-window cache places all its ubatches in a "
+        "dry run first (llama_kv_cache::prepare) and undoes only the cells of each ubatch's slot; when a later "
+        "ubatch is given a window-masked cell of its sequence, apply_ubatch purges that sequence's positions "
+        "below it and the purge is not undone, so the earlier ubatches of the same call are computed without "
+        "positions still inside their window: wrong K/V and logits (about 10 % of the largest logit on gemma2), "
+        "where the same ubatches as separate llama_decode calls are right",
+        "fixtures/findings/swa_prepare_purge_not_undone.py",
+        upstream="src/llama-kv-cache.cpp:751-811 (prepare saves and restores only the slot's cells, :785, :805), "
+        ":1166-1177 (apply_ubatch's purge, seq_rm), :1057 (find_slot takes window-masked cells)",
+        condition=ContractCondition("decode", "swa_ubatches_differ", frozenset({"gemma2"})),
     ),
     # ---- a real llama-server (server backend) ----
     Finding(

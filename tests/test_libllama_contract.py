@@ -9,7 +9,19 @@ from typing import Any
 
 import pytest
 
-from properties.libllama_contract import FINDINGS, ContractConfig, Engine, cells_of, cut, run_config, run_contract
+from fixtures.models import ARCHS
+from harness.findings import FINDINGS, Finding
+from properties.libllama_contract import (
+    _REFS,
+    CONTRACT_FINDINGS,
+    ContractConfig,
+    Engine,
+    cells_of,
+    cut,
+    machine_class,
+    run_config,
+    run_contract,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -20,6 +32,90 @@ def test_recipe_model() -> None:
     assert cut(r, 3) == r[:1]  # a whole batch is dropped, not replayed as a removal
     assert cut(r, 2) == (*r, ("rm", 2, -1))
     assert cells_of((*r, ("rm", 1, 3), ("add", 3, -1, -2))) == ((5, 0), (8, 1))
+
+
+# Seed 0's llama_kvu failure, shrunk: seq 1's batch at 34 was decoded after other sequences took the
+# cells its removal of [0, 3) freed, while the reference's replay put it into those cells, before
+# positions 3..33; flash attention rounds in cell order, so the stored K/V of 34 differed by 1-2 f16
+# ulps and the next check (its own decode placed before older cells: 1.7 % of the largest logit)
+# could not tell the state from a wrong one.
+_SEED0_LLAMA_KVU = [
+    ("start", {"prompts": [[[3, 3, 3, 3]], [[3, 3, 3, 3, 3, 3, 14, 31, 34, 3, 3], [3, 3, 3, 254], [3]], [[3]]]}),
+    ("decode", {"s": 1, "toks": [3, 43, 146]}),
+    ("decode", {"s": 1, "toks": [3, 3, 4]}),
+    ("decode", {"s": 1, "toks": [3, 5, 109, 159, 210, 172, 15, 19, 3, 3, 3, 127]}),
+    ("rm_range", {"a": 0, "n": 3, "s": 1}),
+    ("decode", {"s": 0, "toks": [3]}),
+    ("decode", {"s": 0, "toks": [3]}),
+    ("decode", {"s": 0, "toks": [3]}),
+    ("decode", {"s": 1, "toks": [3, 3, 3, 3, 78]}),
+    ("rm_tail", {"back": 4, "s": 1}),
+    ("rm_range", {"a": 2, "n": 12, "s": 1}),
+    ("rm_range", {"a": 16, "n": 8, "s": 1}),
+    ("decode", {"s": 1, "toks": [61, 27]}),
+]
+# A hybrid's batch decoded into cells before its older ones (seq_keep freed them): the reference
+# must lay its cells out around fillers, with whole-sequence removals (a hybrid refuses partial ones).
+_HYBRID_BEFORE_OLDER = [
+    ("start", {"prompts": [[[3]], [[3]], [[3]]]}),
+    ("decode", {"s": 0, "toks": [3]}),
+    ("keep", {"s": 0}),
+    ("decode", {"s": 0, "toks": [3, 3]}),
+    ("cp", {"dst": 1, "prefix": 0, "src": 0}),
+    ("decode", {"s": 1, "toks": [3]}),
+]
+
+
+@pytest.mark.parametrize(
+    ("cfg", "program", "relayouts"),
+    [
+        (ContractConfig("llama", kv_unified=True), _SEED0_LLAMA_KVU, 0),
+        (ContractConfig("jamba", kv_unified=True), _HYBRID_BEFORE_OLDER, 1),
+    ],
+    ids=["llama-seed0-rm-range", "jamba-keep-cp"],
+)
+def test_unified_kv_reference_follows_the_cell_order(cfg: ContractConfig, program: Any, relayouts: int) -> None:
+    cls = machine_class(cfg)
+    m = cls()
+    try:
+        for rule, kw in program:
+            getattr(m, rule)(**kw)
+    finally:
+        m.teardown()
+    assert cls.stats.layout_diffs >= 1  # the last decode's own placement still shows: the known finding
+    assert cls.stats.checks["decode"] > 0
+    assert _REFS[cfg].relayouts >= relayouts
+
+
+# Seed 2's gemma2_kvu failure, shrunk: seq 2's batch of 9 tokens at 9 is one llama_decode of two
+# ubatches; the dry run gives the second a window-masked cell of seq 2 (position 1) and purges
+# position 0, which the first ubatch still attends to (finding swa-prepare-purge-not-undone).
+_SEED2_GEMMA2_KVU = [
+    ("start", {"prompts": [[[3, 3, 3, 3, 3], [3] * 12], [[3]], [[4]]]}),
+    ("decode", {"s": 0, "toks": [3, 3, 3, 3]}),
+    ("rm_range", {"a": 13, "n": 1, "s": 0}),
+    ("rm_range", {"a": 0, "n": 1, "s": 0}),
+    ("decode", {"s": 0, "toks": [3]}),
+    ("decode", {"s": 0, "toks": [3]}),
+    ("decode", {"s": 0, "toks": [3] * 7}),
+    ("decode", {"s": 2, "toks": [3] * 8}),
+    ("rm_range", {"a": 12, "n": 12, "s": 0}),
+    ("rm_range", {"a": 2, "n": 1, "s": 2}),
+    ("decode", {"s": 2, "toks": [3] * 9}),
+]
+
+
+@pytest.mark.parametrize("swa_full", [False, True])
+def test_swa_dry_run_purge_is_the_finding_not_a_failure(swa_full: bool) -> None:
+    cls = machine_class(ContractConfig("gemma2", kv_unified=True, swa_full=swa_full))
+    m = cls()
+    try:
+        for rule, kw in _SEED2_GEMMA2_KVU:
+            getattr(m, rule)(**kw)
+    finally:
+        m.teardown()
+    (evidence,) = cls.stats.findings["swa-prepare-purge-not-undone"]
+    assert "seq 2: next-decode-equals-fresh" in evidence and "decode:swa_ubatches_differ" in evidence
 
 
 def test_machine_runs_and_counts_every_operation() -> None:
@@ -81,9 +177,22 @@ def test_mutants_are_caught(mutant: Any) -> None:
     assert "state = Contract_llama_kvs()" in r["failure"]["program"]
 
 
-@pytest.mark.parametrize("f", FINDINGS, ids=lambda f: f.name)
-def test_finding_reproducers_exit_1_while_present(f: Any) -> None:
-    arch = sorted(f.archs)[0]
+def test_contract_findings_live_in_the_one_registry() -> None:
+    assert CONTRACT_FINDINGS, "the contract's findings are the registry's 'contract' rows"
+    for f in CONTRACT_FINDINGS:
+        assert FINDINGS[f.id] is f
+        assert f.condition is not None and f.condition.archs <= set(ARCHS), f.id
+        assert f.upstream and f.reproducer and (ROOT / f.reproducer).is_file(), f.id
+    rep = run_contract(["mamba"], seed=0, max_examples=5, steps=10, out=lambda s: None)
+    assert rep["findings"]
+    for row in rep["findings"]:  # the report's rows keep their keys
+        assert set(row) == {"name", "title", "upstream", "reproducer", "evidence"}
+
+
+@pytest.mark.parametrize("f", CONTRACT_FINDINGS, ids=lambda f: f.id)
+def test_finding_reproducers_exit_1_while_present(f: Finding) -> None:
+    assert f.condition is not None and f.reproducer is not None
+    arch = sorted(f.condition.archs)[0]
     args = [sys.executable, str(ROOT / f.reproducer)]
     if "recurrent_seq_cp" not in f.reproducer:
         args.append(arch)
