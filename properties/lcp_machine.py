@@ -45,6 +45,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from harness.errors import PropertyFailure
+from harness.findings import FINDINGS, Finding
 from harness.targets.lcp_cache import (
     ALPHABET,
     BOS,
@@ -64,7 +65,6 @@ __all__ = [
     "PROPERTIES",
     "STEPS",
     "LcpCacheMachine",
-    "LcpFinding",
     "LcpViolation",
     "Stats",
     "diagnose_fault",
@@ -77,68 +77,9 @@ STEPS = 20
 ALLOWED_STATES = ("unchanged", "inserted")  # what diagnose_fault may find after a fault without a finding
 
 
-@dataclass(frozen=True)
-class LcpFinding:
-    """A property llama-cpp-python 0.3.36's cache does not have, with its standalone reproducer."""
-
-    name: str
-    property: str
-    title: str
-    reproducer: str
-    caches: tuple[str, ...]
-
-
-KNOWN_LCP_FINDINGS: list[LcpFinding] = [
-    LcpFinding(
-        "ram_size_ignores_scores",
-        "accounting",
-        "LlamaRAMCache.cache_size sums llama_state_size only; every entry also holds the state's scores "
-        "(n_tokens x n_vocab float32) and input_ids (n_ctx int32), so capacity_bytes does not bound the memory",
-        "fixtures/findings/lcp_ram_size_ignores_scores.py",
-        ("ram",),
-    ),
-    LcpFinding(
-        "oversize_flushes_cache",
-        "oversize",
-        "inserting an entry larger than capacity_bytes evicts every cached entry and then the new one: "
-        "the cache ends empty",
-        "fixtures/findings/lcp_oversize_flushes_cache.py",
-        ("ram", "disk"),
-    ),
-    LcpFinding(
-        "disk_lookup_removes_entry",
-        "lookup",
-        "LlamaDiskCache.__getitem__ pops the entry it returns: a second lookup of the same prompt misses",
-        "fixtures/findings/lcp_disk_lookup_removes_entry.py",
-        ("disk",),
-    ),
-    LcpFinding(
-        "lookup_unusable_for_recurrent",
-        "lookup",
-        "_find_longest_prefix_key returns the key with the longest common prefix even when it diverges from "
-        "the prompt; a recurrent model cannot truncate the loaded state, so Llama re-evaluates everything while "
-        "a stored key that is a prefix of the prompt was usable",
-        "fixtures/findings/lcp_lookup_unusable_for_recurrent.py",
-        ("ram", "disk"),
-    ),
-    LcpFinding(
-        "fault_leaves_over_capacity",
-        "fault_atomic",
-        "a MemoryError from the size computation in __setitem__'s eviction loop leaves the new entry in and the "
-        "cache above capacity_bytes",
-        "fixtures/findings/lcp_fault_leaves_over_capacity.py",
-        ("ram", "disk"),
-    ),
-    LcpFinding(
-        "reinsert_fault_loses_entry",
-        "fault_atomic",
-        "__setitem__ deletes an existing key before storing the new value; a failure in between (disk: "
-        "pickling, e.g. under an address-space limit; RAM: the OrderedDict insertion) loses the cached entry",
-        "fixtures/findings/lcp_reinsert_fault_loses_entry.py",
-        ("ram", "disk"),
-    ),
-]
-KNOWN_BY_NAME = {f.name: f for f in KNOWN_LCP_FINDINGS}
+# llama-cpp-python's findings, from the one registry (harness/findings.py); ``scope`` holds the caches
+KNOWN_LCP_FINDINGS: list[Finding] = [f for f in FINDINGS.values() if f.backend == "llama-cpp-python-cache"]
+KNOWN_BY_NAME = {f.id: f for f in KNOWN_LCP_FINDINGS}
 
 
 class LcpViolation(PropertyFailure):

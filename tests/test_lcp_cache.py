@@ -21,7 +21,7 @@ from properties.lcp_machine import KNOWN_LCP_FINDINGS, LcpViolation, Stats, mach
 from properties.run import run_seeded
 
 ROOT = Path(__file__).resolve().parent.parent
-ALL_KNOWN = frozenset(f.name for f in KNOWN_LCP_FINDINGS)
+ALL_KNOWN = frozenset(f.id for f in KNOWN_LCP_FINDINGS)
 
 
 @pytest.fixture(scope="module")
@@ -243,7 +243,7 @@ def test_diagnose_fault_classifies() -> None:
     assert lcp.diagnose_fault([a, b], [c], c, [b, c], False)[1] is None
 
 
-@pytest.mark.parametrize("finding", KNOWN_LCP_FINDINGS, ids=lambda f: f.name)
+@pytest.mark.parametrize("finding", KNOWN_LCP_FINDINGS, ids=lambda f: f.id)
 def test_reproducer_exits_1_while_the_bug_is_present(finding: lcp.LcpFinding) -> None:
     p = subprocess.run([sys.executable, finding.reproducer], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert p.returncode == 1, p.stdout + p.stderr

@@ -47,7 +47,7 @@ DEFAULT_EXAMPLES = 40
 
 def _known(name: str, cache: str) -> bool:
     f = KNOWN_BY_NAME.get(name)
-    return f is not None and cache in f.caches
+    return f is not None and cache in f.scope
 
 
 @dataclass
