@@ -96,7 +96,7 @@ def test_no_import_loop_between_modules() -> None:
         state[m] = 1
         for t in sorted(graph[m]):
             if state.get(t) == 1:
-                loops.append(" -> ".join([*stack[stack.index(t):], t]) if t in stack else f"{m} -> {t}")
+                loops.append(" -> ".join([*stack[stack.index(t) :], t]) if t in stack else f"{m} -> {t}")
             elif t not in state:
                 dfs(t, [*stack, t])
         state[m] = 2

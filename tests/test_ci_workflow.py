@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.targets import llama_server as ls
+from harness.targets import llama_build as ls
 
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW = REPO / "ci" / "github" / "prompt-cache-gate.yml"

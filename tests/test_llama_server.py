@@ -20,8 +20,9 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main as cli_main
-from harness.targets import llama_server as ls
-from harness.targets.llama_server import ServerProcess, ServerStartError, build_server
+from harness.targets import llama_build as ls
+from harness.targets.llama_build import build_server
+from harness.targets.llama_server import ServerProcess, ServerStartError
 
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3

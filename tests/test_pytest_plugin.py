@@ -12,7 +12,7 @@ import pytest
 
 from faults.rlimit import LimitedRun
 from harness.pytest_plugin import NativeFaults
-from harness.targets.llama_server import cached_binary
+from harness.targets.llama_build import cached_binary
 
 pytest_plugins = ["pytester"]
 

@@ -20,7 +20,7 @@ from harness.backends.llama_server import (
     save_fault,
     save_peak,
 )
-from harness.targets.llama_server import build_server
+from harness.targets.llama_build import build_server
 
 
 @pytest.fixture(scope="module")

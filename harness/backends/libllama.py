@@ -241,8 +241,7 @@ def _run_draft_recovery(
                 "violation",
                 f"{arch}: {e}",
                 "",
-                "python -c 'from properties.libllama_scenarios import draft_recovery_run as r; "
-                f"print(r({arch!r}))'",
+                f"python -c 'from properties.libllama_scenarios import draft_recovery_run as r; print(r({arch!r}))'",
                 f"draft-recovery-{arch}",
                 0,
             )
@@ -335,14 +334,10 @@ def _run_llama_native(
         )
     for fnd in NATIVE_FINDINGS:
         cases = seen[fnd.id]
-        entry = fnd.entry(
-            "llama backend, native faults", "reproduced" if cases else "not-reproduced", count=len(cases)
-        )
+        entry = fnd.entry("llama backend, native faults", "reproduced" if cases else "not-reproduced", count=len(cases))
         if cases:
             entry.update(
                 property="native_fault",
                 message="first case " + cases[0] + f" (replay: python -m harness native --case {cases[0]})",
             )
         report.known.append(entry)
-
-

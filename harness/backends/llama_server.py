@@ -49,15 +49,15 @@ from harness.backends.base import Backend, Failure, GateOptions, GateReport, Mac
 from harness.errors import BadAlloc, PropertyFailure, ServerStartError, UsageError
 from harness.model.server_context import ServerParams
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import (
+from harness.targets.llama_build import (
     PINNED_COMMIT,
     BuildError,
     ServerBuild,
-    ServerProcess,
     cached_binary,
     pinned_status,
     server_build,
 )
+from harness.targets.llama_server import ServerProcess
 from properties.machine import MachineConfig
 from properties.run import run_seeded
 
@@ -222,7 +222,7 @@ class Differential:
         """The request sequence so far, as a script that replays it against the same configuration."""
         lines = [
             "from pathlib import Path",
-            "from harness.targets.llama_server import build_server, build_source",
+            "from harness.targets.llama_build import build_server, build_source",
             "from harness.backends.llama_server import Differential, ServerConfig",
             f"with Differential({self.cfg!r}, {self.binary_expr}, {self.semantics!r}) as d:",
         ]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 from harness.commands.common import SEMANTICS
 from harness.errors import UsageError
-from harness.targets.llama_server import build_server, build_source
+from harness.targets.llama_build import build_server, build_source
 
 __all__ = ["add_arguments", "run"]
 

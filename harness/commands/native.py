@@ -43,5 +43,3 @@ def run(args: argparse.Namespace) -> int:
             print("    " + _first_frames(t.stacks, 20).replace("\n", "\n    "))
     print(json.dumps(rep.to_json()))
     return 1 if rep.findings else 0
-
-

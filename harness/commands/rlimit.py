@@ -59,5 +59,3 @@ def run(args: argparse.Namespace) -> int:
         except OSError as e:
             raise UsageError(f"cannot write {args.json}: {e.strerror}") from None
     return code
-
-
