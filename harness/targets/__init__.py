@@ -8,5 +8,6 @@
 - ``lcp_cache.py``: llama-cpp-python's own ``LlamaRAMCache`` / ``LlamaDiskCache``.
 
 May import: ``harness.model``, ``harness.errors``, ``harness.findings``, ``harness.child``,
-``fixtures``. Never another target (``llama_server`` uses ``llama_build``: one target), the properties, the faults, the backends or the commands.
+``fixtures``. Never another target (``llama_server`` uses ``llama_build``: one target), the properties,
+the faults, the backends or the commands.
 """

@@ -134,23 +134,9 @@ def _file_lock(path: Path) -> Iterator[None]:
 
 
 def _tree_hash(root: Path) -> str:
-    """sha256 over every regular file (relative path, mode bit x, contents) and symlink target."""
-    h = hashlib.sha256()
-    for dirpath, dirnames, filenames in os.walk(root):
-        dirnames.sort()
-        for name in sorted(filenames):
-            p = Path(dirpath) / name
-            rel = p.relative_to(root).as_posix()
-            if rel == _SOURCE_MARKER:
-                continue
-            if p.is_symlink():
-                h.update(f"L {rel} {os.readlink(p)}\n".encode())
-                continue
-            h.update(f"F {rel} {os.stat(p).st_mode & 0o111:o}\n".encode())
-            with p.open("rb") as fh:
-                for chunk in iter(lambda: fh.read(1 << 20), b""):
-                    h.update(chunk)
-    return h.hexdigest()
+    """The sdist marker's hash: :func:`tree_hash` over every file, ``.git`` and build dirs included
+    (the keys of the pinned builds hash it, so it stays as it was)."""
+    return tree_hash(root, skip=False)
 
 
 def _download_sdist(dest: Path, log: Callable[[str], None]) -> Path:
@@ -525,17 +511,19 @@ def pinned_tree_hashes(log: Callable[[str], None] = lambda _m: None) -> dict[str
 _SKIP_DIRS = frozenset({".git", "__pycache__", ".venv", "venv", "node_modules", ".cache", ".ccache"})
 
 
-def tree_hash(root: Path) -> str:
+def tree_hash(root: Path, *, skip: bool = True) -> str:
     """sha256 over a source tree's files (relative path, x bit, contents) and symlink targets,
-    leaving out ``.git``, caches and build directories (any directory holding a ``CMakeCache.txt``),
-    so a checkout, a copy of it and the same tree with a build inside hash the same."""
+    leaving out (``skip``) ``.git``, caches and build directories (any directory holding a
+    ``CMakeCache.txt``), so a checkout, a copy of it and the same tree with a build inside hash the same."""
     h = hashlib.sha256()
     for dirpath, dirnames, filenames in os.walk(root):
-        dirnames[:] = sorted(
-            d for d in dirnames if d not in _SKIP_DIRS and not (Path(dirpath) / d / "CMakeCache.txt").exists()
-        )
+        if skip:
+            dirnames[:] = [
+                d for d in dirnames if d not in _SKIP_DIRS and not (Path(dirpath) / d / "CMakeCache.txt").exists()
+            ]
+        dirnames.sort()
         for name in sorted(filenames):
-            if name in _SKIP_DIRS or name == _SOURCE_MARKER:
+            if (skip and name in _SKIP_DIRS) or name == _SOURCE_MARKER:
                 continue
             p = Path(dirpath) / name
             rel = p.relative_to(root).as_posix()
