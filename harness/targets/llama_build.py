@@ -598,20 +598,40 @@ def pinned_status(
             return True, f"the tree is llama.cpp {PINNED_COMMIT}, the commit the model is pinned to"
         if digest == hashes["shared"]:
             return True, f"the tree is llama.cpp {PINNED_COMMIT} + PR #27451, the commit the model is pinned to"
-        pinned, mine = _files(_sdist_source(log)), _files(src)
+        vendored = _sdist_source(log)
+        pinned, mine = _files(vendored), _files(src)
+        with_pr = {**pinned, **_patched_files(vendored)}
     except (HarnessError, OSError) as e:
         return False, f"cannot compare the tree with llama.cpp {PINNED_COMMIT}: {e}"
-    diff = sorted(k for k in pinned.keys() | mine.keys() if pinned.get(k) != mine.get(k))
-    patched = set(_patch_files())
-    beyond = [d for d in diff if d not in patched]
-    listed = beyond or diff
 
-    shown = ", ".join(listed[:6]) + (f" and {len(listed) - 6} more" if len(listed) > 6 else "")
-    where = f"{len(beyond)} of them outside the PR #27451 patch" if beyond else "all of them files the PR patch touches"
-    return False, (
-        f"the tree differs from llama.cpp {PINNED_COMMIT} (the commit the model is pinned to) in {len(diff)} "
-        f"source files, {where}: {shown}"
+    def differing(base: Mapping[str, str | None]) -> list[str]:
+        return sorted(k for k in base.keys() | mine.keys() if base.get(k) != mine.get(k))
+
+    # measured against the pinned tree the tree's own semantics start from (with the PR or without)
+    base, name = (
+        (with_pr, f"{PINNED_COMMIT} + PR #27451") if infer_semantics(src) == "shared" else (pinned, PINNED_COMMIT)
     )
+    diff = differing(base)
+    shown = ", ".join(diff[:6]) + (f" and {len(diff) - 6} more" if len(diff) > 6 else "")
+    return False, (
+        f"the tree differs from llama.cpp {name} (the model is pinned to {PINNED_COMMIT}) in {len(diff)} "
+        f"source file{'' if len(diff) == 1 else 's'}: {shown}"
+    )
+
+
+def _patched_files(vendored: Path) -> dict[str, str | None]:
+    """sha256 of each file the PR patch touches, as the patch leaves it (None: the patch deletes it)."""
+    with tempfile.TemporaryDirectory(prefix=".patched-files-") as tmp:
+        root = Path(tmp) / "tree"
+        for rel in _patch_files():
+            if (vendored / rel).is_file():
+                (root / rel).parent.mkdir(parents=True, exist_ok=True)
+                shutil.copyfile(vendored / rel, root / rel)
+        _apply_patch(root, PATCH_PATH, Path(tmp) / "patch.log")
+        return {
+            rel: hashlib.sha256((root / rel).read_bytes()).hexdigest() if (root / rel).is_file() else None
+            for rel in _patch_files()
+        }
 
 
 def _patch_files() -> list[str]:
