@@ -70,7 +70,7 @@ _ALL = [
     Finding(
         "stale-checkpoint-after-miss",
         "synthetic",
-        "draft_in_step",
+        "restore_bytes",
         "a request sharing no token with the slot (n_past = 0) skips the checkpoint search and invalidation "
         "keeps pos_max <= 0, so the old prompt's checkpoint at n_tokens = 1 survives; a later request sharing "
         "a token restores it via `cur.pos_min == 0` and the recurrent/SWA state holds the old first token: "

@@ -65,6 +65,13 @@ INVARIANTS: dict[str, str] = {
     "draft_recovery": "with the proposed draft-KV recovery on, a draft context without room fails no request",
     "native_fault": "a failed native allocation inside libllama's state calls or decode is reported or absorbed "
     "correctly, or is a listed finding (libllama backend)",
+    # upstream's policy, computed in properties/policy.py (POLICY there holds the same lines)
+    "load_choice": "load moves exactly the entry upstream's front-to-back f_keep/f_sim scan picks, or nothing",
+    "alloc_eviction": "alloc evicts exactly the prefix entries, then the oldest needed to fit (or recovers)",
+    "update_eviction": "update evicts exactly the oldest entries over the byte limit, then over the token limit",
+    "checkpoint_policy": "create_checkpoint thins (only when full), caps, supersedes and appends as upstream",
+    "restore_failure": "a failed cache load keeps the entry and clears the slot; a failed checkpoint restore aborts",
+    "restore_bytes": "a restored state equals a fresh evaluation of its tokens byte for byte (synthetic backend)",
 }
 
 
