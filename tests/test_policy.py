@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import weakref
+from typing import Any
+
 import pytest
 
 from harness.errors import BadAlloc
@@ -10,6 +13,7 @@ from harness.model.server_context import ServerParams
 from harness.targets.synthetic import make_server
 from properties.policy import (
     CkptView,
+    PolicyTracer,
     expected_alloc,
     expected_checkpoints,
     expected_load_choice,
@@ -82,3 +86,27 @@ def test_a_scoped_restore_fault_fails_the_read_and_clears_the_sequence() -> None
         srv.host.seam.arm(1, scope="restore")
         with srv.host.operation("restore"):
             srv.host.scoped_check("x", 8, ("restore",))
+
+
+def test_checkpoint_policy_holds_the_erased_checkpoints_until_its_check() -> None:
+    """The check compares checkpoints by identity. create_checkpoint frees the checkpoints it erases
+    before it allocates the new one, so unless the tracer holds them the new one may get the id()
+    of an erased one and a correct list fails ("kept n_tokens [] of [1, 2]", order-dependent)."""
+    params = ServerParams(cache_ram=6, cache_ram_unit=1024, n_ctx_checkpoints=3, checkpoint_min_step=4)
+    srv = make_server("shared", "hybrid", params=params, n_ctx=256)
+    inner = srv.create_checkpoint
+    dead: list[int] = []
+
+    def spy(slot: Any, *args: Any) -> None:
+        olds = [weakref.ref(c) for c in slot.prompt.checkpoints]
+        inner(slot, *args)
+        dead.extend(1 for r in olds if r() is None)
+
+    srv.create_checkpoint = spy  # type: ignore[method-assign]
+    tracer = PolicyTracer(srv)
+    # F1's program: the third request's checkpoint at n_tokens 1 supersedes 1 and thins 2
+    for prompt in ((2, 1, 1, 1, 1), (1, 1, 1, 1, 1, 1), (1, 1)):
+        srv.handle_completion(prompt, id_slot=0, n_cmpl=1, n_predict=1)
+        srv.run_until_idle()
+    assert tracer.branches["checkpoint_policy:thinned"] + tracer.branches["checkpoint_policy:superseded"] > 0
+    assert dead == []
