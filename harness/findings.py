@@ -89,6 +89,18 @@ _ALL = [
         "fixtures/findings/kv_layout_logits.py",
     ),
     Finding(
+        "state-set-leaks-into-pending-seq-cp",
+        "llama",
+        "restore_equivalence",
+        "with a per-slot KV (no --kv-unified), seq_cp between streams defers the K/V buffer copy to the next "
+        "llama_decode (src/llama-kv-cache.cpp:494-536, run at llama-context.cpp:1809); a state restored "
+        "before then (set_data runs no update, llama-context.cpp:3223-3260) into the destination is "
+        "overwritten by the source's buffer: llama-server's n_cmpl child copy (server-context.cpp:695-696), "
+        "the child released with n_predict = 1, then a cache load or checkpoint restore into its slot gives "
+        "wrong logits with no error",
+        "fixtures/findings/cache_load_into_pending_child_copy.py",
+    ),
+    Finding(
         "draft-kv-exhaustion (real state)",
         "llama",
         "draft_recovery",

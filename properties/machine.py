@@ -119,6 +119,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     peaks: ClassVar[list[tuple[int, int, int]]]
     llama_stats: ClassVar[Counter[str]]  # restore_checks (summed), state_bytes / partial_bytes (max)
     layout_example: ClassVar[list[str]]  # the first kv-layout-dependent-logits difference seen
+    finding_examples: ClassVar[dict[str, str]]  # finding id -> the first restore difference it explains
 
     def __init__(self) -> None:
         super().__init__()
@@ -360,6 +361,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
                 stats["restores_by:" + k] += v
             if getattr(ctx, "layout_diffs", None) and not t.layout_example:
                 t.layout_example.append(ctx.layout_diffs[0].line())  # type: ignore[union-attr]
+            for fid, diffs in getattr(ctx, "finding_diffs", {}).items():
+                stats["finding:" + fid] += len(diffs)
+                t.finding_examples.setdefault(fid, diffs[0].line())
         tgt = self.server.ctx_tgt
         stats["state_bytes"] = max(stats["state_bytes"], getattr(tgt, "max_state_bytes", 0))
         stats["partial_bytes"] = max(stats["partial_bytes"], getattr(tgt, "max_partial_bytes", 0))
@@ -385,6 +389,7 @@ def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
                 "peaks": [],
                 "llama_stats": Counter(),
                 "layout_example": [],
+                "finding_examples": {},
                 "__module__": __name__,
             },
         )

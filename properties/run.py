@@ -174,6 +174,8 @@ def run_machine(cfg: MachineConfig, cfg_settings: settings, seed_value: int, rep
     cls.peaks.clear()
     cls.llama_stats.clear()
     cls.layout_example.clear()
+    cls.finding_examples.clear()
+    cls.stats_branches.clear()
     t0 = time.perf_counter()
     failure: Failure | None = None
     try:
