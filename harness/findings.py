@@ -102,7 +102,7 @@ _ALL = [
     Finding(
         "stale-checkpoint-after-miss",
         "synthetic",
-        "draft_in_step",
+        "restore_bytes",
         "a request sharing no token with the slot (n_past = 0) skips the checkpoint search and invalidation "
         "keeps pos_max <= 0, so the old prompt's checkpoint at n_tokens = 1 survives; a later request sharing "
         "a token restores it via `cur.pos_min == 0` and the recurrent/SWA state holds the old first token: "
@@ -119,6 +119,18 @@ _ALL = [
         "logits that differ in the last bits from a fresh evaluation, because attention (flash-attn or soft_max) "
         "reduces over all n_kv cells in cell order; the restored state itself is bit-identical",
         "fixtures/findings/kv_layout_logits.py",
+    ),
+    Finding(
+        "state-set-leaks-into-pending-seq-cp",
+        "llama",
+        "restore_equivalence",
+        "with a per-slot KV (no --kv-unified), seq_cp between streams defers the K/V buffer copy to the next "
+        "llama_decode (src/llama-kv-cache.cpp:494-536, run at llama-context.cpp:1809); a state restored "
+        "before then (set_data runs no update, llama-context.cpp:3223-3260) into the destination is "
+        "overwritten by the source's buffer: llama-server's n_cmpl child copy (server-context.cpp:695-696), "
+        "the child released with n_predict = 1, then a cache load or checkpoint restore into its slot gives "
+        "wrong logits with no error",
+        "fixtures/findings/cache_load_into_pending_child_copy.py",
     ),
     Finding(
         "draft-kv-exhaustion (real state)",

@@ -65,6 +65,13 @@ INVARIANTS: dict[str, str] = {
     "draft_recovery": "with the proposed draft-KV recovery on, a draft context without room fails no request",
     "native_fault": "a failed native allocation inside libllama's state calls or decode is reported or absorbed "
     "correctly, or is a listed finding (libllama backend)",
+    # upstream's policy, computed in properties/policy.py (POLICY there holds the same lines)
+    "load_choice": "load moves exactly the entry upstream's front-to-back f_keep/f_sim scan picks, or nothing",
+    "alloc_eviction": "alloc evicts exactly the prefix entries, then the oldest needed to fit (or recovers)",
+    "update_eviction": "update evicts exactly the oldest entries over the byte limit, then over the token limit",
+    "checkpoint_policy": "create_checkpoint thins (only when full), caps, supersedes and appends as upstream",
+    "restore_failure": "a failed cache load keeps the entry and clears the slot; a failed checkpoint restore aborts",
+    "restore_bytes": "a restored state equals a fresh evaluation of its tokens byte for byte (synthetic backend)",
 }
 
 
@@ -341,11 +348,15 @@ def clear_all(server: ServerContext) -> None:
 
 @dataclass(frozen=True)
 class EntryView:
-    """An entry as it was: identity, tokens, checkpoint identities and digests, data identities."""
+    """An entry as it was: identity, tokens, checkpoints (held, compared by identity) and digests, data identities.
+
+    The checkpoint objects themselves are kept, not their id(): a checkpoint freed meanwhile could
+    hand its id() to a new one, and the views would compare equal although the list changed.
+    """
 
     entry: ServerPromptCacheState
     tokens: tuple[int, ...]
-    ckpts: tuple[tuple[int, tuple[str | None, ...]], ...]
+    ckpts: tuple[tuple[CommonPromptCheckpoint, tuple[str | None, ...]], ...]
     data: tuple[int | None, int | None]
 
 
@@ -353,13 +364,17 @@ def _view(e: ServerPromptCacheState) -> EntryView:
     return EntryView(
         e,
         e.prompt.tokens,
-        tuple((id(c), _ckpt_digests(c)) for c in e.prompt.checkpoints),
+        tuple((c, _ckpt_digests(c)) for c in e.prompt.checkpoints),
         tuple(None if p is None else p.ident for p in (e.data.main, e.data.drft)),  # type: ignore[arg-type]
     )
 
 
-def _slot_view(s: ServerSlot) -> tuple[tuple[int, ...], tuple[tuple[int, tuple[str | None, ...]], ...]]:
-    return s.prompt.tokens, tuple((id(c), _ckpt_digests(c)) for c in s.prompt.checkpoints)
+SlotView = tuple[tuple[int, ...], tuple[tuple[CommonPromptCheckpoint, tuple[str | None, ...]], ...]]
+
+
+def _slot_view(s: ServerSlot) -> SlotView:
+    """A slot as it was; its checkpoints held (compared by identity), as in :class:`EntryView`."""
+    return s.prompt.tokens, tuple((c, _ckpt_digests(c)) for c in s.prompt.checkpoints)
 
 
 def _short(t: Any) -> str:
@@ -554,7 +569,7 @@ class Tracer:
             assert cache is not None
             before = [_view(e) for e in cache.states]
             slot_tokens = prompt.tokens
-            moved = {id(v.entry): [id(c) for c in v.entry.prompt.checkpoints] for v in before}
+            moved = {id(v.entry): list(v.entry.prompt.checkpoints) for v in before}  # held: see EntryView
             res = inner(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
             self.checked["load_transfer"] += 1
             after = [_view(e) for e in cache.states]
@@ -568,7 +583,7 @@ class Tracer:
             e = gone[0]
             if prompt.tokens != e.tokens:
                 _fail("load_transfer", "the slot did not receive the chosen entry's tokens")
-            if [id(c) for c in prompt.checkpoints] != moved[id(e.entry)]:
+            if [id(c) for c in prompt.checkpoints] != [id(c) for c in moved[id(e.entry)]]:
                 _fail("load_transfer", "the slot's checkpoints are not the entry's (copied, not moved)")
             lcp_slot = get_common_prefix(slot_tokens, tokens_new)
             lcp = get_common_prefix(e.tokens, tokens_new)

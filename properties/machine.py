@@ -35,10 +35,12 @@ from harness.model.server_context import ServerParams
 from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
 from harness.targets.synthetic import make_server
 from properties import invariants as inv
+from properties.policy import ExpectedAbort, PolicyTracer
 
 __all__ = ["MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
 
 MAX_PROMPT = 40
+BOS = 1
 
 
 @dataclass(frozen=True)
@@ -52,7 +54,8 @@ class MachineConfig:
     after an SWA checkpoint restore; ``"strict-stale-checkpoint"`` stops excusing a slot whose
     memory holds the prefix of a checkpoint taken for another prompt (known finding
     ``stale-checkpoint-after-miss``); ``"draft-recovery"`` turns on the draft-KV recovery proposed
-    in the PR's discussion (``ServerParams.draft_recovery``) and checks that no request fails.
+    in the PR's discussion (``ServerParams.draft_recovery``) and checks that no request fails;
+    ``"no-bos"`` lets prompts start with any token (the main runs start every prompt with BOS).
     """
 
     semantics: str
@@ -61,7 +64,8 @@ class MachineConfig:
     draft: bool = False
     kv_unified: bool = False
     n_slots: int = 2
-    cache_ram: int = 6  # KiB
+    cache_ram: int = 6  # KiB; -1: --cache-ram -1, no byte limit (the token limit n_ctx alone evicts)
+    n_ctx: int = 256  # the target's KV cells over all slots (also the cache's token limit)
     known: frozenset[str] = frozenset()
     resolve: Any = field(default=None, compare=False, repr=False)  # name -> Semantics, for mutants
 
@@ -72,6 +76,10 @@ class MachineConfig:
             parts.append("draft")
         if self.kv_unified:
             parts.append("kvu")
+        if self.cache_ram != 6:
+            parts.append("nobytes" if self.cache_ram < 0 else f"ram{self.cache_ram}")
+        if self.n_ctx != 256:
+            parts.append(f"ctx{self.n_ctx}")
         parts += sorted(_ident(k) for k in self.known)
         name = "_".join(parts)
         return name[0].upper() + name[1:]
@@ -107,9 +115,11 @@ class PromptCacheMachine(RuleBasedStateMachine):
     # per-invariant check counts and seconds, summed over every instance of this class
     stats_checked: ClassVar[Counter[str]]
     stats_seconds: ClassVar[Counter[str]]  # seconds per invariant (floats in a Counter)
+    stats_branches: ClassVar[Counter[str]]  # which upstream policy branch each policy check exercised
     peaks: ClassVar[list[tuple[int, int, int]]]
     llama_stats: ClassVar[Counter[str]]  # restore_checks (summed), state_bytes / partial_bytes (max)
     layout_example: ClassVar[list[str]]  # the first kv-layout-dependent-logits difference seen
+    finding_examples: ClassVar[dict[str, str]]  # finding id -> the first restore difference it explains
 
     def __init__(self) -> None:
         super().__init__()
@@ -136,23 +146,34 @@ class PromptCacheMachine(RuleBasedStateMachine):
                 model_path(cfg.arch),
                 draft_model=draft_path() if cfg.draft else None,
                 params=self.params,
-                n_ctx=256,
+                n_ctx=cfg.n_ctx,
                 n_ctx_dft=32 if small else None,
             )
         else:
             self.server = make_server(
-                sem, cfg.kind, draft=cfg.draft, params=self.params, n_ctx=256, n_ctx_dft=32 if small else None
+                sem, cfg.kind, draft=cfg.draft, params=self.params, n_ctx=cfg.n_ctx, n_ctx_dft=32 if small else None
             )
         self.shadow = inv.Shadow()
         self.tracer = inv.Tracer(self.server, strict_peak=True, shadow=self.shadow)
-        self.crashed = False
+        # wraps outside the safety post-conditions: a broken safety property is reported first
+        self.policy = PolicyTracer(self.server, excuse_stale="strict-stale-checkpoint" not in cfg.known)
+        self.crashed = False  # the modelled server is gone (a crash, or an abort where upstream aborts)
 
     # ---- helpers ---------------------------------------------------------------------------
 
     def _guard(self, what: str, fn: Any, *args: Any, **kw: Any) -> Any:
-        """Run a server operation; an escaping exception is a crash of the target."""
+        """Run a server operation; an escaping exception is a crash of the target.
+
+        An abort where upstream aborts too (a failed checkpoint restore, ``restore_failure``) ends
+        the server quietly: the remaining steps of the program are no-ops.
+        """
+        if self.crashed:
+            return None
         try:
             return fn(*args, **kw)
+        except ExpectedAbort:
+            self.crashed = True
+            return None
         except BadAlloc as e:
             self.crashed = True
             raise TargetCrash("no_partial_entries", f"std::bad_alloc escaped {what}: {e}") from e
@@ -186,6 +207,11 @@ class PromptCacheMachine(RuleBasedStateMachine):
     def request(self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int) -> None:
         """A completion request: a prefix of a slot's or a cache entry's prompt, then new tokens."""
         tokens = (self._base(source)[:keep] + tuple(suffix))[-MAX_PROMPT:] or (1,)
+        if tokens[0] != BOS and "no-bos" not in self.config.known:
+            # llama-server's tokenizer adds BOS: prompts share their first token. Without it a
+            # checkpoint of a first token survives a prompt that starts otherwise and is restored
+            # later (the known finding "stale-first-token-checkpoint", run apart)
+            tokens = ((BOS, *tokens))[:MAX_PROMPT]
         if id_slot >= self.params.n_slots:
             id_slot = -1
         if id_slot >= 0 and self.server.slots[id_slot].is_processing() and "busy-slot-by-id" not in self.config.known:
@@ -215,16 +241,26 @@ class PromptCacheMachine(RuleBasedStateMachine):
     # the shrinker has to delete it: a printed program has no set_limit that changes nothing, no
     # refresh of a checkpoint that is already current, no re-arming of the same fault.
 
+    @precondition(lambda self: self.config.cache_ram > 0)
     @rule(kind=st.sampled_from(["oom-transient", "oom-persistent"]), nth=st.integers(1, 8))
     def arm_fault(self, kind: str, nth: int) -> None:
-        """Fail the nth allocation of the next prompt save (and, if persistent, every later one)."""
+        """Fail the nth allocation of the next prompt save (and, if persistent, every later one).
+
+        Not with the byte limit off: the recovery sets one (S-T.cpp:1770) and the machine would no
+        longer be the token-limit-only configuration it stands for.
+        """
         seam = self.server.host.seam
         persistent = kind == "oom-persistent"
         if seam.armed and (seam._nth, seam._persistent, seam.count) == (nth, persistent, 0):
             reject()  # the same fault is already armed and nothing was counted yet
         seam.arm(nth, persistent=persistent, scope="save")
 
-    @precondition(lambda self: self.server.prompt_cache is not None)
+    @rule(where=st.sampled_from(["load", "restore"]), nth=st.integers(1, 2))
+    def arm_restore_fault(self, where: str, nth: int) -> None:
+        """Fail the nth state read of the next cache load or checkpoint restore (libllama returns 0)."""
+        self.server.host.seam.arm(nth, scope=where)
+
+    @precondition(lambda self: self.server.prompt_cache is not None and self.config.cache_ram > 0)
     @rule(cache_ram=st.integers(1, 12))
     def set_limit(self, cache_ram: int) -> None:
         """Change --cache-ram (KiB here) and let update() enforce it, as the bad_alloc recovery does."""
@@ -237,7 +273,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             reject()  # same limit and update() evicted nothing
 
     def _refreshable(self, slot: int) -> bool:
-        if slot >= self.params.n_slots:
+        if slot >= self.params.n_slots or self.crashed:
             return False
         s = self.server.slots[slot]
         if s.is_processing() or s.prompt.checkpoints.empty() or self.server.ctx_tgt.memory_seq_pos_min(s.id) < 0:
@@ -306,6 +342,10 @@ class PromptCacheMachine(RuleBasedStateMachine):
             t.stats_checked[k] += v
         for k, v in self.tracer.seconds.items():  # type: ignore[assignment]
             t.stats_seconds[k] += v
+        t.stats_checked.update(self.policy.checked)
+        t.stats_branches.update(self.policy.branches)
+        for key, secs in self.policy.seconds.items():
+            t.stats_seconds[key] += secs  # type: ignore[assignment]
         t.peaks.extend(self.tracer.peaks)
         if not self.crashed:
             self.server.host.seam.disarm()
@@ -321,6 +361,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
                 stats["restores_by:" + k] += v
             if getattr(ctx, "layout_diffs", None) and not t.layout_example:
                 t.layout_example.append(ctx.layout_diffs[0].line())  # type: ignore[union-attr]
+            for fid, diffs in getattr(ctx, "finding_diffs", {}).items():
+                stats["finding:" + fid] += len(diffs)
+                t.finding_examples.setdefault(fid, diffs[0].line())
         tgt = self.server.ctx_tgt
         stats["state_bytes"] = max(stats["state_bytes"], getattr(tgt, "max_state_bytes", 0))
         stats["partial_bytes"] = max(stats["partial_bytes"], getattr(tgt, "max_partial_bytes", 0))
@@ -342,9 +385,11 @@ def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
                 "config": config,
                 "stats_checked": Counter(),
                 "stats_seconds": Counter(),
+                "stats_branches": Counter(),
                 "peaks": [],
                 "llama_stats": Counter(),
                 "layout_example": [],
+                "finding_examples": {},
                 "__module__": __name__,
             },
         )

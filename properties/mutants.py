@@ -12,7 +12,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from harness.errors import BadAlloc
-from harness.model.cache import ServerPrompt, ServerPromptCache, ServerPromptCacheState, ServerPromptData, clone_tokens
+from harness.model.cache import (
+    ServerPrompt,
+    ServerPromptCache,
+    ServerPromptCacheState,
+    ServerPromptData,
+    clone_tokens,
+    get_common_prefix,
+)
 from harness.model.checkpoint import CheckpointList, CommonPromptCheckpoint
 from harness.model.memory import Payload
 from harness.model.semantics import MASTER, SHARED, Semantics
@@ -152,6 +159,108 @@ class _CorruptCheckpointRestore(CommonPromptCheckpoint):
             set_raw(ctx.ctx, seq_id, bytes(bad), flags)
 
 
+class _LoadFirstUsable(ServerPromptCache):
+    """load_choice: load takes the first entry that beats the slot, not upstream's best-so-far scan."""
+
+    def load(self, prompt: ServerPrompt, tokens_new: Any, ctx_tgt: Any, ctx_dft: Any, id_slot: int) -> bool:
+        n0 = get_common_prefix(prompt.tokens, tokens_new)
+        keep0 = n0 / len(prompt.tokens) if prompt.tokens else -1.0
+        first = None
+        for e in self.states:
+            n = get_common_prefix(e.prompt.tokens, tokens_new)
+            if e.prompt.tokens and n / len(e.prompt.tokens) >= 0.25 and n / len(e.prompt.tokens) > keep0 and n > n0:
+                first = e
+                break
+        if first is None:
+            return super().load(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
+        everyone = list(self.states)
+        self.states = [first]  # the scan sees only the first usable entry
+        try:
+            return super().load(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
+        finally:
+            gone = first not in self.states
+            self.states = [e for e in everyone if not (gone and e is first)]
+
+
+class _EvictNewest(ServerPromptCache):
+    """alloc_eviction: making room before an insert evicts the newest entry (MRU), not the oldest."""
+
+    def _make_room(self, state_size_new: int) -> None:
+        if self.limit_size > 0:
+            while self.states and self.size() + state_size_new > self.limit_size:
+                self.evictions += 1
+                self._erase(self.states[-1])
+
+
+class _EvictOneMore(ServerPromptCache):
+    """update_eviction: whenever update() evicts, it evicts one entry more than needed."""
+
+    def update(self) -> int:
+        n = len(self.states)
+        res = super().update()
+        if self.states and len(self.states) < n:
+            self._pop_front()
+        return res
+
+
+class _TokenLimitNeedsRam(ServerPromptCache):
+    """update_eviction: update() applies the token limit only when --cache-ram sets a byte limit."""
+
+    def update(self) -> int:
+        if self.limit_size > 0:
+            return super().update()
+        saved, self.limit_tokens = self.limit_tokens, 0
+        try:
+            return super().update()
+        finally:
+            self.limit_tokens = saved
+
+
+class _NoMinStepThinning(ServerContext):
+    """checkpoint_policy: a full checkpoint list only drops its oldest; no min-step thinning (pre-#25472)."""
+
+    def create_checkpoint(self, slot: ServerSlot, n_tokens_cur: int, pos_min: int, pos_max: int) -> None:
+        saved = self.params.checkpoint_min_step
+        self.params.checkpoint_min_step = -(1 << 30)  # no checkpoint is ever within min-step
+        try:
+            super().create_checkpoint(slot, n_tokens_cur, pos_min, pos_max)
+        finally:
+            self.params.checkpoint_min_step = saved
+
+
+class _FailedLoadKeepsSlot(ServerSlot):
+    """restore_failure: prompt_load reports success after a failed restore, so the slot is not cleared."""
+
+    def prompt_load(self, prompt_cache: ServerPromptCache, tokens: Any) -> bool:
+        super().prompt_load(prompt_cache, tokens)
+        return True
+
+
+class _CheckpointRestoreFailureIgnored(CommonPromptCheckpoint):
+    """restore_failure: a checkpoint restore whose read fails is ignored instead of aborting."""
+
+    def load_tgt(self, ctx: Any, seq_id: int, flags: int) -> None:
+        if ctx is not None and self.data_tgt is not None:
+            ctx.state_seq_set_data_ext(seq_id, self.data_tgt.data, flags)
+
+    def load_dft(self, ctx: Any, seq_id: int, flags: int) -> None:
+        if ctx is not None and self.data_dft is not None:
+            ctx.state_seq_set_data_ext(seq_id, self.data_dft.data, flags)
+
+
+class _LoadRestoresOldestBytes(ServerPromptCache):
+    """restore_bytes: a cache load restores the oldest entry's state bytes, whichever entry it moves."""
+
+    def load(self, prompt: ServerPrompt, tokens_new: Any, ctx_tgt: Any, ctx_dft: Any, id_slot: int) -> bool:
+        oldest = self.states[0].data.main if self.states else None
+        data = oldest.data if oldest is not None else None
+        loads = self.loads
+        res = super().load(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
+        if res and self.loads > loads and data is not None:
+            ctx_tgt.state_seq_set_data_ext(id_slot, data, 0)
+        return res
+
+
 @dataclass(frozen=True)
 class Mutant:
     semantics: Semantics
@@ -163,12 +272,19 @@ class Mutant:
     arch: str = ""  # run on this fixtures model (libllama backend) instead of the synthetic provider
 
 
-def _m(name: str, kills: str, cls: type, *, draft: bool = False, arch: str = "") -> Mutant:
+def _m(
+    name: str, kills: str, cls: type, *, draft: bool = False, arch: str = "", also: frozenset[str] = frozenset()
+) -> Mutant:
     """A mutant of ``shared`` whose one broken class is ``cls`` (its docstring says what is broken)."""
-    slot = {ServerPromptCache: "cache_cls", CommonPromptCheckpoint: "checkpoint_cls", ServerContext: "server_cls"}
+    slot = {
+        ServerPromptCache: "cache_cls",
+        CommonPromptCheckpoint: "checkpoint_cls",
+        ServerContext: "server_cls",
+        ServerSlot: "slot_cls",
+    }
     field_name = next(v for k, v in slot.items() if issubclass(cls, k))
     sem = Semantics(name, shared_payloads=True, wide_try=True, **{field_name: cls})
-    return Mutant(sem, kills, (cls.__doc__ or "").strip(), draft=draft, arch=arch)
+    return Mutant(sem, kills, (cls.__doc__ or "").strip(), also=also, draft=draft, arch=arch)
 
 
 MUTANTS: dict[str, Mutant] = {
@@ -196,12 +312,20 @@ MUTANTS: dict[str, Mutant] = {
         _m("evict-forgets-release", "refcount", _EvictForgetsRelease),
         _m("half-built-entry", "no_partial_entries", _HalfBuiltEntry),
         _m("load-keeps-entry", "load_transfer", _LoadKeepsEntry),
-        _m("keeps-prefixes", "no_prefix_entries", _KeepsPrefixes),
-        _m("no-checkpoint-cap", "checkpoint_lists", _NoCheckpointCap),
+        _m("keeps-prefixes", "no_prefix_entries", _KeepsPrefixes, also=frozenset({"alloc_eviction"})),
+        _m("no-checkpoint-cap", "checkpoint_lists", _NoCheckpointCap, also=frozenset({"checkpoint_policy"})),
         _m("no-invalidation", "checkpoint_lists", _NoInvalidation),
         _m("idle-caching-saves-busy", "busy_slot_untouched", _IdleCachingSavesBusy),
         _m("draft-not-restored", "draft_in_step", _DraftNotRestored, draft=True),
         _m("corrupt-checkpoint-restore", "restore_equivalence", _CorruptCheckpointRestore, arch="jamba"),
+        _m("load-first-usable", "load_choice", _LoadFirstUsable),
+        _m("evict-newest", "alloc_eviction", _EvictNewest),
+        _m("evict-one-more", "update_eviction", _EvictOneMore),
+        _m("token-limit-needs-ram", "update_eviction", _TokenLimitNeedsRam),
+        _m("no-min-step-thinning", "checkpoint_policy", _NoMinStepThinning),
+        _m("failed-load-keeps-slot", "restore_failure", _FailedLoadKeepsSlot),
+        _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored),
+        _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
     ]
 }
 

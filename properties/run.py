@@ -98,6 +98,10 @@ def machines_for(variant: str, profile: str) -> list[MachineConfig]:
         MachineConfig(variant, "recurrent", kv_unified=True),
         MachineConfig(variant, "iswa"),
         MachineConfig(variant, "transformer", draft=True, kv_unified=True),
+        # policy reachability: no byte limit (the token limit n_ctx = 44 evicts) and little KV room
+        # (cache loads fail for lack of cells)
+        MachineConfig(variant, "transformer", kv_unified=True, cache_ram=-1, n_ctx=44),
+        MachineConfig(variant, "hybrid", kv_unified=True, n_slots=3, cache_ram=-1, n_ctx=44),
     ]
     if profile == "fuzz":
         base += [
@@ -170,6 +174,8 @@ def run_machine(cfg: MachineConfig, cfg_settings: settings, seed_value: int, rep
     cls.peaks.clear()
     cls.llama_stats.clear()
     cls.layout_example.clear()
+    cls.finding_examples.clear()
+    cls.stats_branches.clear()
     t0 = time.perf_counter()
     failure: Failure | None = None
     try:

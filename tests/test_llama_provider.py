@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.models import ARCHS, draft_path, model_path
+from harness.findings import finding
 from harness.model.provider import (
     STATE_SEQ_FLAGS_NONE,
     STATE_SEQ_FLAGS_PARTIAL_ONLY,
@@ -17,7 +18,14 @@ from harness.model.provider import (
     StateProvider,
 )
 from harness.model.server_context import ServerParams
-from harness.targets.libllama import LlamaProvider, ModelLoadError, close_server, load_model, make_llama_server
+from harness.targets.libllama import (
+    PENDING_CP_FINDING,
+    LlamaProvider,
+    ModelLoadError,
+    close_server,
+    load_model,
+    make_llama_server,
+)
 from properties import invariants as inv
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -170,6 +178,76 @@ def test_cell_order_differences_are_the_layout_finding_not_a_mismatch() -> None:
         assert p.restore_checks == 1
         assert p.mismatches == []
         assert len(p.layout_diffs) == 1
+
+
+def _child_copy_then_restore(p: LlamaProvider, child_copy: bool = True) -> None:
+    """The gemma2 gate program (seed 0), shrunk to the provider's calls: slot 1 saves an entry and a
+    checkpoint, becomes a parent whose child copy 1 -> 0 is never flushed by a decode, then slot 0
+    loads the entry, restores the checkpoint, rolls back to 4 and decodes."""
+    p.decode(0, [1], 0)
+    p.memory_seq_rm(0, -1, -1)
+    p.decode(1, [1] * 5, 0)
+    ckpt = p.state_seq_get_data_ext(1, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+    p.decode(1, [1] * 4, 5)
+    entry = p.state_seq_get_data_ext(1, STATE_SEQ_FLAGS_NONE)
+    p.memory_seq_rm(1, -1, -1)
+    p.decode(1, [1], 0)
+    if child_copy:
+        p.memory_seq_cp(1, 0, -1, -1)  # copy_state_to(child); the child is then released and cleared
+    p.memory_seq_rm(0, -1, -1)
+    assert p.state_seq_set_data_ext(0, entry, STATE_SEQ_FLAGS_NONE) == len(entry)
+    assert p.state_seq_set_data_ext(0, ckpt, STATE_SEQ_FLAGS_PARTIAL_ONLY) == len(ckpt)
+    p.memory_seq_rm(0, 4, -1)
+    assert p.decode(0, [1, 1], 4) == 0  # the deferred copy 1 -> 0 runs here
+
+
+def test_a_restore_overwritten_by_a_deferred_seq_cp_is_the_known_finding() -> None:
+    with provider("gemma2") as p:
+        _child_copy_then_restore(p)
+        assert p.restore_checks == 1 and p.mismatches == [] and p.layout_diffs == []
+        [m] = p.finding_diffs[PENDING_CP_FINDING]
+        assert m.restored_by == "set_data(flags=1)+seq_rm(p0=4)" and m.n_tokens == 6
+        # a later check of the same cells is still the finding; a cleared sequence is clean again
+        p.memory_seq_rm(0, 3, -1)
+        p.decode(0, [1], 3)
+        assert p.mismatches == [] and len(p.finding_diffs[PENDING_CP_FINDING]) == 2
+        p.memory_seq_rm(0, -1, -1)
+        assert 0 not in p._overwritten
+    with provider("gemma2") as p:  # control: without the child copy the same program is exact
+        _child_copy_then_restore(p, child_copy=False)
+        assert p.restore_checks == 1 and p.mismatches == [] and p.finding_diffs == {}
+    with provider("gemma2", kv_unified=True) as p:  # one stream: seq_cp copies nothing later
+        _child_copy_then_restore(p)
+        assert p.finding_diffs == {} and p.mismatches == []
+
+
+def test_the_deferred_seq_cp_excuse_covers_only_the_overwritten_sequence() -> None:
+    """A wrong restore into another sequence is still a mismatch while seq 0 carries the finding."""
+    with CorruptRestore(load_model(model_path("llama")), n_seq=2, n_ctx=256, n_batch=16, n_ubatch=8) as p:
+        fill(p)
+        data = p.state_seq_get_data_ext(0, STATE_SEQ_FLAGS_NONE)
+        p.memory_seq_cp(0, 1, -1, -1)
+        p.memory_seq_rm(1, -1, -1)
+        assert p.state_seq_set_data_ext(1, data, STATE_SEQ_FLAGS_NONE)  # into the pending destination
+        p.memory_seq_rm(0, -1, -1)
+        assert p.state_seq_set_data_ext(0, data, STATE_SEQ_FLAGS_NONE)  # corrupted, no copy involved
+        p.decode(0, [7], len(PROMPT))
+        assert len(p.mismatches) == 1 and p.mismatches[0].seq == 0
+        p.decode(1, [7], len(PROMPT))
+        assert len(p.finding_diffs[PENDING_CP_FINDING]) == 1 and p.finding_diffs[PENDING_CP_FINDING][0].seq == 1
+
+
+def test_pending_child_copy_reproducer_exits_1_while_present() -> None:
+    assert finding(PENDING_CP_FINDING).reproducer == "fixtures/findings/cache_load_into_pending_child_copy.py"
+    r = subprocess.run(
+        [sys.executable, "fixtures/findings/cache_load_into_pending_child_copy.py", "gemma2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "identical to cache entry" in r.stdout and "differ from a fresh evaluation" in r.stdout
 
 
 def test_layout_finding_reproducer_exits_1_while_present() -> None:

@@ -36,8 +36,8 @@ KNOWN_MACHINES: dict[str, tuple[Callable[[str], MachineConfig], frozenset[str]]]
         frozenset({"checkpoint_lists"}),
     ),
     "stale-checkpoint-after-miss": (
-        lambda v: MachineConfig(v, "hybrid", known=frozenset({"strict-stale-checkpoint"})),
-        frozenset({"draft_in_step"}),
+        lambda v: MachineConfig(v, "hybrid", known=frozenset({"strict-stale-checkpoint", "no-bos"})),
+        frozenset({"restore_bytes", "draft_in_step"}),
     ),
 }
 

@@ -252,6 +252,16 @@ class Host:
         if scope is None or any(op.name == scope for op in self._ops):
             self.seam.check(site, nbytes)
 
+    def scoped_check(self, site: str, nbytes: int, scopes: tuple[str, ...]) -> None:
+        """An allocation inside libllama (a state read), visible only to a seam armed for one of ``scopes``.
+
+        Unscoped arms and arms scoped to other operations do not count it, so the numbering of the
+        model's own allocation points (what the sweeps and the server differential arm by) does not
+        change. Raises :class:`BadAlloc` when this allocation is the armed one.
+        """
+        if nbytes > 0 and self.seam.scope is not None and self.seam.scope in scopes:
+            self._check(site, nbytes)
+
     def allocate(self, site: str, nbytes: int) -> None:
         """A metadata allocation (token array, list node, header): may fail, is counted per op."""
         if nbytes <= 0:

@@ -39,9 +39,11 @@ from __future__ import annotations
 import enum
 import hashlib
 import struct
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol, runtime_checkable
+
+from harness.errors import BadAlloc
 
 __all__ = [
     "STATE_SEQ_FLAGS_NONE",
@@ -173,6 +175,9 @@ class SyntheticProvider:
         self._registry: dict[bytes, tuple[int, ...]] = {_hist_digest(()): ()}
         self._seqs = [self._new_seq() for _ in range(n_seq)]
         self.decode_calls = 0
+        # an allocation inside libllama's state read (``llama_state_seq_set_data_ext``): the host's
+        # seam may make it fail with BadAlloc, which libllama catches and reports as 0 bytes read
+        self.restore_fault: Callable[[str, int], None] | None = None
 
     # ---- structure -------------------------------------------------------------------------
 
@@ -261,6 +266,14 @@ class SyntheticProvider:
     def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int:
         """Restore ``data`` into ``seq``; 0 on any mismatch, and then the sequence is cleared."""
         s = self._seq(seq)
+        if self.restore_fault is not None:
+            try:
+                self.restore_fault(f"{self.name}.state_read", len(data))
+            except BadAlloc:
+                # llama_state_seq_set_data_ext catches the exception and returns 0; the KV cache
+                # had already removed the sequence (llama_kv_cache::state_read_meta seq_rm)
+                self.memory_seq_rm(seq, -1, -1)
+                return 0
         parsed = self._parse(data, flags)
         if parsed is None:
             self.memory_seq_rm(seq, -1, -1)

@@ -468,15 +468,18 @@ class ServerContext:
                         found = cur
                         break
                 if found is not None:
-                    found.load_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                    found.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
                     pos_next = min(pos_next, max(found.pos_min + 1, found.pos_max))
                     n_past = min(pos_next, found.n_tokens)
                     if found.made_for[:n_past] != slot.prompt.tokens[:n_past]:
                         # known finding stale-checkpoint-after-miss: the checkpoint was taken for a
                         # prompt that shares fewer than n_past tokens with this one (it survived a
-                        # request with n_past = 0, see the docstring); upstream restores it anyway
+                        # request with n_past = 0, see the docstring); upstream restores it anyway.
+                        # Recorded before the restore, so the checks around the restore can see it.
                         self.stale_restores.append(found.made_for[:n_past])
+                    # a failed read aborts (common.cpp:2337, 2355); "restore" scopes faults to it
+                    with self.host.operation("restore"):
+                        found.load_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                        found.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
                 else:
                     pos_next = 0
                     n_past = 0

@@ -25,6 +25,13 @@ What it adds on top of libllama, and promises:
   contiguous, does reproduce the fresh logits: then only the KV cell layout differed, and it goes
   to ``layout_diffs`` (the known finding ``kv-layout-dependent-logits``,
   ``fixtures/findings/kv_layout_logits.py``).
+* **Deferred stream copies.** With a per-slot KV (several sequences, not unified) a ``seq_cp``
+  between sequences only enqueues the copy of the source stream's K/V buffer; the next
+  ``llama_decode`` runs it. A state restored into the destination before then is overwritten by it
+  (the known finding ``state-set-leaks-into-pending-seq-cp``): the provider marks such a sequence
+  (and what is saved from it or copied from it later) as overwritten, and a decode of it that
+  differs from the fresh evaluation goes to ``finding_diffs[PENDING_CP_FINDING]``, not to
+  ``mismatches``. Nothing else is excused by it.
 * Token ids of the model (small integers) are passed to libllama unchanged; they must be below
   ``n_vocab`` (the fixtures' vocabulary has 259 tokens).
 
@@ -47,12 +54,14 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ModelLoadError
+from harness.findings import finding
 from harness.model.memory import Host
 from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, SeqRmType
 from harness.model.semantics import Semantics, get_semantics
 from harness.model.server_context import ServerContext, ServerParams
 
 __all__ = [
+    "PENDING_CP_FINDING",
     "LlamaModel",
     "LlamaProvider",
     "Mismatch",
@@ -180,6 +189,10 @@ class Mismatch:
 # (observed: below 0.2 %); a wrong or stale state moves logits by far more (10 % and up).
 UNIFIED_LAYOUT_TOLERANCE = 0.01
 
+# A restore into a sequence while a cross-stream seq_cp into it waits for the next decode is overwritten
+# by that copy (fixtures/findings/cache_load_into_pending_child_copy.py)
+PENDING_CP_FINDING = finding("state-set-leaks-into-pending-seq-cp").id
+
 # component ids, as in the synthetic provider
 _KV, _SWA, _RS = "kv", "swa", "rs"
 
@@ -228,6 +241,7 @@ class LlamaProvider:
         self.n_swa = model.n_swa  # the server's n_swa with swa_full false
         self.check_restores = check_restores
         self._n_batch, self._n_ubatch, self._kv_unified = n_batch, n_ubatch, kv_unified
+        self._streams = 1 if kv_unified else n_seq  # KV streams: n_stream (src/llama-kv-cache.cpp:84)
         self.ctx = self._new_context(n_seq, n_ctx)
         self.n_ctx = int(ll.llama_n_ctx(self.ctx))
         self.mem = ll.llama_get_memory(self.ctx)
@@ -253,6 +267,13 @@ class LlamaProvider:
         self.restore_checks = 0
         self.mismatches: list[Mismatch] = []
         self.layout_diffs: list[Mismatch] = []
+        # differences explained by a known finding, by finding id (see _check_restore)
+        self.finding_diffs: dict[str, list[Mismatch]] = {}
+        # cross-stream seq_cp (src, dst) whose buffer copy waits for the next llama_decode, and the
+        # sequences (and saved states) whose K/V such a copy overwrote after a restore
+        self._unflushed_cp: list[list[int]] = []  # [src, dst, restored since the seq_cp (0/1)]
+        self._overwritten: set[int] = set()
+        self._overwritten_states: set[bytes] = set()
         self.restores_by: Counter[str] = Counter()  # checks per restore path: set_data, set_data(partial), ...
         self.max_state_bytes = 0
         self.max_partial_bytes = 0
@@ -326,7 +347,12 @@ class LlamaProvider:
         self._check_seq(seq)
         data = self._raw_state(self.ctx, seq, flags)
         n = len(data)
-        self._registry[_digest(data, flags)] = {c: self._hist[seq][c] for c in self._selected(flags)}
+        digest = _digest(data, flags)
+        self._registry[digest] = {c: self._hist[seq][c] for c in self._selected(flags)}
+        if seq in self._overwritten:
+            self._overwritten_states.add(digest)
+        else:
+            self._overwritten_states.discard(digest)
         if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY:
             self.max_partial_bytes = max(self.max_partial_bytes, n)
         else:
@@ -340,11 +366,22 @@ class LlamaProvider:
             # libllama clears the destination sequence when a restore fails (llama-context.cpp)
             self._hist[seq] = dict.fromkeys(self._comps, ())
             self._pending.pop(seq, None)
+            self._overwritten.discard(seq)
             return 0
-        known = self._registry.get(_digest(data, flags))
+        digest = _digest(data, flags)
+        known = self._registry.get(digest)
         for c in self._selected(flags):
             self._hist[seq][c] = known[c] if known is not None else (((-1,), 1),)
         self._pending[seq] = f"set_data(flags={flags})"
+        # a deferred stream copy into or out of this sequence will now move restored K/V around
+        # (set_data runs no memory update first: src/llama-context.cpp:3223-3260)
+        for cp in self._unflushed_cp:
+            if seq in (cp[0], cp[1]):
+                cp[2] = 1
+        if digest in self._overwritten_states:
+            self._overwritten.add(seq)
+        elif flags == 0:
+            self._overwritten.discard(seq)  # every component replaced by a state that is right
         return ret
 
     def _set_raw(self, ctx: Any, seq: int, data: bytes, flags: int) -> int:
@@ -371,6 +408,7 @@ class LlamaProvider:
                 self._pending[s] = f"{prior}+seq_rm(p0={keep})" if prior else f"seq_rm(p0={keep})"
             elif keep == 0:
                 self._pending.pop(s, None)
+                self._overwritten.discard(s)
         return True
 
     def memory_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
@@ -379,6 +417,27 @@ class LlamaProvider:
         self._ll.llama_memory_seq_cp(self.mem, src, dst, p0, p1)
         self._hist[dst] = dict(self._hist[src])
         self._pending[dst] = f"seq_cp({src})"
+        if src in self._overwritten:
+            self._overwritten.add(dst)
+        else:
+            self._overwritten.discard(dst)
+        if src != dst and self._streams > 1 and self.kind is not MemoryKind.RECURRENT:
+            # between KV streams only the cell metadata is copied now; the K/V buffer copy of the
+            # whole source stream waits for the next llama_decode (src/llama-kv-cache.cpp:494-536,
+            # run by llama_kv_cache::update, :827-846, from llama-context.cpp:1809)
+            self._unflushed_cp.append([src, dst, 0])
+
+    def _flush_copies(self) -> None:
+        """The deferred stream copies ran (a ``llama_decode`` got past its input checks).
+
+        A copy after which either end was restored overwrote the destination's K/V with the source
+        stream's buffer: if the destination holds cells, they no longer hold what its history says
+        (the known finding ``state-set-leaks-into-pending-seq-cp``).
+        """
+        for src, dst, restored in self._unflushed_cp:
+            if (restored or src in self._overwritten) and any(self._hist[dst].values()):
+                self._overwritten.add(dst)
+        self._unflushed_cp.clear()
 
     def memory_seq_pos_min(self, seq: int) -> int:
         return int(self._ll.llama_memory_seq_pos_min(self.mem, seq))
@@ -425,6 +484,10 @@ class LlamaProvider:
         why = self._pending.get(seq) if self.check_restores else None
         snap = self._raw_state(self.ctx, seq) if why is not None else b""
         ret, logits = self._decode_raw(self.ctx, seq, toks, pos0, want_logits=True)
+        if ret != -1:
+            # -1 is returned only by the input checks, before memory_update runs the deferred
+            # stream copies (src/llama-context.cpp:1762-1781 vs 1809)
+            self._flush_copies()
         if ret != 0:
             return ret
         for c in h:
@@ -495,7 +558,12 @@ class LlamaProvider:
             history=_flat(chunks),
         )
         scale = max((abs(x) for x in b), default=0.0) or 1.0
-        if self._compacted_logits(snap, toks, pos0) == ref:
+        if seq in self._overwritten:
+            # a deferred stream copy overwrote this sequence's restored K/V when this decode (or an
+            # earlier one, whose cells it kept) began: the known finding, not the provider's restore.
+            # The layout test cannot tell: its snapshot was taken before the copy ran.
+            self.finding_diffs.setdefault(PENDING_CP_FINDING, []).append(m)
+        elif self._compacted_logits(snap, toks, pos0) == ref:
             self.layout_diffs.append(m)
         elif self._kv_unified and m.max_abs_diff <= UNIFIED_LAYOUT_TOLERANCE * scale:
             # in a unified KV the sequence was computed beside other sequences' cells, so even its

@@ -14,7 +14,7 @@ from harness.model.provider import MemoryKind, SyntheticProvider
 from harness.model.semantics import Semantics, get_semantics
 from harness.model.server_context import ServerContext, ServerParams
 
-__all__ = ["make_server"]
+__all__ = ["attach_restore_faults", "make_server"]
 
 
 def make_server(
@@ -45,5 +45,25 @@ def make_server(
             window=window,
             seed=seed + 1,
         )
+    host = Host()
+    attach_restore_faults(host, tgt, dft)
     server_cls: type[ServerContext] = sem.server_cls or ServerContext
-    return server_cls(params, Host(), sem, tgt, dft)
+    return server_cls(params, host, sem, tgt, dft)
+
+
+# the operations (``Host.operation`` names) whose scoped faults reach a context's state reads
+RESTORE_SCOPES_TGT = ("load", "restore")
+RESTORE_SCOPES_DFT = ("restore",)
+
+
+def attach_restore_faults(host: Host, tgt: SyntheticProvider, dft: SyntheticProvider | None) -> None:
+    """Let a seam armed for a cache ``load`` or a checkpoint ``restore`` fail the state read inside it.
+
+    The target's reads fail in both operations. The draft's reads fail only in a checkpoint restore:
+    a draft read that fails in a cache load after the target's succeeded leaves the entry without its
+    main state upstream (server-task.cpp:1842-1856), the known finding ``draft-kv-exhaustion``,
+    which the gate runs apart.
+    """
+    tgt.restore_fault = lambda site, n: host.scoped_check(site, n, RESTORE_SCOPES_TGT)
+    if dft is not None:
+        dft.restore_fault = lambda site, n: host.scoped_check(site, n, RESTORE_SCOPES_DFT)
