@@ -121,7 +121,7 @@ _ALL = [
         "fixtures/findings/kv_layout_logits.py",
     ),
     Finding(
-        "state-set-leaks-into-pending-seq-cp",
+        "cache-load-into-pending-child-copy",
         "llama",
         "restore_equivalence",
         "with a per-slot KV (no --kv-unified), seq_cp between streams defers the K/V buffer copy to the next "
@@ -129,7 +129,7 @@ _ALL = [
         "before then (set_data runs no update, llama-context.cpp:3223-3260) into the destination is "
         "overwritten by the source's buffer: llama-server's n_cmpl child copy (server-context.cpp:695-696), "
         "the child released with n_predict = 1, then a cache load or checkpoint restore into its slot gives "
-        "wrong logits with no error",
+        "wrong logits with no error (how the server reaches the contract finding state-set-leaks-into-pending-seq-cp)",
         "fixtures/findings/cache_load_into_pending_child_copy.py",
     ),
     Finding(
@@ -345,6 +345,8 @@ _ALL = [
 ]
 
 FINDINGS: dict[str, Finding] = {f.id: f for f in _ALL}
+if len(FINDINGS) != len(_ALL):  # one id, one finding: a second row under an id would silently win
+    raise RuntimeError(f"duplicate finding ids: {sorted(i for i in FINDINGS if sum(f.id == i for f in _ALL) > 1)}")
 
 
 def finding(id: str) -> Finding:

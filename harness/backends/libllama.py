@@ -14,7 +14,7 @@ Every mismatch fails the gate. A difference that disappears when the very same s
 from a contiguous cell layout is not a mismatch but the known finding ``kv-layout-dependent-logits``
 (counted per model as ``layout_diffs``, reproducer in ``fixtures/findings/``). A difference in a
 sequence whose restored K/V a deferred cross-stream ``seq_cp`` overwrote is the known finding
-``state-set-leaks-into-pending-seq-cp`` (``finding_diffs``; the provider tracks that state).
+``cache-load-into-pending-child-copy`` (``finding_diffs``; the provider tracks that state).
 
 The target is :mod:`harness.targets.libllama`.
 """

@@ -28,7 +28,7 @@ What it adds on top of libllama, and promises:
 * **Deferred stream copies.** With a per-slot KV (several sequences, not unified) a ``seq_cp``
   between sequences only enqueues the copy of the source stream's K/V buffer; the next
   ``llama_decode`` runs it. A state restored into the destination before then is overwritten by it
-  (the known finding ``state-set-leaks-into-pending-seq-cp``): the provider marks such a sequence
+  (the known finding ``cache-load-into-pending-child-copy``): the provider marks such a sequence
   (and what is saved from it or copied from it later) as overwritten, and a decode of it that
   differs from the fresh evaluation goes to ``finding_diffs[PENDING_CP_FINDING]``, not to
   ``mismatches``. Nothing else is excused by it.
@@ -191,7 +191,7 @@ UNIFIED_LAYOUT_TOLERANCE = 0.01
 
 # A restore into a sequence while a cross-stream seq_cp into it waits for the next decode is overwritten
 # by that copy (fixtures/findings/cache_load_into_pending_child_copy.py)
-PENDING_CP_FINDING = finding("state-set-leaks-into-pending-seq-cp").id
+PENDING_CP_FINDING = finding("cache-load-into-pending-child-copy").id
 
 # component ids, as in the synthetic provider
 _KV, _SWA, _RS = "kv", "swa", "rs"
@@ -432,7 +432,7 @@ class LlamaProvider:
 
         A copy after which either end was restored overwrote the destination's K/V with the source
         stream's buffer: if the destination holds cells, they no longer hold what its history says
-        (the known finding ``state-set-leaks-into-pending-seq-cp``).
+        (the known finding ``cache-load-into-pending-child-copy``).
         """
         for src, dst, restored in self._unflushed_cp:
             if (restored or src in self._overwritten) and any(self._hist[dst].values()):
