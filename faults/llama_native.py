@@ -30,6 +30,9 @@ and runs each trial in a forked copy of itself (:func:`harness.child.run_child` 
 so a trial that aborts takes only itself down; when the child itself dies, the next child resumes
 at the following allocation number. Each trial id (``lfm2.set.7``) replays it:
 ``python -m harness native --case lfm2.set.7``.
+
+Size: ``_child`` runs one whole trial (load, arm, call, classify, report) top to bottom, so the trial reads as
+its own reproducer; split, its steps would pass half-built llama state around.
 """
 
 from __future__ import annotations

@@ -14,6 +14,9 @@ Two kinds of checks:
 
 Every check computes its expectation independently of the code under test: sizes are summed from
 payload bytes, digests are taken from the bytes themselves, ratios are exact fractions.
+
+Size: the registry of every property the gate checks, one short function each, sharing the tracer that records
+what they compare.
 """
 
 from __future__ import annotations

@@ -60,6 +60,9 @@ resets the sequence instead of failing. Everything else fails the run with the s
 
 Run: ``python -m harness contract [--arch llama gemma2] [--seed 0] [--max-examples N]
 [--steps N] [--json]``.
+
+Size: the contract machine is one Hypothesis machine whose rules, reference replay and finding conditions read
+each other's state; the findings themselves live in harness/findings.py.
 """
 
 from __future__ import annotations

@@ -39,6 +39,9 @@ property               what is computed
 
 :class:`PolicyTracer` wraps one live server's operations (outside :class:`~properties.invariants.Tracer`,
 so a safety property that is broken is reported by its own name first).
+
+Size: each policy property recomputes one of upstream's choices (load, evictions, token limit, checkpoint
+thinning, failed restores, restored bytes) independently of the model; they share one tracer.
 """
 
 from __future__ import annotations

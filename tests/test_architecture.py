@@ -124,3 +124,28 @@ def test_only_the_child_helper_forks() -> None:
             if isinstance(node, ast.Attribute) and node.attr in ("fork", "forkpty", "waitpid"):
                 bad.append(f"{path.relative_to(ROOT)}:{node.lineno}: os.{node.attr}: use harness.child.run_child")
     assert not bad, "\n".join(bad)
+
+
+MODULE_LINES = 500
+FUNCTION_LINES = 80
+
+
+def test_long_modules_and_functions_say_why() -> None:
+    """A module over ~500 lines, or with a function over ~80, says why at its top: a ``Size:`` paragraph
+    in its docstring, naming each long function."""
+    missing = []
+    for pkg in PACKAGES:
+        for path in sorted((ROOT / pkg).rglob("*.py")):
+            src = path.read_text()
+            tree = ast.parse(src)
+            doc = ast.get_docstring(tree) or ""
+            size = doc[doc.find("Size:") :] if "Size:" in doc else ""
+            rel = path.relative_to(ROOT).as_posix()
+            if src.count("\n") > MODULE_LINES and not size:
+                missing.append(f"{rel}: {src.count(chr(10))} lines and no 'Size:' reason in its docstring")
+            for node in ast.walk(tree):
+                if isinstance(node, ast.FunctionDef | ast.AsyncFunctionDef):
+                    n = (node.end_lineno or node.lineno) - node.lineno + 1
+                    if n > FUNCTION_LINES and f"``{node.name}``" not in size:
+                        missing.append(f"{rel}: {node.name} is {n} lines and the 'Size:' reason does not name it")
+    assert not missing, "\n".join(missing)

@@ -17,6 +17,9 @@ sequence whose restored K/V a deferred cross-stream ``seq_cp`` overwrote is the 
 ``cache-load-into-pending-child-copy`` (``finding_diffs``; the provider tracks that state).
 
 The target is :mod:`harness.targets.libllama`.
+
+Size: ``_run_llama`` is the one place that orders the llama backend's phases (machines per model, full
+context, memray, native faults, draft recovery) and their report rows.
 """
 
 from __future__ import annotations

@@ -25,6 +25,12 @@ What :func:`run_server_backend` runs (``python -m harness gate --backend server 
 Deviations: requests are sent one at a time (a request completes before the next), so the
 server's slot scheduling is deterministic; child tasks (``n_cmpl``) are not used; a failing
 example is not shrunk (each step is a real request), the full request sequence is printed instead.
+
+Size: the server backend's scenarios (the differential machine, eviction, full context, the save's RSS peak
+and its native faults) all drive one :class:`Differential` and read the same server logs, so they live with
+it; ``server_machine`` builds the Hypothesis machine class over that state and ``run_server_backend`` runs the
+phases in order and files each row. The next split is ``save_peak``/``save_fault`` into a faults module of
+their own.
 """
 
 from __future__ import annotations

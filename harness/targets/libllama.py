@@ -37,6 +37,9 @@ What it adds on top of libllama, and promises:
 
 The provider owns its context and frees it in :meth:`close` (also a context manager). Models are
 loaded once per path and process (:func:`load_model`).
+
+Size: the provider's state I/O on real contexts, the restore-equivalence check and the classifiers of the
+known findings it sees share the provider's per-sequence state, so they stay together.
 """
 
 from __future__ import annotations

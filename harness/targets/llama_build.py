@@ -27,6 +27,9 @@ runs and what is known of it. :mod:`harness.targets.llama_server` runs a binary.
 ``python -m harness build-server [--semantics shared|master] [--asan] [--source DIR] [--jobs N] [--force]`` exits 0 and
 prints the binary's path, 2 on a usage/environment error (no cmake, no compiler) and
 :data:`EXIT_BUILD_FAILED` (4) when fetching, patching, configuring or compiling fails.
+
+Size: one build pipeline, in the order a build runs: the sdist and the pinned trees, tree hashing and
+semantics inference, the cache lookup, CMake, and what the server backend is told about the binary.
 """
 
 from __future__ import annotations
