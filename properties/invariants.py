@@ -386,6 +386,38 @@ def _short(t: Any) -> str:
     return repr(t) if len(t) <= 8 else f"({len(t)} tokens ending {t[-4:]})"
 
 
+def wrap_timed(
+    obj: Any,
+    name: str,
+    make: Callable[[Callable[..., Any]], Callable[..., Any]],
+    seconds: dict[str, float],
+    label: str,
+) -> None:
+    """Replace ``obj.name`` by ``make(original)``; the time spent outside the original is charged
+    to ``seconds[label]``, the post-condition that the wrapper checks (the tracers' one wrapping)."""
+    original = getattr(obj, name)
+    inner_time = [0.0]
+
+    def timed_inner(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        try:
+            return original(*a, **kw)
+        finally:
+            inner_time[0] += time.perf_counter() - t0
+
+    wrapped = make(timed_inner)
+
+    def outer(*a: Any, **kw: Any) -> Any:
+        t0 = time.perf_counter()
+        before = inner_time[0]
+        try:
+            return wrapped(*a, **kw)
+        finally:
+            seconds[label] += (time.perf_counter() - t0) - (inner_time[0] - before)
+
+    setattr(obj, name, outer)
+
+
 # which property each wrapped method's post-condition belongs to (for the timing report)
 _WRAPPED_CHECK = {
     "alloc": "no_partial_entries",
@@ -422,30 +454,7 @@ class Tracer:
         self._wrap(server, "handle_completion", self._handle)
 
     def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        """Replace ``obj.name`` by ``make(original)``; time spent outside the original is charged
-        to the post-condition that the wrapper checks (``seconds``)."""
-        original = getattr(obj, name)
-        inner_time = [0.0]
-
-        def timed_inner(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return original(*a, **kw)
-            finally:
-                inner_time[0] += time.perf_counter() - t0
-
-        wrapped = make(timed_inner)
-        label = _WRAPPED_CHECK[name]
-
-        def outer(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            before = inner_time[0]
-            try:
-                return wrapped(*a, **kw)
-            finally:
-                self.seconds[label] += (time.perf_counter() - t0) - (inner_time[0] - before)
-
-        setattr(obj, name, outer)
+        wrap_timed(obj, name, make, self.seconds, _WRAPPED_CHECK[name])
 
     # limit + no_prefix_entries + no_partial_entries
     def _alloc(self, inner: Callable[..., Any]) -> Callable[..., Any]:

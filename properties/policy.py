@@ -47,7 +47,6 @@ thinning, failed restores, restored bytes) independently of the model; they shar
 from __future__ import annotations
 
 import struct
-import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -56,7 +55,7 @@ from typing import Any
 from harness.errors import GgmlAbort
 from harness.model.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, SyntheticProvider
 from harness.model.server_context import ServerContext
-from properties.invariants import INVARIANTS, Violation
+from properties.invariants import INVARIANTS, Violation, wrap_timed
 
 __all__ = [
     "POLICY",
@@ -305,27 +304,7 @@ class PolicyTracer:
                 self._wrap(ctx, "state_seq_set_data_ext", self._set_data(ctx), "restore_bytes")
 
     def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], label: str) -> None:
-        original = getattr(obj, name)
-        inner_time = [0.0]
-
-        def timed_inner(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            try:
-                return original(*a, **kw)
-            finally:
-                inner_time[0] += time.perf_counter() - t0
-
-        wrapped = make(timed_inner)
-
-        def outer(*a: Any, **kw: Any) -> Any:
-            t0 = time.perf_counter()
-            before = inner_time[0]
-            try:
-                return wrapped(*a, **kw)
-            finally:
-                self.seconds[label] += (time.perf_counter() - t0) - (inner_time[0] - before)
-
-        setattr(obj, name, outer)
+        wrap_timed(obj, name, make, self.seconds, label)
 
     # ---- restores as libllama sees them ------------------------------------------------------
 
