@@ -17,9 +17,13 @@ test ``tests/test_architecture.py`` reads every import and fails on a loop or an
 6. ``harness.backends``: one gate runner per backend, all listed in
    :data:`harness.backends.BACKENDS` with one signature; a new engine is a target module plus a
    backend module.
-7. ``harness.commands``: one module per ``python -m harness`` subcommand.
-8. ``harness.cli`` and ``harness.__main__``: the entry point, importing its commands directly.
-9. ``harness.pytest_plugin`` (beside ``ci``): the pytest plugin for users' own tests (fixtures, the
+7. ``harness.campaign`` (fuzz campaigns: worker processes, example databases, the live view,
+   replay), ``harness.measure`` (measurements and the reporters that turn them into pages and
+   tables: the memory report, the bench) and ``harness.load`` (concurrent clients and soak runs
+   against a real server): work built on the gate's backends, on one floor.
+8. ``harness.commands``: one module per ``python -m harness`` subcommand.
+9. ``harness.cli`` and ``harness.__main__``: the entry point, importing its commands directly.
+10. ``harness.pytest_plugin`` (beside ``ci``): the pytest plugin for users' own tests (fixtures, the
    ``prompt_cache_invariants`` marker, server options); it imports the floors it needs, nothing
    imports it.
 """

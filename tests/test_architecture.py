@@ -24,12 +24,15 @@ FLOORS: list[tuple[str, int]] = [
     ("properties", 3),
     ("faults", 4),
     ("harness.backends", 5),
-    ("harness.commands", 6),
-    ("harness.cli", 7),
-    ("harness.__main__", 7),
-    ("harness", 7),  # harness/__init__.py: a docstring only
-    ("ci", 8),
-    ("harness.pytest_plugin", 8),  # the pytest plugin: on top, nothing imports it
+    ("harness.campaign", 6),  # fuzz campaigns: workers, example databases, live view, replay
+    ("harness.measure", 6),  # measurements and their reporters: memory report, bench
+    ("harness.load", 6),  # concurrent clients and soak against a real server
+    ("harness.commands", 7),
+    ("harness.cli", 8),
+    ("harness.__main__", 8),
+    ("harness", 8),  # harness/__init__.py: a docstring only
+    ("ci", 9),
+    ("harness.pytest_plugin", 9),  # the pytest plugin: on top, nothing imports it
 ]
 
 
