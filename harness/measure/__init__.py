@@ -1,0 +1,8 @@
+"""Measurements and the reporters that turn them into pages and tables (floor 7 of harness/__init__.py).
+
+* :mod:`harness.measure.saves`: one save's transient peak and time against the number and the size of
+  the checkpoints, on the model's ledger, libllama under memray and a real llama-server; the cost of a
+  checkpoint update; the breakdown of the server's peak.
+* :mod:`harness.measure.flame`: a memray capture drawn as a flame graph in plain SVG (renders offline).
+* :mod:`harness.measure.page`: the self-contained HTML page and ``report.json`` of ``python -m harness report``.
+"""

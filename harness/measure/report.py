@@ -1,0 +1,383 @@
+"""``python -m harness report``'s work: the stages that measure, in order, and the files they leave.
+
+:func:`build_report` runs each stage (a progress line when it starts and when it ends; a stage that
+would start after the time budget is spent is skipped and says so), collects every figure into one
+dict (``report.json``) and writes the page (:mod:`harness.measure.page`), the memray captures (``.bin``)
+and their flame graphs next to it. A stage that fails with a :class:`~harness.errors.HarnessError`
+(a server that will not start, a model that will not load) is recorded as failed with its one line;
+the other stages still run, and the page says which stage failed.
+
+The stages: ``builds`` (both pinned llama-servers, or the user's tree for its own semantics);
+``breakdown`` first, the figures the issue asks to explain: the server's peak on the gate's own
+configuration with a diverging prompt that creates no checkpoint and one that creates two, beside the
+gate's :func:`save_peak`; ``saves-count`` and ``saves-size`` (:func:`harness.measure.saves.save_curve`
+on every layer, both semantics); ``charge``, ``update-cost``, ``flames``, ``sweep``, ``mutants`` and
+``findings``. The cheap ones (seconds, no server) run even when the budget is spent.
+
+Size: ``build_report`` is the list of stages; each stage is a small closure over the options, so the
+list reads top to bottom as the page does.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import shlex
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+from faults.sweep import run_sweep
+from harness.backends.llama_server import save_peak
+from harness.errors import HarnessError, UsageError
+from harness.findings import FINDINGS
+from harness.measure.flame import flame_svg
+from harness.measure.page import render
+from harness.measure.saves import charge_run, checkpoint_size, save_curve, server_point, update_cost
+from harness.model.semantics import get_semantics
+from harness.targets.llama_build import PINNED_COMMIT, build_server, build_source, infer_semantics
+from properties.mutants import MUTANTS
+from properties.run import commit
+
+__all__ = ["Options", "build_report"]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The points each stage measures."""
+
+    counts: tuple[int, ...]
+    sizes: tuple[int, ...]
+    server_counts: tuple[int, ...]
+    server_sizes: tuple[int, ...]
+    diverging: tuple[int, ...]
+    mutants: tuple[str, ...]
+
+
+QUICK = Plan(
+    counts=(1, 4, 16),
+    sizes=(checkpoint_size(8), checkpoint_size(128), checkpoint_size(512)),
+    server_counts=(1, 8),
+    server_sizes=(checkpoint_size(8), checkpoint_size(512)),
+    diverging=(3, 300),
+    mutants=("deep-copy-on-insert",),
+)
+FULL = Plan(
+    counts=(1, 2, 4, 8, 12, 16),
+    sizes=tuple(checkpoint_size(d) for d in (8, 32, 128, 512, 2048, 8192)),
+    server_counts=(1, 2, 4, 8, 12, 16),
+    server_sizes=tuple(checkpoint_size(d) for d in (8, 32, 128, 512, 2048, 8192)),
+    diverging=(3, 60, 300),
+    mutants=tuple(MUTANTS),
+)
+@dataclass
+class Options:
+    out: Path
+    quick: bool = False
+    backends: tuple[str, ...] = ("llama", "server")
+    source: Path | None = None
+    server_bin: Path | None = None
+    semantics: str | None = None  # the semantics of --source / --server-bin
+    budget: float = 3600.0
+    reps: int = 1
+    mutants_json: Path | None = None
+    command: str = ""
+    binaries: dict[str, Path] = field(default_factory=dict)
+    # harness.commands.mutants.kill (a command's helper: passed in, the commands are a floor above)
+    kill: Callable[..., dict[str, Any]] | None = None
+    plan: Plan | None = None  # the points to measure; None: QUICK or FULL
+
+
+SEMS = ("master", "shared")
+
+
+def _builds(opts: Options, log: Callable[[str], None]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for sem in SEMS:
+        if opts.server_bin is not None and sem == opts.semantics:
+            opts.binaries[sem] = opts.server_bin
+            out[sem] = {"binary": str(opts.server_bin), "from": "--server-bin"}
+        elif opts.source is not None and sem == opts.semantics:
+            opts.binaries[sem] = build_source(opts.source, log=log)
+            out[sem] = {"binary": str(opts.binaries[sem]), "from": f"--source {opts.source}"}
+        else:
+            opts.binaries[sem] = build_server("pr" if sem == "shared" else "master", log=log)
+            out[sem] = {"binary": str(opts.binaries[sem]), "from": f"pinned {PINNED_COMMIT}" + (
+                " + PR #27451" if sem == "shared" else "")}  # fmt: skip
+    return out
+
+
+def resolve_semantics(opts: Options) -> None:
+    """``--source``'s semantics come from its tree unless given; a binary needs ``--semantics``."""
+    if opts.source is not None and opts.server_bin is not None:
+        raise UsageError("--source and --server-bin are alternatives: give one")
+    if opts.source is not None and opts.semantics is None:
+        if not opts.source.is_dir():
+            raise UsageError(f"--source {opts.source}: not a directory")
+        inferred = infer_semantics(opts.source)
+        if inferred is None:
+            raise UsageError(f"--source {opts.source}: cannot tell its semantics; say --semantics shared|master")
+        opts.semantics = inferred
+    if opts.server_bin is not None:
+        if opts.semantics is None:
+            raise UsageError("--server-bin needs --semantics shared|master (which side the binary stands for)")
+        if not opts.server_bin.is_file():
+            raise UsageError(f"--server-bin {opts.server_bin}: no such file")
+    if opts.semantics is not None:
+        get_semantics(opts.semantics)
+
+
+def _environment(opts: Options) -> dict[str, Any]:
+    def ver(name: str) -> str:
+        try:
+            return metadata.version(name)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+
+    return {
+        "harness commit": commit(),
+        "llama.cpp (pinned)": f"{PINNED_COMMIT} as vendored by llama-cpp-python {ver('llama-cpp-python')}",
+        "PR": "llama.cpp #27451 (fixtures/pr-27451.patch)",
+        "python": sys.version.split()[0],
+        "platform": platform.platform(),
+        "memray": ver("memray"),
+        "matplotlib": ver("matplotlib"),
+        "hypothesis": ver("hypothesis"),
+        "numpy": ver("numpy"),
+        "seed": "0 (sweep, mutants); models fixtures seed 0",
+        "mode": "quick" if opts.quick else "full",
+        "rerun": opts.command,
+        "machine": "measured on a shared, loaded machine unless said otherwise: times are indicative, peaks are not",
+    }
+
+
+def _mutants(opts: Options, names: tuple[str, ...], progress: Callable[[str], None]) -> dict[str, Any]:
+    """The mutation matrix: from ``--mutants-json`` (``python -m harness mutants --json``) or run here."""
+    if opts.mutants_json is not None:
+        try:
+            rows = json.loads(opts.mutants_json.read_text())["mutants"]
+        except (OSError, ValueError, KeyError, TypeError) as e:
+            raise UsageError(f"--mutants-json {opts.mutants_json}: not a mutants JSON ({e})") from None
+        return {"source": f"from {opts.mutants_json} (python -m harness mutants --json)", "rows": rows}
+    if opts.kill is None:
+        return {"source": "not run", "rows": []}
+    rows = []
+    for name in names:
+        progress(f"mutants: {name}")
+        rows.append(opts.kill(name, seed=0, max_examples=50 if opts.quick else 300))
+    left = len(MUTANTS) - len(names)
+    return {
+        "source": f"ran {len(names)} of {len(MUTANTS)} mutants here (seed 0"
+        + (", 50 examples: --quick runs only the mutant of the PR's memory claim; the full matrix is "
+           "python -m harness mutants --json PATH, shown with --mutants-json PATH)" if left else ")"),
+        "rows": rows,
+    }  # fmt: skip
+
+
+def _summary(report: dict[str, Any]) -> list[str]:
+    out: list[str] = []
+    rows = report.get("breakdown", {}).get("rows", [])
+    by = {(r["semantics"], r["n_diverging"]): r for r in rows}
+    for sem in SEMS:
+        full = max((n for s, n in by if s == sem), default=None)
+        if full is None:
+            continue
+        r = by[(sem, full)]
+        mb = {k: f"{r[k] / 1e6:.2f} MB" for k in ("checkpoint_bytes", "state_bytes", "peak_bytes", "predicted_bytes",
+                                                    "predicted_request_bytes")}  # fmt: skip
+        out.append(
+            f"{sem}: one save of a slot with {r['n_checkpoints']} checkpoints (C = {mb['checkpoint_bytes']}, "
+            f"S = {mb['state_bytes']}): llama-server VmHWM {mb['peak_bytes']}; the model predicts "
+            f"{mb['predicted_bytes']} for the save and {mb['predicted_request_bytes']} for the whole request "
+            f"({r['request_checkpoints']} checkpoints created after the save)"
+        )
+    for line in report.get("breakdown", {}).get("explanation", [])[:1]:
+        out.append(line)
+    return out
+
+
+def build_report(opts: Options, progress: Callable[[str], None] = print) -> dict[str, Any]:
+    """Run every stage within ``opts.budget`` seconds, write the page and ``report.json``; return the dict."""
+    t_start = time.monotonic()
+    plan = opts.plan or (QUICK if opts.quick else FULL)
+    out = opts.out
+    caps = out / "captures"
+    caps.mkdir(parents=True, exist_ok=True)
+    logs = str(out / "logs")
+    Path(logs).mkdir(exist_ok=True)
+    report: dict[str, Any] = {"version": 1, "quick": opts.quick, "stages": [], "command": opts.command}
+    report["environment"] = _environment(opts)
+    server = "server" in opts.backends
+    llama = "llama" in opts.backends
+
+    def saves(kind: str) -> None:
+        rows: list[dict[str, Any]] = []
+        counts, sizes = (plan.counts, ()) if kind == "counts" else ((), plan.sizes)
+        s_counts, s_sizes = (plan.server_counts, ()) if kind == "counts" else ((), plan.server_sizes)
+        for sem in SEMS:
+            if llama:
+                got = save_curve("llama", sem, counts=counts, sizes=sizes, reps=opts.reps, capture_dir=caps,
+                                 progress=progress)  # fmt: skip
+                rows += got
+                rows += [{**r, "layer": "model", "peak_bytes": r["predicted_bytes"],
+                          "theory_bytes": r["theory_bytes"] - r["harness_copies"], "save_seconds": None}
+                         for r in got]  # fmt: skip
+            else:
+                rows += save_curve("model", sem, counts=counts, sizes=sizes, reps=opts.reps, progress=progress)
+            if server:
+                rows += save_curve("server", sem, counts=s_counts, sizes=s_sizes, reps=opts.reps,
+                                   binary=opts.binaries[sem], log_dir=logs, progress=progress)  # fmt: skip
+        report.setdefault("saves", {})[kind] = rows
+
+    def breakdown() -> None:
+        rows = []
+        for sem in SEMS:
+            for n in plan.diverging:
+                progress(f"breakdown {sem}: gate configuration, {n}-token prompt after the save")
+                rows.append(server_point(opts.binaries[sem], sem, n_diverging=n, log_dir=logs))
+        gate = {sem: save_peak(opts.binaries[sem], sem, log_dir=logs) for sem in SEMS}
+        report["breakdown"] = {"rows": rows, "gate": gate, "explanation": _explain(rows, gate)}
+
+    def charge() -> None:
+        report["charge"] = {
+            sem: charge_run(sem, binary=opts.binaries.get(sem) if server else None, log_dir=logs, progress=progress)
+            for sem in SEMS
+        }
+
+    def updates() -> None:
+        report["update_cost"] = {sem: update_cost(sem, capture=caps / f"update-{sem}.bin") for sem in SEMS}
+        report["update_note"] = UPDATE_NOTE
+
+    def sweep() -> None:
+        res = {}
+        for sem in SEMS:
+            rep = run_sweep(get_semantics(sem), ("transient", "persistent"))
+            scen: dict[str, Any] = {}
+            for c in rep.cases:
+                row = c.row()
+                s = scen.setdefault(str(row["scenario"]), {"points": 0, "trials": 0, "outcomes": {}})
+                s["trials"] += 1
+                s["points"] += bool(row["fired"])
+                s["outcomes"][str(row["outcome"])] = s["outcomes"].get(str(row["outcome"]), 0) + 1
+            sm = rep.summary()
+            res[sem] = {"summary": sm, "scenarios": scen, "line": (
+                f"swept {sm['points']} allocation points in {sm['trials']} trials: {sm['violations']} violations, "
+                f"{sm['crashes']} crashes, {sm['crashes_out_of_scope']} crashes outside the PR's scope; replay one "
+                f"with python -m harness sweep --semantics {sem} --case ID")}  # fmt: skip
+        report["sweep"] = res
+
+    def mutants() -> None:
+        report["mutants"] = _mutants(opts, plan.mutants, progress)
+
+    def findings() -> None:
+        report["findings"] = [
+            {"id": f.id, "backend": f.backend, "property": f.property, "title": f.title, "reproducer": f.reproducer}
+            for f in FINDINGS.values()
+        ]
+
+    def flames() -> None:
+        report["flames"] = [
+            {"title": f"{sem} save ({c.stem})", "capture": f"captures/{c.name}", "svg": flame_svg(c, title=c.stem)}
+            for sem in SEMS
+            for c in sorted(caps.glob(f"save-{sem}-mamba-big-n*-r0.bin"))[-1:]
+        ] + [
+            {"title": f"{sem}: {c.stem}", "capture": f"captures/{c.name}", "svg": flame_svg(c, title=c.stem)}
+            for sem in SEMS
+            for c in [caps / f"update-{sem}.bin"]
+            if c.is_file()
+        ]
+
+    # (name, wanted, cheap, run): a cheap stage (seconds, no server) runs even when the budget is spent
+    stages: list[tuple[str, bool, bool, Callable[[], None]]] = [
+        ("builds", server, True, lambda: report.__setitem__("builds", _builds(opts, progress))),
+        ("breakdown", server, False, breakdown),
+        ("saves-count", True, False, lambda: saves("counts")),
+        ("saves-size", True, False, lambda: saves("sizes")),
+        ("charge", True, False, charge),
+        ("update-cost", True, True, updates),
+        ("flames", llama, True, flames),
+        ("sweep", True, True, sweep),
+        ("mutants", True, False, mutants),
+        ("findings", True, True, findings),
+    ]
+    for i, (name, wanted, cheap, fn) in enumerate(stages, 1):
+        elapsed = time.monotonic() - t_start
+        if not wanted:
+            report["stages"].append({"name": name, "status": "skipped", "seconds": 0.0, "note": "backend not selected"})
+            continue
+        if elapsed > opts.budget and not cheap:
+            report["stages"].append({"name": name, "status": "skipped", "seconds": 0.0,
+                                     "note": f"time budget of {opts.budget:.0f} s spent"})  # fmt: skip
+            progress(f"[report {i}/{len(stages)}] {name}: skipped (budget of {opts.budget:.0f} s spent)")
+            continue
+        progress(f"[report {i}/{len(stages)}] {name} ({elapsed:.0f} s so far)")
+        t0 = time.monotonic()
+        try:
+            fn()
+            status, note = "ok", ""
+        except HarnessError as e:
+            if name == "builds":
+                raise
+            status, note = "failed", str(e)
+            progress(f"[report {i}/{len(stages)}] {name} failed: {e}")
+        dt = time.monotonic() - t0
+        report["stages"].append({"name": name, "status": status, "seconds": round(dt, 1), "note": note})
+        progress(f"[report {i}/{len(stages)}] {name} {status} in {dt:.1f} s")
+    report["seconds"] = round(time.monotonic() - t_start, 1)
+    report["summary"] = _summary(report)
+    (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
+    (out / "report.html").write_text(render(report))
+    return report
+
+
+UPDATE_NOTE = (
+    "common_prompt_checkpoint::update_tgt (common/common.cpp:2288 @ 0c1e570) on real libllama state, repeated on "
+    "one checkpoint of mamba-big (as the speculative checkpoint spec_ckpt is updated every draft round): master "
+    "resizes its vector to the same size and reads the state into it, the PR allocates a fresh shared buffer each "
+    "time and frees the old one. 'model' counts the payload allocations on the ledger; memray counts every "
+    "allocation in this process (both sides also pay the harness's ctypes buffer and Python bytes of the state "
+    "read, about 2 allocations of the checkpoint size per update); minor faults from getrusage; time per update "
+    "includes the harness's digest of the state. Measured on a loaded 2-core machine."
+)
+
+
+def _explain(rows: list[dict[str, Any]], gate: dict[str, dict[str, int]]) -> list[str]:
+    by = {(r["semantics"], r["n_diverging"]): r for r in rows}
+    lines = [
+        "The gate's figure (save_peak) is VmHWM minus VmRSS around the request whose slot selection makes the save. "
+        "That request goes on to process its own prompt after the save (server-context.cpp:1617-1637, then "
+        "update_slots), and a 300-token prompt leaves two context checkpoints on the way, at n - 68 and n - 4 "
+        "(server-context.cpp:3540-3615 @ 0c1e570), each the size of mamba-big's recurrent state (1.07 MB). "
+        "Under the PR the slot's old checkpoints are not freed when the slot moves on (the new cache entry holds "
+        "them), so the two new buffers add to the peak: S + 2 c. Under master the slot's own copies are freed "
+        "first, so the same two buffers fit in memory the save's copy already counted: the peak stays S + C.",
+    ]
+    for sem in SEMS:
+        g = gate.get(sem)
+        big = by.get((sem, 300))
+        small = by.get((sem, 3))
+        if g and big:
+            lines.append(
+                f"{sem}: the gate's save_peak measured {g['rss_peak_bytes'] / 1e6:.2f} MB against the save's "
+                f"prediction {g['model_peak_bytes'] / 1e6:.2f} MB; the model of the whole request predicts "
+                f"{big['predicted_request_bytes'] / 1e6:.2f} MB (save {big['predicted_bytes'] / 1e6:.2f} MB + "
+                f"{big['request_checkpoints']} new checkpoints {big['request_checkpoint_bytes'] / 1e6:.2f} MB), "
+                f"measured here {big['peak_bytes'] / 1e6:.2f} MB"
+                + (
+                    f"; with a 3-token prompt, which creates no checkpoint, the same save measures "
+                    f"{small['peak_bytes'] / 1e6:.2f} MB against S = {small['predicted_bytes'] / 1e6:.2f} MB"
+                    if small
+                    else ""
+                )
+                + ". What remains unmodelled (allocator rounding to pages, the HTTP response, the batch) is "
+                f"{(big['peak_bytes'] - big['predicted_request_bytes']) / 1e6:.3f} MB."
+            )
+    return lines
+
+
+def command_line(argv: list[str]) -> str:
+    return "python -m harness report " + " ".join(shlex.quote(a) for a in argv)

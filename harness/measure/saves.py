@@ -1,0 +1,484 @@
+"""One prompt save measured three ways, master against shared (PR #27451), and what each side costs.
+
+The save (``server_slot::prompt_save``, tools/server/server-context.cpp:258 @ 0c1e570) of a slot that
+holds ``n`` context checkpoints of ``c`` bytes each (C = n c) and a state of S bytes: master deep-copies
+the checkpoints into the new cache entry (its transient peak is S + C), the PR shares them (S). The
+model's logical ``--cache-ram`` charge is S + C in both. The models are :data:`fixtures.models.BIG_SPECS`'
+``mamba-big`` family (one slot's recurrent state, and so each checkpoint, is 4 x 512 x (d_state + 3)
+x 4 bytes: 88 KiB to 64 MiB), driven the way :func:`harness.backends.llama_server.save_peak` drives
+``mamba-big``: a 600-token prompt extended by 40 tokens per request leaves up to two checkpoints per
+request, then the save.
+
+Layers (one word each, also the keys of ``report.json``):
+
+* ``model``: the reference model's ledger (:class:`harness.model.memory.Host`) on real libllama
+  contexts: the physical bytes the save adds at its peak, exact.
+* ``llama``: the same save in this process under ``memray.Tracker(native_traces=True)``: the heap's
+  high-water mark during the save, libllama's own allocations included. The harness adds two copies of
+  S that the C++ server does not make (libllama writes into a ctypes buffer that becomes Python bytes,
+  beside the entry's zero-filled buffer), so its theory line is the model's plus 2 S (``harness_copies``).
+* ``server``: a real ``llama-server`` (:class:`harness.backends.llama_server.Differential`, the model fed
+  the same requests): VmHWM - VmRSS around the request whose slot selection makes the save (VmHWM reset
+  with ``5 > /proc/PID/clear_refs`` right before). That request also processes its own prompt after the
+  save, and the context checkpoints it creates on the way are held next to the saved entry under the PR
+  (the slot's old ones are not freed, the entry holds them) while master frees the slot's copies first:
+  the model predicts the whole request (``predicted_request_bytes``) as well as the save alone
+  (``predicted_bytes``), and the difference is the named line ``request_checkpoint_bytes``.
+
+:func:`save_curve` is the one entry point other modules call (the bench's payload-size axis too);
+:func:`update_cost` measures the PR's price, a fresh buffer for every checkpoint update where master
+resizes a same-size vector in place (common/common.cpp:2288 @ 0c1e570).
+
+Size: ``_server_point`` drives one server through the build-up, the measured request and the log and
+/proc readings that explain it, in order; splitting it would pass half a dozen locals around.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import resource
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import memray
+
+from fixtures.models import SIZED_D_STATES, model_path, sized_model_name
+from harness.backends.llama_server import Differential, ServerConfig
+from harness.errors import UsageError
+from harness.model.checkpoint import CommonPromptCheckpoint
+from harness.model.memory import Host
+from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
+from harness.model.semantics import get_semantics
+from harness.model.server_context import ServerContext
+from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
+
+__all__ = [
+    "BASE",
+    "LAYERS",
+    "charge_run",
+    "checkpoint_size",
+    "diverging",
+    "proc_status",
+    "save_curve",
+    "server_point",
+    "size_model",
+    "update_cost",
+]
+
+LAYERS = ("model", "llama", "server")
+BASE = [3 + (i * 7) % 250 for i in range(160)]  # the build-up's first prompt (save_peak's 600 tokens, shortened)
+GATE_BASE = [3 + (i * 7) % 250 for i in range(600)]  # save_peak's (harness/backends/llama_server.py _build_up)
+_EXT = [3 + (i * 11) % 250 for i in range(40 * 64)]
+
+
+def diverging(n: int) -> list[int]:
+    """A prompt of ``n`` tokens sharing nothing with :data:`BASE`: the request that makes the slot save.
+
+    On the server it is processed after the save in the same request; with ``n_ubatch`` 64 it leaves
+    two checkpoints for n >= 69 (at n - 68 and n - 4), one for 5 <= n < 69, none for n <= 4
+    (server-context.cpp:3540-3615 @ 0c1e570: checkpoint offsets {4 + n_ubatch, 4}, none before the
+    first batch is decoded).
+    """
+    return [200 + (i * 3) % 50 for i in range(n)]
+
+
+def checkpoint_size(d_state: int) -> int:
+    """Bytes of one mamba-big-style checkpoint (PARTIAL_ONLY state of one sequence): n_layer x d_inner x
+    (d_state + d_conv - 1) x f32, plus libllama's headers (124 bytes, as measured on mamba-big)."""
+    return 4 * 512 * (d_state + 3) * 4 + 124
+
+
+def size_model(nbytes: int) -> str:
+    """The sized model whose checkpoint is nearest ``nbytes`` (on a log scale)."""
+    if nbytes <= 0:
+        raise UsageError(f"checkpoint size must be positive, got {nbytes}")
+    d = min(SIZED_D_STATES, key=lambda d: abs(math.log(checkpoint_size(d) / nbytes)))
+    return sized_model_name(d)
+
+
+def _cfg(arch: str, n_checkpoints: int) -> ServerConfig:
+    return ServerConfig(
+        arch,
+        n_parallel=1,
+        cache_ram_mib=1 << 16,  # 64 GiB: no eviction while measuring
+        ctx_checkpoints=n_checkpoints,
+        checkpoint_min_step=16,
+        n_ctx=4096,
+        n_batch=256,
+        n_ubatch=64,
+    )
+
+
+def _n_extend(n_checkpoints: int) -> int:
+    """Requests of the build-up: each leaves up to two checkpoints; one more to fill the list."""
+    return n_checkpoints // 2 + 2
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM of ``pid`` in bytes, and its minor page faults so far (``minflt``)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    with open(f"/proc/{pid}/stat") as f:
+        out["minflt"] = int(f.read().rsplit(")", 1)[1].split()[7])
+    return out
+
+
+def _row(layer: str, sem: str, arch: str, n_ckpt: int, c_bytes: int, s_bytes: int, rep: int) -> dict[str, Any]:
+    return {
+        "layer": layer,
+        "semantics": sem,
+        "model": arch,
+        "rep": rep,
+        "n_checkpoints": n_ckpt,
+        "checkpoint_bytes": c_bytes,  # C: all the checkpoints the saved slot holds
+        "checkpoint_size": c_bytes // n_ckpt if n_ckpt else 0,  # c: one of them
+        "state_bytes": s_bytes,  # S
+        "theory_bytes": s_bytes + c_bytes if sem == "master" else s_bytes,
+        "logical_bytes": s_bytes + c_bytes,  # the --cache-ram charge, the same in both semantics
+    }
+
+
+def _model_server(sem: str, arch: str, n_checkpoints: int) -> ServerContext:
+    cfg = _cfg(arch, n_checkpoints)
+    server = make_llama_server(sem, model_path(arch), params=cfg.params(), n_ctx=cfg.n_ctx, check_restores=False)
+    try:
+        for k in range(_n_extend(n_checkpoints)):
+            server.handle_completion(tuple(BASE + _EXT[: 40 * k]), id_slot=0, n_cmpl=1, n_predict=1)
+            server.run_until_idle()
+    except BaseException:
+        close_server(server)
+        raise
+    return server
+
+
+def _llama_point(
+    sem: str, arch: str, n_checkpoints: int, rep: int, traced: bool, capture: Path | None
+) -> list[dict[str, Any]]:
+    """The ``model`` row (and with ``traced`` the ``llama`` row) of one save on real libllama contexts."""
+    server = _model_server(sem, arch, n_checkpoints)
+    try:
+        slot, cache = server.slots[0], server.prompt_cache
+        assert cache is not None
+        ckpts = list(slot.prompt.checkpoints)
+        c_bytes = sum(c.size() for c in ckpts)
+        if traced:
+            assert capture is not None
+            capture.parent.mkdir(parents=True, exist_ok=True)
+            capture.unlink(missing_ok=True)
+            with memray.Tracker(str(capture), native_traces=True):
+                t0 = time.perf_counter()
+                ok = slot.prompt_save(cache)
+                dt = time.perf_counter() - t0
+        else:
+            t0 = time.perf_counter()
+            ok = slot.prompt_save(cache)
+            dt = time.perf_counter() - t0
+        op = server.host.last_op
+        assert ok and op is not None and op.name == "save", f"{arch} {sem}: the save did not happen"
+        s_bytes = op.state_bytes
+        model = _row("model", sem, arch, len(ckpts), c_bytes, s_bytes, rep)
+        model.update(peak_bytes=op.peak_excess, save_seconds=None if traced else dt, allocations=op.allocations)
+        rows = [model]
+        if traced:
+            assert capture is not None
+            meta = memray.FileReader(str(capture)).metadata
+            llama = _row("llama", sem, arch, len(ckpts), c_bytes, s_bytes, rep)
+            llama.update(
+                peak_bytes=int(meta.peak_memory),
+                save_seconds=dt,  # under memray's native tracing
+                predicted_bytes=op.peak_excess,
+                harness_copies=2 * s_bytes,
+                theory_bytes=llama["theory_bytes"] + 2 * s_bytes,
+                allocations=int(meta.total_allocations),
+                capture=capture.name,
+            )
+            rows.append(llama)
+        return rows
+    finally:
+        close_server(server)
+
+
+_TS = re.compile(r"^(\d+)\.(\d+)\.(\d+)\.(\d+) ")
+
+
+def _log_seconds(line: str) -> float | None:
+    m = _TS.match(line)
+    if m is None:
+        return None
+    mi, s, ms, us = (int(x) for x in m.groups())  # common/log.cpp: minutes.seconds.milliseconds.microseconds
+    return mi * 60 + s + ms / 1e3 + us / 1e6
+
+
+def _save_seconds(log: str, since: int) -> float | None:
+    """From the server's log after offset ``since``: slot selection to task launch (the save, the cache
+    load attempt and ``update``; server-context.cpp:1617-1637 @ 0c1e570)."""
+    t_sel = t_launch = None
+    for line in log[since:].splitlines():
+        if t_sel is None and "selected slot by" in line:
+            t_sel = _log_seconds(line)
+        elif t_sel is not None and "launch_slot_" in line:
+            t_launch = _log_seconds(line)
+            break
+    return None if t_sel is None or t_launch is None else round(t_launch - t_sel, 6)
+
+
+def server_point(binary: Path, semantics: str, *, n_diverging: int = 300, log_dir: str | None = None) -> dict[str, Any]:
+    """The gate's own save (:func:`harness.backends.llama_server.save_peak`: ``mamba-big``, 16 checkpoints
+    at most, the 600-token prompt extended 8 times), followed by an ``n_diverging``-token prompt."""
+    return _server_point(binary, semantics, "mamba-big", 16, 0, n_diverging, log_dir, n_extend=8, base=GATE_BASE)
+
+
+def _server_point(
+    binary: Path,
+    sem: str,
+    arch: str,
+    n_checkpoints: int,
+    rep: int,
+    n_diverging: int,
+    log_dir: str | None,
+    *,
+    n_extend: int | None = None,
+    base: Sequence[int] = BASE,
+) -> dict[str, Any]:
+    """One save on a real llama-server: VmHWM around the request that makes it, and what the model says."""
+    with Differential(_cfg(arch, n_checkpoints), binary, sem, log_dir) as d:
+        for k in range(_n_extend(n_checkpoints) if n_extend is None else n_extend):
+            row = d.request([*base, *_EXT[: 40 * k]], 1)
+            if not row.ok:
+                raise UsageError(f"server and model disagree while building up {arch}: {row.describe()}")
+        slot = d.model.slots[0]
+        ckpts = list(slot.prompt.checkpoints)
+        c_bytes = sum(c.size() for c in ckpts)
+        saves: list[tuple[int, int]] = []
+        orig = slot.prompt_save
+
+        def traced(cache: Any) -> bool:
+            ok = orig(cache)
+            op = d.model.host.last_op
+            if op is not None and op.name == "save":
+                saves.append((op.peak_excess, op.state_bytes))
+            return ok
+
+        slot.prompt_save = traced  # type: ignore[method-assign,assignment]
+        pid = d.server.pid
+        log0 = len(d.server.log_path.read_text(errors="replace")) if d.server.log_path else 0
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        before = proc_status(pid)
+        with d.model.host.operation("request") as req:
+            row = d.request(diverging(n_diverging), 1)
+        after = proc_status(pid)
+        if not row.ok:
+            raise UsageError(f"server and model disagree on the saving request ({arch}): {row.describe()}")
+        log = d.server.log_path.read_text(errors="replace") if d.server.log_path else ""
+        save_peak, s_bytes = saves[0] if saves else (0, 0)
+        new_ckpt = sum(c.size() for c in d.model.slots[0].prompt.checkpoints)
+        out = _row("server", sem, arch, len(ckpts), c_bytes, s_bytes, rep)
+        out.update(
+            peak_bytes=after["VmHWM"] - before["VmRSS"],
+            save_seconds=_save_seconds(log, log0),
+            predicted_bytes=save_peak,
+            predicted_request_bytes=req.peak_excess,
+            request_checkpoint_bytes=req.peak_excess - save_peak,
+            request_checkpoints=len(d.model.slots[0].prompt.checkpoints),
+            request_checkpoint_size=new_ckpt,
+            n_diverging=n_diverging,
+            minflt=after["minflt"] - before["minflt"],
+            rss_after_bytes=after["VmRSS"] - before["VmRSS"],
+            saved=bool(saves),
+        )
+        return out
+
+
+def save_curve(
+    layer: str,
+    semantics: str,
+    *,
+    counts: Sequence[int] = (),
+    sizes: Sequence[int] = (),
+    reps: int = 1,
+    n_checkpoints: int = 4,
+    size: int = 1 << 20,
+    binary: Path | None = None,
+    capture_dir: Path | None = None,
+    log_dir: str | None = None,
+    n_diverging: int = 300,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> list[dict[str, Any]]:
+    """Transient peak and time of one save, per point, on ``layer`` (``model``, ``llama`` or ``server``).
+
+    ``counts``: numbers of checkpoints (the checkpoint size fixed at the model nearest ``size`` bytes);
+    ``sizes``: checkpoint sizes in bytes, each mapped to the nearest sized model (the row says the size
+    it got), with ``n_checkpoints`` checkpoints. Each point is measured ``reps`` times. Every row has
+    ``layer, semantics, model, rep, n_checkpoints, checkpoint_bytes, checkpoint_size, state_bytes,
+    theory_bytes, logical_bytes, peak_bytes, save_seconds`` and the layer's own fields (the module doc).
+    ``server`` needs ``binary`` (a llama-server of ``semantics``); ``llama`` keeps its memray captures in
+    ``capture_dir`` (a temporary name otherwise overwritten). ``semantics`` is ``master`` or ``shared``.
+    """
+    if layer not in LAYERS:
+        raise UsageError(f"unknown layer {layer!r}; choose one of {', '.join(LAYERS)}")
+    get_semantics(semantics)
+    if layer == "server" and binary is None:
+        raise UsageError("the server layer needs a llama-server binary")
+    points = [(size_model(size), n) for n in counts] + [(size_model(s), n_checkpoints) for s in sizes]
+    rows: list[dict[str, Any]] = []
+    for (arch, n), rep in ((p, r) for p in points for r in range(reps)):
+        progress(f"{layer} {semantics}: {arch}, {n} checkpoints, rep {rep}")
+        if layer == "server":
+            assert binary is not None
+            rows.append(_server_point(binary, semantics, arch, n, rep, n_diverging, log_dir))
+            continue
+        cap = (capture_dir or Path("/tmp")) / f"save-{semantics}-{arch}-n{n}-r{rep}.bin"
+        got = _llama_point(semantics, arch, n, rep, layer == "llama", cap)
+        rows.append(got[-1])
+    return rows
+
+
+def _family(k: int, n: int = 200) -> list[int]:
+    """Prompt family ``k``: its first token differs from every other family's, so no two share a prefix."""
+    return [3 + k] + [3 + (i * (2 * k + 5)) % 250 for i in range(n - 1)]
+
+
+CHARGE_REQUESTS = (0, 1, 2, 3, 1, 4, 5, 0, 6, 3)  # families: new ones, then revisits (cache hits or misses)
+
+
+def charge_run(
+    semantics: str,
+    *,
+    binary: Path | None = None,
+    arch: str = "mamba-big",
+    cache_ram_mib: int = 8,
+    log_dir: str | None = None,
+    progress: Callable[[str], None] = lambda _m: None,
+) -> list[dict[str, Any]]:
+    """The logical ``--cache-ram`` charge against physical bytes over a run of requests, evictions marked.
+
+    One slot, ``--cache-ram cache_ram_mib``, requests of :data:`CHARGE_REQUESTS` (200-token prompts of
+    distinct families, some revisited): each new family saves the slot's last prompt into the cache. After
+    each request: the model's ``cache.size()`` (logical, what the limit is checked against), the unique
+    payload bytes the cache's entries hold (physical: a payload shared by two holders counts once), all the
+    payload bytes alive (cache and slot) at the end of the request and at its peak, the evictions so far;
+    with ``binary`` also the real server's VmRSS and VmHWM (reset before each request) over its VmRSS after
+    the first request, and the evictions its log reports.
+    """
+    cfg = _cfg(arch, 4)
+    cfg = ServerConfig(**{**cfg.__dict__, "cache_ram_mib": cache_ram_mib})
+    rows: list[dict[str, Any]] = []
+    d = Differential(cfg, binary, semantics, log_dir) if binary is not None else None
+    model = d.model if d is not None else make_llama_server(
+        semantics, model_path(arch), params=cfg.params(), n_ctx=cfg.n_ctx, check_restores=False
+    )
+    try:
+        if d is not None:
+            d.server.start()
+        rss0: int | None = None
+        for i, fam in enumerate(CHARGE_REQUESTS):
+            progress(f"charge {semantics}: request {i + 1}/{len(CHARGE_REQUESTS)}")
+            row: dict[str, Any] = {"request": i, "family": fam, "semantics": semantics}
+            with model.host.operation("request") as op:
+                if d is not None:
+                    with open(f"/proc/{d.server.pid}/clear_refs", "w") as f:
+                        f.write("5")
+                    r = d.request(_family(fam), 1)
+                    st = proc_status(d.server.pid)
+                    rss0 = st["VmRSS"] if rss0 is None else rss0
+                    row.update(
+                        server_rss_bytes=st["VmRSS"] - rss0,
+                        server_hwm_bytes=st["VmHWM"] - rss0,
+                        server_evictions=r.evictions,
+                        cache_n=r.cache_n,
+                    )
+                else:
+                    model.handle_completion(tuple(_family(fam)), id_slot=0, n_cmpl=1, n_predict=1)
+                    model.run_until_idle()
+            cache = model.prompt_cache
+            assert cache is not None
+            unique = {p.ident: p.nbytes for e in cache.states for p in e.payloads()}
+            row.update(
+                logical_bytes=cache.size(),
+                unique_bytes=sum(unique.values()),
+                live_bytes=model.host.ledger.live_bytes,
+                peak_live_bytes=op.peak,
+                entries=len(cache.states),
+                evictions=cache.evictions,
+            )
+            rows.append(row)
+        return rows
+    finally:
+        if d is not None:
+            d.close()
+        else:
+            close_server(model)
+
+
+def update_cost(
+    semantics: str, *, arch: str = "mamba-big", n_updates: int = 32, capture: Path | None = None
+) -> dict[str, Any]:
+    """What one checkpoint update costs: ``common_prompt_checkpoint::update_tgt`` on real libllama state.
+
+    Master resizes the checkpoint's vector to the same size and reads the state into it (no allocation
+    of the payload after the first update); the PR allocates a fresh shared buffer every time and drops
+    the old one (common/common.cpp:2288 @ 0c1e570 and fixtures/pr-27451.patch). ``n_updates`` updates of
+    one checkpoint on a context that decoded 64 tokens: the model's count of payload allocations and
+    bytes, time and minor page faults per update (getrusage), and with ``capture`` memray's count of
+    allocations and bytes (native traces) in a second, traced run. Both sides read the state through
+    ctypes into Python bytes, which costs the same allocations in both; the difference is the PR's.
+    """
+    sem = get_semantics(semantics)
+    model = load_model(model_path(arch))
+    with LlamaProvider(model, name="tgt", n_seq=1, n_ctx=1024, n_batch=256, n_ubatch=64) as ctx:
+        if ctx.decode(0, [3 + (i * 7) % 250 for i in range(64)], 0) != 0:
+            raise UsageError(f"{arch}: decode failed")
+        host = Host()
+        ckpt = CommonPromptCheckpoint(host, sem)
+        ckpt.update_tgt(ctx, 0, STATE_SEQ_FLAGS_PARTIAL_ONLY)  # the first one allocates in both
+        size = ckpt.size()
+        live0 = host.ledger.live_bytes
+        ru0 = resource.getrusage(resource.RUSAGE_SELF)
+        with host.operation("update") as op:
+            t0 = time.perf_counter()
+            for _ in range(n_updates):
+                ckpt.update_tgt(ctx, 0, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            dt = time.perf_counter() - t0
+        ru1 = resource.getrusage(resource.RUSAGE_SELF)
+        out: dict[str, Any] = {
+            "semantics": semantics,
+            "model": arch,
+            "checkpoint_size": size,
+            "n_updates": n_updates,
+            "model_allocations_per_update": op.allocations / n_updates,
+            "model_bytes_per_update": op.allocations * size / n_updates,
+            "model_peak_excess_bytes": op.peak - live0,
+            "seconds_per_update": dt / n_updates,
+            "minflt_per_update": (ru1.ru_minflt - ru0.ru_minflt) / n_updates,
+        }
+        if capture is not None:
+            capture.parent.mkdir(parents=True, exist_ok=True)
+            capture.unlink(missing_ok=True)
+            with memray.Tracker(str(capture), native_traces=True):
+                for _ in range(n_updates):
+                    ckpt.update_tgt(ctx, 0, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            reader = memray.FileReader(str(capture))
+            n_alloc = n_bytes = big = 0
+            for rec in reader.get_allocation_records():
+                if memray.AllocatorType(rec.allocator).name in ("FREE", "MUNMAP", "PYMALLOC_FREE"):
+                    continue
+                n_alloc += rec.n_allocations
+                n_bytes += rec.size
+                big += rec.size >= size // 2
+            out.update(
+                memray_allocations_per_update=n_alloc / n_updates,
+                memray_bytes_per_update=n_bytes / n_updates,
+                memray_large_allocations_per_update=big / n_updates,
+                capture=capture.name,
+            )
+        ckpt.destroy()
+        return out
+
