@@ -37,7 +37,14 @@ from harness.errors import HarnessError, UsageError
 from harness.findings import FINDINGS
 from harness.measure.flame import flame_svg
 from harness.measure.page import render
-from harness.measure.saves import charge_run, checkpoint_size, save_curve, server_point, update_cost
+from harness.measure.saves import (
+    charge_run,
+    checkpoint_size,
+    save_curve,
+    server_point,
+    server_update_cost,
+    update_cost,
+)
 from harness.model.semantics import get_semantics
 from harness.targets.llama_build import PINNED_COMMIT, build_server, build_source, infer_semantics
 from properties.mutants import MUTANTS
@@ -250,6 +257,10 @@ def build_report(opts: Options, progress: Callable[[str], None] = print) -> dict
 
     def updates() -> None:
         report["update_cost"] = {sem: update_cost(sem, capture=caps / f"update-{sem}.bin") for sem in SEMS}
+        if server:
+            for sem in SEMS:
+                progress(f"update-cost {sem}: llama-server, speculative decoding on mamba-big")
+                report["update_cost"][sem].update(server_update_cost(opts.binaries[sem], sem, log_dir=logs))
         report["update_note"] = UPDATE_NOTE
 
     def sweep() -> None:
@@ -341,7 +352,11 @@ UPDATE_NOTE = (
     "time and frees the old one. 'model' counts the payload allocations on the ledger; memray counts every "
     "allocation in this process (both sides also pay the harness's ctypes buffer and Python bytes of the state "
     "read, about 2 allocations of the checkpoint size per update); minor faults from getrusage; time per update "
-    "includes the harness's digest of the state. Measured on a loaded 2-core machine."
+    "includes the harness's digest of the state. 'server_' figures: a real llama-server generating with the draft "
+    "model on mamba-big, where every draft round updates the slot's speculative checkpoint of the target "
+    "(spec_ckpt.update_tgt): minor page faults and time per generated token, VmHWM growth over the request. "
+    "glibc's dynamic mmap threshold lets the PR's fresh 1 MiB buffer reuse the one it just freed, so its faults "
+    "stay a few per round. Measured on a loaded 2-core machine."
 )
 
 

@@ -6,8 +6,9 @@ the checkpoints into the new cache entry (its transient peak is S + C), the PR s
 model's logical ``--cache-ram`` charge is S + C in both. The models are :data:`fixtures.models.BIG_SPECS`'
 ``mamba-big`` family (one slot's recurrent state, and so each checkpoint, is 4 x 512 x (d_state + 3)
 x 4 bytes: 88 KiB to 64 MiB), driven the way :func:`harness.backends.llama_server.save_peak` drives
-``mamba-big``: a 600-token prompt extended by 40 tokens per request leaves up to two checkpoints per
-request, then the save.
+``mamba-big``: a prompt extended by 40 tokens per request leaves up to two checkpoints per request,
+then the save (:data:`BASE` is 160 tokens where save_peak's is 600; :func:`server_point` runs
+save_peak's own requests).
 
 Layers (one word each, also the keys of ``report.json``):
 
@@ -26,8 +27,10 @@ Layers (one word each, also the keys of ``report.json``):
   (``predicted_bytes``), and the difference is the named line ``request_checkpoint_bytes``.
 
 :func:`save_curve` is the one entry point other modules call (the bench's payload-size axis too);
-:func:`update_cost` measures the PR's price, a fresh buffer for every checkpoint update where master
-resizes a same-size vector in place (common/common.cpp:2288 @ 0c1e570).
+:func:`update_cost` (libllama, the model) and :func:`server_update_cost` (llama-server, speculative
+decoding) measure the PR's price, a fresh buffer for every checkpoint update where master resizes a
+same-size vector in place (common/common.cpp:2288 @ 0c1e570); :func:`charge_run` follows the logical
+``--cache-ram`` charge against physical bytes over a run of requests.
 
 Size: ``_server_point`` drives one server through the build-up, the measured request and the log and
 /proc readings that explain it, in order; splitting it would pass half a dozen locals around.
@@ -45,7 +48,7 @@ from typing import Any
 
 import memray
 
-from fixtures.models import SIZED_D_STATES, model_path, sized_model_name
+from fixtures.models import SIZED_D_STATES, draft_path, model_path, sized_model_name
 from harness.backends.llama_server import Differential, ServerConfig
 from harness.errors import UsageError
 from harness.model.checkpoint import CommonPromptCheckpoint
@@ -54,6 +57,7 @@ from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
 from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerContext
 from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
+from harness.targets.llama_server import ServerProcess
 
 __all__ = [
     "BASE",
@@ -64,6 +68,7 @@ __all__ = [
     "proc_status",
     "save_curve",
     "server_point",
+    "server_update_cost",
     "size_model",
     "update_cost",
 ]
@@ -482,3 +487,54 @@ def update_cost(
         ckpt.destroy()
         return out
 
+
+
+def server_update_cost(
+    binary: Path, semantics: str, *, arch: str = "mamba-big", n_predict: int = 96, log_dir: str | None = None
+) -> dict[str, Any]:
+    """The same cost on a real llama-server: speculative decoding with the draft model on ``arch``.
+
+    Every draft round updates the slot's speculative checkpoint of the target (``spec_ckpt.update_tgt``,
+    server-context.cpp:3029-3065 @ 0c1e570; mamba's memory cannot roll back, so the checkpoint is taken):
+    master reuses the vector, the PR allocates a fresh 1 MiB buffer. One warm-up request, then one of
+    ``n_predict`` tokens; the server's minor page faults (/proc/PID/stat) and time per generated token and
+    per drafted token, and VmHWM growth, around that request.
+    """
+    get_semantics(semantics)
+    log = None if log_dir is None else Path(log_dir) / f"update-{semantics}-{arch}.log"
+    srv = ServerProcess(
+        binary,
+        ["-b", "256", "-ub", "64", "--no-warmup"],
+        model=model_path(arch),
+        draft=draft_path(),
+        n_parallel=1,
+        ctx_size=2048,
+        cache_ram=0,
+        ctx_checkpoints=4,
+        log_path=log,
+    )
+    with srv:
+        srv.completion(diverging(40), 8, ignore_eos=True)
+        pid = srv.pid
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        before = proc_status(pid)
+        t0 = time.perf_counter()
+        r = srv.completion(BASE[:100], n_predict, ignore_eos=True)
+        dt = time.perf_counter() - t0
+        after = proc_status(pid)
+    timings = r.get("timings") or {}
+    drafted = int(timings.get("draft_n", 0))
+    n = int(timings.get("predicted_n", n_predict)) or n_predict
+    faults = after["minflt"] - before["minflt"]
+    return {
+        "semantics": semantics,
+        "model": arch,
+        "n_predict": n,
+        "draft_n": drafted,
+        "draft_n_accepted": int(timings.get("draft_n_accepted", 0)),
+        "server_minflt": faults,
+        "server_minflt_per_token": faults / n,
+        "server_ms_per_token": 1e3 * dt / n,
+        "server_hwm_growth_bytes": after["VmHWM"] - before["VmRSS"],
+    }
