@@ -384,12 +384,21 @@ def _explain(rows: list[dict[str, Any]], gate: dict[str, dict[str, int]]) -> lis
                 f"measured here {big['peak_bytes'] / 1e6:.2f} MB"
                 + (
                     f"; with a 3-token prompt, which creates no checkpoint, the same save measures "
-                    f"{small['peak_bytes'] / 1e6:.2f} MB against S = {small['predicted_bytes'] / 1e6:.2f} MB"
+                    f"{small['peak_bytes'] / 1e6:.2f} MB against the save's {small['predicted_bytes'] / 1e6:.2f} MB "
+                    f"({'S + C' if sem == 'master' else 'S'})"
                     if small
                     else ""
                 )
                 + ". What remains unmodelled (allocator rounding to pages, the HTTP response, the batch) is "
                 f"{(big['peak_bytes'] - big['predicted_request_bytes']) / 1e6:.3f} MB."
+            )
+    if all(k in by for k in (("master", 3), ("shared", 3))):
+        m, p = by[("master", 3)], by[("shared", 3)]
+        if m["save_seconds"] is not None and p["save_seconds"] is not None:
+            lines.append(
+                f"The save itself (the server's log, slot selection to task launch): master "
+                f"{m['save_seconds'] * 1e3:.1f} ms and {m['minflt']} minor page faults in the request, the PR "
+                f"{p['save_seconds'] * 1e3:.1f} ms and {p['minflt']} (master touches every page of its copy of C)."
             )
     return lines
 
