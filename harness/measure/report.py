@@ -204,6 +204,18 @@ def _summary(report: dict[str, Any]) -> list[str]:
         )
     for line in report.get("breakdown", {}).get("explanation", [])[:1]:
         out.append(line)
+    llama = [r for r in report.get("saves", {}).get("counts", []) if r["layer"] == "llama"]
+    if llama:
+        n = max(r["n_checkpoints"] for r in llama)
+        at = {r["semantics"]: r for r in llama if r["n_checkpoints"] == n}
+        out.append(
+            f"libllama under memray, one save with {n} checkpoints: "
+            + ", ".join(
+                f"{sem} {r['peak_bytes'] / 1e6:.2f} MB (model {r['predicted_bytes'] / 1e6:.2f} MB + the harness's "
+                f"2 S = {(r['predicted_bytes'] + r['harness_copies']) / 1e6:.2f} MB)"
+                for sem, r in sorted(at.items())
+            )
+        )
     return out
 
 
