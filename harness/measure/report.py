@@ -347,15 +347,27 @@ def build_report(opts: Options, progress: Callable[[str], None] = print) -> dict
             if name == "builds":
                 raise
             status, note = "failed", str(e)
-            progress(f"[report {i}/{len(stages)}] {name} failed: {e}")
+        except KeyboardInterrupt:
+            # what the stages before measured is kept: the page and report.json are written, then Ctrl-C goes on
+            report["stages"].append({"name": name, "status": "interrupted", "seconds": 0.0, "note": "Ctrl-C"})
+            _write(report, out, t_start)
+            raise
+        except Exception as e:  # a measurement that broke: one line on the page, the other stages still run
+            status, note = "failed", f"{type(e).__name__}: {e}".splitlines()[0]
+        if status == "failed":
+            progress(f"[report {i}/{len(stages)}] {name} failed: {note}")
         dt = time.monotonic() - t0
         report["stages"].append({"name": name, "status": status, "seconds": round(dt, 1), "note": note})
         progress(f"[report {i}/{len(stages)}] {name} {status} in {dt:.1f} s")
+    _write(report, out, t_start)
+    return report
+
+
+def _write(report: dict[str, Any], out: Path, t_start: float) -> None:
     report["seconds"] = round(time.monotonic() - t_start, 1)
     report["summary"] = _summary(report)
     (out / "report.json").write_text(json.dumps(report, indent=1, default=str) + "\n")
     (out / "report.html").write_text(render(report))
-    return report
 
 
 UPDATE_NOTE = (
