@@ -1056,7 +1056,7 @@ def run_contract(
                 f"layout {r['layout_diffs']:3d} relayouts {r['ref_relayouts']:3d} findings {r['finding_counts'] or '-'}"
             )
             if r["failure"]:
-                f = dict(r["failure"], config=cfg.name, replay=f"{replay} --archs {arch}")
+                f = dict(r["failure"], config=cfg.name, replay=f"{replay} --arch {arch}")
                 mismatches.append(f)
                 out(f"  {f['property']}: {f['message']}\n  program:\n    " + f["program"].replace("\n", "\n    "))
     findings = [

@@ -183,7 +183,7 @@ def test_contract_findings_live_in_the_one_registry() -> None:
         assert FINDINGS[f.id] is f
         assert f.condition is not None and f.condition.archs <= set(ARCHS), f.id
         assert f.upstream and f.reproducer and (ROOT / f.reproducer).is_file(), f.id
-    rep = run_contract(["mamba"], seed=0, max_examples=5, steps=10, out=lambda s: None)
+    rep = run_contract(["mamba"], seed=0, max_examples=20, steps=20, out=lambda s: None)
     assert rep["findings"]
     for row in rep["findings"]:  # the report's rows keep their keys
         assert set(row) == {"name", "title", "upstream", "reproducer", "evidence"}
