@@ -83,6 +83,16 @@ _ALL = [
         "fixtures/findings/busy_slot_by_id_server.py",
     ),
     Finding(
+        "busy-slot-by-id-livelock",
+        "server",
+        "request_error",
+        "as busy-slot-by-id, but the named slot is still processing its prompt and the prompt loaded into it is at "
+        "least as long: the prompt loop has nothing to add and re-creates ('supersedes') the same checkpoint every "
+        "iteration; the server spins, the request never answers and the request naming the slot stays deferred until "
+        "a client gives up (server-context.cpp:1534-1628, 3441-3530)",
+        "fixtures/findings/busy_slot_by_id_livelock.py",
+    ),
+    Finding(
         "draft-kv-exhaustion",
         "synthetic",
         "draft_in_step",

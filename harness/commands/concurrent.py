@@ -73,7 +73,8 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"  [{'FAIL' if bad else 'ok  '}] {cfg.name:<16} {r.requests:>4} requests, {r.interleavings:>3} "
                 f"interleaved, {r.busy_requests:>3} named a busy slot, {r.busy_slot_by_id} answers changed "
-                f"(busy-slot-by-id), {r.concurrent_divergences} concurrent-output-divergence, {r.near_tie_flips} "
+                f"(busy-slot-by-id), {r.busy_livelocks} hung (busy-slot-by-id-livelock), {r.concurrent_divergences} "
+                f"concurrent-output-divergence, {r.near_tie_flips} "
                 f"near-ties, {r.mismatches} mismatches {r.seconds:6.1f}s"
             )
             if r.unmodellable:

@@ -52,6 +52,7 @@ __all__ = [
     "Unmodellable",
     "compare_output",
     "concurrent_configs",
+    "judge",
     "replay",
     "run_trace",
     "scenario",
@@ -72,8 +73,10 @@ _COUNTS = (
     "evictions",
     "seconds",
     "unfollowed_after_busy_hit",
+    "busy_livelocks",
 )
-REQUEST_TIMEOUT_S = 30.0  # a request of this scenario takes well under a second; more is a hang
+REQUEST_TIMEOUT_S = 15.0  # a request of this scenario takes well under a second; more is a hang
+LIVELOCK_SPINS = 1000  # "superseding context checkpoint" lines of one trace that mean a spinning slot
 _MAX_STEPS = 20_000  # model iterations for one slot to reach a length or finish its task
 
 
@@ -206,6 +209,7 @@ class ConcurrentResult:
     request_errors: int = 0
     evictions: int = 0  # seen in the log (the model's count must agree)
     unmodellable: str | None = None
+    busy_livelocks: int = 0  # requests that hung on busy-slot-by-id-livelock (known)
     unfollowed_after_busy_hit: int = 0  # traces the model could not follow after busy-slot-by-id (known)
     notes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
@@ -323,7 +327,6 @@ def run_trace(
     binary_expr: str = "build_server('pr')",
 ) -> ConcurrentResult:
     """Run one trace on a new server, replay its order on a new model, check every response."""
-    res = ConcurrentResult(cfg.name)
     t0 = time.perf_counter()
     program = replay_program(
         ["from harness.targets.llama_build import build_server, build_source",
@@ -341,12 +344,29 @@ def run_trace(
     with server:
         run = run_clients(server, reqs, timeout=REQUEST_TIMEOUT_S)
         log = server.log_path.read_text(errors="replace") if server.log_path else ""
-    sents = run.sents
+    res = judge(cfg, semantics, log, run.sents, fresh, program)
+    res.seconds = time.perf_counter() - t0
+    return res
+
+
+def judge(
+    cfg: ServerConfig, semantics: str, log: str, sents: Sequence[Sent], fresh: ServerProcess, program: str
+) -> ConcurrentResult:
+    """Check one trace's responses against a new model fed the order in the server's ``log``."""
+    res = ConcurrentResult(cfg.name)
     res.requests = len(sents)
+    # busy-slot-by-id-livelock: a slot loaded mid-prompt with a longer prompt re-creates one checkpoint
+    # forever; its request (and the one that named the slot) time out
+    livelock = log.count("superseding context checkpoint") > LIVELOCK_SPINS and "found better prompt" in log
     for s in sents:
-        if s.error is not None:
+        if s.error is not None and livelock and "timed out" in s.error:
+            res.busy_livelocks += 1
+            res.notes.append(f"busy-slot-by-id-livelock: {s.describe()}")
+        elif s.error is not None:
             res.request_errors += 1
             res.failures.append(f"request error: {s.describe()}")
+    if res.busy_livelocks:
+        res.busy_program = res.busy_program or program
     events = parse_log(log)
     res.evictions = sum(e.kind == "evict" for e in events)
     m = make_llama_server(semantics, model_path(cfg.arch), params=cfg.params(), n_ctx=cfg.n_ctx, check_restores=False)
@@ -354,7 +374,7 @@ def run_trace(
         try:
             checks = replay_order(m, events, sents, res)
         except Unmodellable as e:
-            if res.busy_hits:
+            if res.busy_hits or res.busy_livelocks:
                 # busy-slot-by-id rewrote a processing slot first (mid-prompt, the prompt then goes on
                 # from the loaded tokens): what follows is that finding's wreckage, not followed further
                 res.unfollowed_after_busy_hit += 1
@@ -390,7 +410,6 @@ def run_trace(
             res.failures.append(f"output: {c.describe()}: {c.output}")
     if res.mismatches:
         res.program = program
-    res.seconds = time.perf_counter() - t0
     return res
 
 

@@ -7,7 +7,8 @@ must match the model fed the server's order; outputs are compared with a fresh s
 a divergence is the known finding ``concurrent-output-divergence``; on ``mamba`` any divergence
 not explained by ``busy-slot-by-id`` fails). Adds about half a minute to the server gate. The
 figures go to ``report.extra["server"]["concurrent"]``; the known findings ``busy-slot-by-id``
-(with the trace that showed it) and ``concurrent-output-divergence`` are reported, not failed.
+(with the trace that showed it), ``busy-slot-by-id-livelock`` (a request hung: costs the request
+timeout, 15 s) and ``concurrent-output-divergence`` are reported, not failed.
 """
 
 from __future__ import annotations
@@ -60,7 +61,8 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
                 f"  [{'ok  ' if ok else 'FAIL'}] concurrent {cfg.name:<14} {r.requests} requests by "
                 f"{min(4, cfg.n_parallel + 1)} clients, {r.interleavings} interleaved, {r.busy_requests} named a busy "
                 f"slot ({r.busy_slot_by_id} answers changed: busy-slot-by-id), {r.concurrent_divergences} "
-                f"concurrent-output-divergence, {r.unfollowed_after_busy_hit} traces not followed after it, "
+                f"concurrent-output-divergence, {r.busy_livelocks} hung (busy-slot-by-id-livelock), "
+                f"{r.unfollowed_after_busy_hit} traces not followed after busy-slot-by-id, "
                 f"{r.near_tie_flips} near-ties, {r.mismatches} mismatches "
                 f"{time.perf_counter() - t0:5.1f}s"
             )
@@ -88,6 +90,9 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
     extra = {"program": total.busy_program} if total.busy_program else {}
     status = "reproduced" if total.busy_slot_by_id else "not-reproduced"
     report.known.append(busy.entry(machine, status, count=total.busy_slot_by_id, **extra))
+    live = finding("busy-slot-by-id-livelock")
+    status = "reproduced" if total.busy_livelocks else "not-reproduced"
+    report.known.append(live.entry(machine, status, count=total.busy_livelocks))
     conc = finding("concurrent-output-divergence")
     status = "reproduced" if total.concurrent_divergences else "not-reproduced"
     report.known.append(conc.entry(machine, status, count=total.concurrent_divergences))
