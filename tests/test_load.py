@@ -33,7 +33,7 @@ def test_gate_step_follows_the_servers_order_and_finds_no_mismatch(pr_binary: Pa
     server_concurrent_step(report, GateOptions(seed=3), lines.append)
     fig = report.extra["server"]["concurrent"]
     assert fig["requests"] == 2 * sum(min(4, c.n_parallel + 1) * 4 for c in concurrent_configs(short=True))
-    assert fig["interleavings"] > 0 and fig["busy_requests"] > 0  # the traces overlapped and named busy slots
+    assert fig["interleavings"] > 0  # the traces overlapped (busy slots are named when /slots shows one)
     assert fig["mismatches"] == 0 and fig["unmodellable"] is None, lines
     assert not [m.failure for m in report.machines if m.failure], lines
     ids = {k["id"]: k for k in report.known}

@@ -64,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
           "(shared machine: timings vary, the order is read from the server's log)")  # fmt: skip
     rows: dict[str, dict[str, object]] = {}
     total = ConcurrentResult("all")
+    shown = False  # the first failing configuration's replay program only (the JSON has every one)
     with tempfile.TemporaryDirectory(prefix="concurrent-") as logs:
         for cfg in concurrent_configs(short=args.short):
             r = run_concurrent(cfg, build.binary, semantics, args.seed, args.traces, log_dir=logs,
@@ -73,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
             print(
                 f"  [{'FAIL' if bad else 'ok  '}] {cfg.name:<16} {r.requests:>4} requests, {r.interleavings:>3} "
                 f"interleaved, {r.busy_requests:>3} named a busy slot, {r.busy_slot_by_id} answers changed "
-                f"(busy-slot-by-id), {r.busy_livelocks} hung (busy-slot-by-id-livelock), {r.concurrent_divergences} "
+                f"(busy-slot-by-id, {r.after_busy_hit} cache_n after it), {r.busy_livelocks} hung "
+                f"(busy-slot-by-id-livelock), "
+                f"{r.concurrent_divergences} "
                 f"concurrent-output-divergence, {r.near_tie_flips} "
                 f"near-ties, {r.mismatches} mismatches {r.seconds:6.1f}s"
             )
@@ -83,9 +86,10 @@ def run(args: argparse.Namespace) -> int:
                 print(f"      {n}")
             for f in r.failures[:3]:
                 print(f"      {f}")
-            if r.program:
+            if r.program and not shown:
+                shown = True
                 print("      the timed requests that replay it:\n        " + r.program.replace("\n", "\n        "))
-            rows[cfg.name] = {k: v for k, v in r.as_dict().items() if k != "program"}
+            rows[cfg.name] = r.as_dict()
         reports = sanitizer_reports(logs)
     for rep in reports[:5]:
         print(f"  sanitizer: {rep}")

@@ -74,6 +74,7 @@ _COUNTS = (
     "seconds",
     "unfollowed_after_busy_hit",
     "busy_livelocks",
+    "after_busy_hit",
 )
 REQUEST_TIMEOUT_S = 15.0  # a request of this scenario takes well under a second; more is a hang
 LIVELOCK_SPINS = 1000  # "superseding context checkpoint" lines of one trace that mean a spinning slot
@@ -107,11 +108,12 @@ def concurrent_configs(short: bool) -> list[ServerConfig]:
     ]
 
 
-def scenario(seed: int, n_clients: int, n_slots: int, per_client: int, n_ctx_slot: int) -> list[Req]:
+def scenario(seed: int, n_clients: int, n_slots: int, per_client: int, n_ctx_slot: int, busy: bool = True) -> list[Req]:
     """Overlapping requests that share, extend and diverge, long ones, and ones naming a busy slot.
 
     ``n_predict`` differs between requests of a trace, so a response is matched to its task by
     (slot, prompt length, tokens decoded). Client 0 keeps long generations going so that slots are busy.
+    ``busy`` False: no request names a slot (a clean trace: every mismatch in it fails).
     """
     rng = random.Random(seed)
     bases = [tuple(3 + rng.randrange(250) for _ in range(rng.choice((40, 96, 160, 200)))) for _ in range(3)]
@@ -121,7 +123,8 @@ def scenario(seed: int, n_clients: int, n_slots: int, per_client: int, n_ctx_slo
     for c in range(n_clients):
         prev: tuple[int, ...] = rng.choice(bases)
         for j in range(per_client):
-            kind = "long" if c == 0 else rng.choice(("share", "extend", "diverge", "repeat", "busy", "busy"))
+            kinds = ("share", "extend", "diverge", "repeat") + (("busy", "busy") if busy else ())
+            kind = "long" if c == 0 else rng.choice(kinds)
             new = tuple(3 + rng.randrange(250) for _ in range(rng.choice((1, 8, 24, 64))))
             n_predict = 2 + idx
             if kind == "long":
@@ -209,6 +212,7 @@ class ConcurrentResult:
     request_errors: int = 0
     evictions: int = 0  # seen in the log (the model's count must agree)
     unmodellable: str | None = None
+    after_busy_hit: int = 0  # cache_n predictions missed after busy-slot-by-id rewrote a slot (known)
     busy_livelocks: int = 0  # requests that hung on busy-slot-by-id-livelock (known)
     unfollowed_after_busy_hit: int = 0  # traces the model could not follow after busy-slot-by-id (known)
     notes: list[str] = field(default_factory=list)
@@ -389,10 +393,15 @@ def judge(
         res.cache_n_mismatches += 1
         res.failures.append(f"evictions: the log shows {res.evictions}, the model predicts {predicted_evictions}")
     sources = Divergences(cfg.arch)
+    after_hit = False  # busy-slot-by-id rewrote a processing slot: what follows is its wreckage
     for c in sorted(checks, key=lambda x: x.sent.t_send):
         if c.sent.response is None:
             continue
-        if not c.ok:
+        after_hit = after_hit or c.busy_hit
+        if not c.ok and after_hit:
+            res.after_busy_hit += 1
+            res.notes.append(f"cache_n after busy-slot-by-id: {c.describe()}")
+        elif not c.ok:
             res.cache_n_mismatches += 1
             res.failures.append(f"cache_n: {c.describe()}")
         c.output = compare_output(fresh, c.sent.req.tokens, c.sent.generated) if c.sent.generated else None
@@ -502,7 +511,8 @@ def run_concurrent(
     n_ctx_slot = min(n_ctx_slot, cfg.n_ctx // cfg.n_parallel + 128)  # leave unified KV room for every slot
     with fresh_server(cfg, binary, None if log_dir is None else f"{log_dir}/{cfg.name}-fresh.log") as fresh:
         for t in range(n_traces):
-            reqs = scenario(seed * 1000 + t, k, cfg.n_parallel, per_client, n_ctx_slot)
+            # even traces are clean (no request names a slot), odd ones name busy slots
+            reqs = scenario(seed * 1000 + t, k, cfg.n_parallel, per_client, n_ctx_slot, busy=t % 2 == 1)
             log = None if log_dir is None else f"{log_dir}/{cfg.name}-trace{t}.log"
             r = run_trace(cfg, binary, semantics, reqs, fresh, log, binary_expr)
             total.add(r)

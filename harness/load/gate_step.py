@@ -60,7 +60,8 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
             out(
                 f"  [{'ok  ' if ok else 'FAIL'}] concurrent {cfg.name:<14} {r.requests} requests by "
                 f"{min(4, cfg.n_parallel + 1)} clients, {r.interleavings} interleaved, {r.busy_requests} named a busy "
-                f"slot ({r.busy_slot_by_id} answers changed: busy-slot-by-id), {r.concurrent_divergences} "
+                f"slot ({r.busy_slot_by_id} answers changed: busy-slot-by-id, {r.after_busy_hit} cache_n after it), "
+                f"{r.concurrent_divergences} "
                 f"concurrent-output-divergence, {r.busy_livelocks} hung (busy-slot-by-id-livelock), "
                 f"{r.unfollowed_after_busy_hit} traces not followed after busy-slot-by-id, "
                 f"{r.near_tie_flips} near-ties, {r.mismatches} mismatches "
