@@ -12,9 +12,10 @@ import pytest
 from fixtures.models import model_path
 from harness.backends.base import GateOptions, GateReport
 from harness.load.clients import BUSY, Req, run_clients
-from harness.load.concurrent import Divergences, concurrent_configs, fresh_server, judge, load_config, scenario
+from harness.load.concurrent import concurrent_configs, fresh_server, judge, load_config, scenario
 from harness.load.gate_step import server_concurrent_step
 from harness.load.order import cache_states, parse_log, tasks
+from harness.load.outputs import Divergences
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 

@@ -7,6 +7,9 @@
 * :mod:`harness.load.concurrent`: the concurrent differential: the reference model replays that
   order and must predict every response's slot and ``cache_n``; outputs are compared with a fresh
   cache-less server (the gate's short concurrent run, and ``busy-slot-by-id`` on the real server).
+* :mod:`harness.load.outputs`: responses against a fresh cache-less server; which differences a
+  known finding explains.
+* :mod:`harness.load.gate_step`: the gate's short concurrent run.
 * :mod:`harness.load.soak`: ``python -m harness soak``: sustained load against a small
   ``--cache-ram``, RSS and the cache's logged size sampled every second, faults off then on.
 

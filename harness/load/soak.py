@@ -18,8 +18,8 @@ a new tail, without pause. A sampler reads, every second, the server's ``VmRSS``
   ``checkpoint-alloc-terminates``, ``decode-bad-alloc-terminates``), the server is restarted and
   the soak goes on; a fault trial *survived* when the server still answers afterwards;
 * the first :data:`OUTPUT_CHECKS` responses of a phase equal a fresh cache-less server's, checked
-  after the phase (:func:`harness.load.concurrent.compare_output`; near-ties are counted, and so are
-  divergences a known finding explains, :class:`harness.load.concurrent.Divergences`: on models with
+  after the phase (:func:`harness.load.outputs.compare_output`; near-ties are counted, and so are
+  divergences a known finding explains, :class:`harness.load.outputs.Divergences`: on models with
   attention layers ``concurrent-output-divergence``, so the cache's outputs are held to a fresh
   server on ``mamba``; any other difference fails).
 
@@ -44,8 +44,8 @@ from typing import Any
 from faults.native import RemoteShim
 from fixtures.models import model_path
 from harness.errors import ServerStartError
-from harness.load.concurrent import Divergences, compare_output
 from harness.load.order import LOG_PREFIX, STATE_LINE
+from harness.load.outputs import Divergences, compare_output
 from harness.targets.llama_server import ServerProcess
 
 __all__ = ["FAULT_MIN_SIZE", "PhaseResult", "SoakSettings", "rss_bytes", "soak_phase"]
