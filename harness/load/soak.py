@@ -52,7 +52,7 @@ __all__ = ["FAULT_MIN_SIZE", "PhaseResult", "SoakSettings", "rss_bytes", "soak_p
 
 N_CLIENTS = 3
 CACHE_RAM_MIB = 4
-RSS_SLACK_MIB = 64
+RSS_SLACK_MIB = 32
 FAULT_PERIOD_S = 3.0
 FAULT_MIN_SIZE = 64 * 1024
 OUTPUT_CHECKS = 1500  # the first responses of a phase, all checked against a fresh server afterwards
