@@ -345,7 +345,8 @@ def run_trace(
     )  # fmt: skip
     with server:
         run = run_clients(server, reqs, timeout=REQUEST_TIMEOUT_S)
-        log = server.log_path.read_text(errors="replace") if server.log_path else ""
+    # after the server stopped: a slot is released (and logged) after its response went out
+    log = server.log_path.read_text(errors="replace") if server.log_path else ""
     res = judge(cfg, semantics, log, run.sents, fresh, program)
     res.seconds = time.perf_counter() - t0
     return res
