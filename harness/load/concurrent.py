@@ -102,7 +102,9 @@ def concurrent_configs(short: bool) -> list[ServerConfig]:
         load_config("mamba", 4, False),
         load_config("lfm2", 4, True),
         load_config("gemma2", 2, False),
-        load_config("gemma2", 3, True),
+        # not gemma2 with unified KV: which sliding-window cells of a slot survive depends on how the server
+        # interleaves the slots' batches in the shared cells, which the per-slot replay cannot follow
+        load_config("gemma2", 3, False),
     ]
 
 
