@@ -303,6 +303,15 @@ _ALL = [
         "fixtures/findings/concurrent_output_divergence.py",
     ),
     Finding(
+        "fault-batch-assert",
+        "server",
+        "native_fault",
+        "under sustained load a failed host allocation (native shim, >= 16 KiB) once aborted llama-server with "
+        "GGML_ASSERT(batch.slot_batched || batch.size() == 0) right after pre_decode() in update_slots "
+        "(server-context.cpp:2826 of the PR build): a batch holding tokens for no slot; 1 of 66 fault trials",
+        "fixtures/findings/fault_half_built_batch_assert.py",
+    ),
+    Finding(
         "checkpoint-alloc-terminates",
         "server",
         "native_fault",
