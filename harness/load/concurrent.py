@@ -346,7 +346,7 @@ def run_trace(
         kv_unified=cfg.kv_unified, log_path=log_path, request_timeout=REQUEST_TIMEOUT_S,
     )  # fmt: skip
     with server:
-        run = run_clients(server, reqs, timeout=REQUEST_TIMEOUT_S)
+        run = run_clients(server, reqs, timeout=4 * REQUEST_TIMEOUT_S)
     # after the server stopped: a slot is released (and logged) after its response went out
     log = server.log_path.read_text(errors="replace") if server.log_path else ""
     res = judge(cfg, semantics, log, run.sents, fresh, program)
@@ -364,7 +364,7 @@ def judge(
     # forever; its request (and the one that named the slot) time out
     livelock = log.count("superseding context checkpoint") > LIVELOCK_SPINS and "found better prompt" in log
     for s in sents:
-        if s.error is not None and livelock and "timed out" in s.error:
+        if s.error is not None and livelock and ("timed out" in s.error or s.error.startswith("not sent")):
             res.busy_livelocks += 1
             res.notes.append(f"busy-slot-by-id-livelock: {s.describe()}")
         elif s.error is not None:
