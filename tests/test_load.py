@@ -115,3 +115,11 @@ def test_soak_detects_a_broken_rss_bound(pr_binary: Path, tmp_path: Path) -> Non
     assert p.returncode == 1, p.stdout + p.stderr
     assert any("exceeds the bound" in v for v in doc["violations"]) and doc["passed"] is False
     assert "--- replay ---" in p.stdout and "--rss-bound 1" in p.stdout
+
+
+def test_busy_slot_by_id_reproducer_shows_the_wrong_answer_on_the_pr_server(pr_binary: Path) -> None:
+    p = subprocess.run([sys.executable, "fixtures/findings/busy_slot_by_id_server.py", "pr"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    if p.returncode == 2:
+        pytest.skip("the request naming the busy slot never landed while it ran (machine too slow): " + p.stdout)
+    assert p.returncode == 1 and "BUG:" in p.stdout, p.stdout + p.stderr  # 1: present at 0c1e570 (+ PR #27451)
