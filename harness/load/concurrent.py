@@ -333,7 +333,8 @@ def run_trace(
     """Run one trace on a new server, replay its order on a new model, check every response."""
     t0 = time.perf_counter()
     program = replay_program(
-        ["from harness.targets.llama_build import build_server, build_source",
+        ["from pathlib import Path",
+         "from harness.targets.llama_build import build_server, build_source",
          "from harness.backends.llama_server import ServerConfig",
          "from harness.load.clients import Req",
          "from harness.load.concurrent import replay"],
