@@ -357,9 +357,13 @@ def _crashed(live: _Live, shim: RemoteShim | None, res: PhaseResult, out: Callab
     proc = live.server.proc
     rc = proc.returncode if proc is not None else None
     log = live.server.log_path.read_text(errors="replace") if live.server.log_path else ""
-    what = next((ln for ln in log.splitlines() if "terminate called" in ln or "GGML_ASSERT" in ln), "")
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    what = next((ln for ln in lines if "terminate called" in ln or "GGML_ASSERT" in ln), "")
+    if not what:  # no message of its own: the log's last lines and the top of the shim's C stack
+        frames = [ln.strip() for ln in (shim.stacks() if shim else "").splitlines() if "(" in ln][:4]
+        what = "no message; log ends: " + " | ".join(lines[-2:]) + ("; stack: " + " < ".join(frames) if frames else "")
     res.crashes += 1
-    detail = f"exit {rc}: {what or 'no message'} (log {live.server.log_path})"
+    detail = f"exit {rc}: {what} (log {live.server.log_path})"
     res.crash_details.append(detail)
     if shim is None:
         res.violations.append(f"llama-server died with faults off: {detail}")
