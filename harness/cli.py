@@ -14,7 +14,19 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from harness.commands import build_server, contract, demo, gate, mutants, native, report, rlimit, sweep
+from harness.commands import (
+    build_server,
+    concurrent,
+    contract,
+    demo,
+    gate,
+    mutants,
+    native,
+    report,
+    rlimit,
+    soak,
+    sweep,
+)
 from harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, HarnessError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -28,6 +40,8 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "contract": (contract, "libllama's memory API against its contract on the five models (findings reported)"),
     "native": (native, "native malloc failures inside libllama's state calls and decode, one case each"),
     "build-server": (build_server, "build llama-server from the llama-cpp-python sdist (cached)"),
+    "concurrent": (concurrent, "K clients against a real llama-server; the model replays the order it took"),
+    "soak": (soak, "sustained load on a real llama-server: RSS, cache size and outputs under a small --cache-ram"),
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
     "report": (report, "the memory report: one self-contained HTML page and report.json, master vs PR"),
 }

@@ -78,7 +78,19 @@ _ALL = [
         "synthetic",
         "busy_slot_untouched",
         "get_available_slot saves/loads the cache into a slot that is processing when the request names "
-        "that slot by id (server-context.cpp:1532-1633, with slot_prompt_similarity != 0)",
+        "that slot by id (server-context.cpp:1532-1633, with slot_prompt_similarity != 0); on the real server "
+        "the request being generated in that slot goes on from the loaded prompt: a wrong answer, no error",
+        "fixtures/findings/busy_slot_by_id_server.py",
+    ),
+    Finding(
+        "busy-slot-by-id-livelock",
+        "server",
+        "request_error",
+        "as busy-slot-by-id, but the named slot is still processing its prompt and the prompt loaded into it is at "
+        "least as long: the prompt loop has nothing to add and re-creates ('supersedes') the same checkpoint every "
+        "iteration; the server spins, the request never answers and the request naming the slot stays deferred until "
+        "a client gives up (server-context.cpp:1534-1628, 3441-3530)",
+        "fixtures/findings/busy_slot_by_id_livelock.py",
     ),
     Finding(
         "draft-kv-exhaustion",
@@ -279,6 +291,25 @@ _ALL = [
         "0.02 logprob the greedy choice can differ from a fresh server's "
         "(the same root cause as kv-layout-dependent-logits)",
         "fixtures/findings/kv_layout_logits.py",
+    ),
+    Finding(
+        "concurrent-output-divergence",
+        "server",
+        "output",
+        "under concurrent requests llama-server (-np 2, with or without the prompt cache, unified or per-slot KV) "
+        "sometimes answers a prompt unlike a sequential evaluation of it (first differing token outside the fresh "
+        "server's top 10) on models with attention layers, and keeps that wrong state in the slot and in cache "
+        "entries saved from it; pure recurrent (mamba) never showed it; where it breaks is not located",
+        "fixtures/findings/concurrent_output_divergence.py",
+    ),
+    Finding(
+        "fault-batch-assert",
+        "server",
+        "native_fault",
+        "under sustained load a failed host allocation (native shim, >= 16 KiB) once aborted llama-server with "
+        "GGML_ASSERT(batch.slot_batched || batch.size() == 0) right after pre_decode() in update_slots "
+        "(server-context.cpp:2826 of the PR build): a batch holding tokens for no slot; 1 of 66 fault trials",
+        "fixtures/findings/fault_half_built_batch_assert.py",
     ),
     Finding(
         "checkpoint-alloc-terminates",

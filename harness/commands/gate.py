@@ -28,6 +28,7 @@ from fixtures.models import ARCHS
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
 from harness.backends.base import Backend, GateOptions, GateReport
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from harness.load.gate_step import server_concurrent_step
 from properties.run import PROFILES, commit
 
 __all__ = ["add_arguments", "options_from_args", "run", "run_gate"]
@@ -50,6 +51,8 @@ def run_gate(opts: GateOptions, backends: Sequence[str | Backend], out: Callable
     report = GateReport(opts.semantics, "+".join(b.name for b in runners), opts.profile, opts.seed, commit())
     for b in runners:
         b.run(report, opts, out)
+        if b.name == "server":  # the short concurrent run (harness.load sits above the backends)
+            server_concurrent_step(report, opts, out)
     _print_report(report, out)
     return report
 

@@ -1,0 +1,106 @@
+"""``python -m harness concurrent``: the concurrent differential's figures on one llama-server build.
+
+K clients (one more than the slots, at most 4) send overlapping requests that share, extend and
+diverge, some naming a busy slot by ``id_slot``, to ``-np`` 2..4 servers with unified and per-slot
+KV on the five models (:func:`harness.load.concurrent.concurrent_configs`); the model replays the
+order the server took and must predict every slot and ``cache_n``; outputs are compared with a
+fresh cache-less server. ``--traces N`` seeded traces per configuration. Prints one line per
+configuration and, for a mismatch, the timed requests that replay it; ``--json PATH`` writes the
+figures (requests, interleavings, busy-slot requests, answers changed by ``busy-slot-by-id``,
+``concurrent-output-divergence``, mismatches).
+
+Exit 0 when nothing mismatched, 1 on a mismatch or an order the model could not follow, 2 on a
+usage error, 4 when the build fails. The gate's short run is :mod:`harness.load.gate_step`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from harness.backends.llama_server import sanitizer_reports
+from harness.commands.common import SEMANTICS
+from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
+from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
+from harness.targets.llama_build import server_build
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--semantics", choices=SEMANTICS, help="the pinned build: shared (PR #27451, default) or master"
+    )
+    parser.add_argument("--asan", action="store_true", help="the AddressSanitizer build (shared semantics)")
+    parser.add_argument("--source", metavar="DIR", type=Path, help="build llama-server from this llama.cpp tree")
+    parser.add_argument("--traces", type=int, default=3, help="seeded traces per configuration (default 3)")
+    parser.add_argument("--short", action="store_true", help="only the gate's two configurations")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if not 1 <= args.traces <= 1000:
+        raise UsageError("--traces must be between 1 and 1000")
+    if args.asan and args.semantics == "master":
+        raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
+    if args.source is not None and args.semantics is not None:
+        raise UsageError("--semantics picks the pinned tree's build; with --source the tree is what it is")
+
+    def log(m: str) -> None:
+        print("  build: " + m, file=sys.stderr)
+
+    if args.source is not None:
+        build = server_build(source=args.source, asan=args.asan, log=log)
+    else:
+        build = server_build(
+            flavour="asan" if args.asan else ("master" if args.semantics == "master" else "pr"), log=log
+        )
+    semantics = build.semantics or (args.semantics or "shared")
+    print(f"concurrent: build={build.origin} semantics={semantics} traces={args.traces} seed={args.seed} "
+          "(shared machine: timings vary, the order is read from the server's log)")  # fmt: skip
+    rows: dict[str, dict[str, object]] = {}
+    total = ConcurrentResult("all")
+    shown = False  # the first failing configuration's replay program only (the JSON has every one)
+    with tempfile.TemporaryDirectory(prefix="concurrent-") as logs:
+        for cfg in concurrent_configs(short=args.short):
+            r = run_concurrent(cfg, build.binary, semantics, args.seed, args.traces, log_dir=logs,
+                               binary_expr=build.replay_expr)  # fmt: skip
+            total.add(r)
+            bad = r.mismatches or r.unmodellable
+            print(
+                f"  [{'FAIL' if bad else 'ok  '}] {cfg.name:<16} {r.requests:>4} requests, {r.interleavings:>3} "
+                f"interleaved, {r.busy_requests:>3} named a busy slot, {r.busy_slot_by_id} answers changed "
+                f"(busy-slot-by-id, {r.after_busy_hit} cache_n after it), {r.busy_livelocks} hung "
+                f"(busy-slot-by-id-livelock), "
+                f"{r.concurrent_divergences} "
+                f"concurrent-output-divergence, {r.near_tie_flips} "
+                f"near-ties, {r.mismatches} mismatches {r.seconds:6.1f}s"
+            )
+            if r.unmodellable:
+                print(f"      order not followed: {r.unmodellable}")
+            for n in r.notes[:3]:
+                print(f"      {n}")
+            for f in r.failures[:3]:
+                print(f"      {f}")
+            if r.program and not shown:
+                shown = True
+                print("      the timed requests that replay it:\n        " + r.program.replace("\n", "\n        "))
+            rows[cfg.name] = r.as_dict()
+        reports = sanitizer_reports(logs)
+    for rep in reports[:5]:
+        print(f"  sanitizer: {rep}")
+    figures = {k: v for k, v in total.as_dict().items() if k not in ("program", "busy_program", "config")}
+    figures["sanitizer_reports"] = len(reports)
+    if args.json:
+        doc = {"command": "concurrent", "build": build.origin, "semantics": semantics, "asan": build.asan,
+               "traces": args.traces, "seed": args.seed, "total": figures, "configs": rows}  # fmt: skip
+        Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
+    failed = total.mismatches > 0 or total.unmodellable is not None or reports
+    print(("FAIL" if failed else "PASS") + f": {total.requests} requests, {total.interleavings} interleaved, "
+          f"{total.busy_requests} named a busy slot, {total.busy_slot_by_id} busy-slot-by-id, "
+          f"{total.concurrent_divergences} concurrent-output-divergence, {total.mismatches} mismatches")  # fmt: skip
+    return EXIT_FAILED if failed else EXIT_OK

@@ -1,0 +1,99 @@
+"""``python -m harness soak``: sustained unique and repeating prompts against a small ``--cache-ram``.
+
+``--minutes N`` is the whole run: each model gets two phases of equal length (faults off, then the
+native shim failing one large allocation every few seconds). What is sampled and checked is in
+:mod:`harness.load.soak`. ``--json PATH`` writes every phase's figures (requests/s, p50/p99
+latency, the RSS curve, cache size and entries, evictions, fault trials survived).
+
+Exit 0 when every bound held, 1 when one broke (RSS over its bound, the logged cache over its
+limit, a crash or a request error with faults off, an output unlike a fresh server's), 2 on a
+usage error, 4 when llama-server does not build. The figures come from a shared machine: compare
+runs made on the same machine only.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+from fixtures.models import ARCHS
+from harness.commands.common import SEMANTICS
+from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
+from harness.load.soak import CACHE_RAM_MIB, SoakSettings, soak
+from harness.targets.llama_build import server_build
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--minutes", type=float, required=True, help="the whole run, split over models and phases")
+    parser.add_argument(
+        "--semantics", choices=SEMANTICS, help="the pinned build: shared (PR #27451, default) or master"
+    )
+    parser.add_argument("--source", metavar="DIR", type=Path, help="build llama-server from this llama.cpp tree")
+    parser.add_argument("--arch", nargs="+", metavar="NAME", help="the fixtures models (default: all five)")
+    parser.add_argument("--cache-ram", type=int, default=CACHE_RAM_MIB, metavar="MIB",
+                        help=f"the server's --cache-ram (default {CACHE_RAM_MIB})")  # fmt: skip
+    parser.add_argument("--rss-bound", type=float, metavar="MIB",
+                        help="a fixed RSS bound instead of base + cache-ram + slack")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the clients' prompts (default 0)")
+    parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.minutes <= 0 or args.minutes > 24 * 60:
+        raise UsageError("--minutes must be > 0 and at most a day")
+    if args.source is not None and args.semantics is not None:
+        raise UsageError("--semantics picks the pinned tree's build; with --source the tree is what it is")
+    archs = args.arch or list(ARCHS)
+    bad = [a for a in archs if a not in ARCHS]
+    if bad:
+        raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
+    if args.cache_ram < 1:
+        raise UsageError("--cache-ram must be >= 1 MiB (0 disables the cache: nothing to soak)")
+
+    def log(m: str) -> None:
+        print("  build: " + m, file=sys.stderr)
+
+    if args.source is not None:
+        build = server_build(source=args.source, log=log)
+    else:
+        build = server_build(flavour="master" if args.semantics == "master" else "pr", log=log)
+    per_phase = args.minutes * 60 / (2 * len(archs))
+    st = SoakSettings(per_phase, cache_ram_mib=args.cache_ram, rss_bound_mib=args.rss_bound, seed=args.seed)
+    print(f"soak: build={build.origin} models={','.join(archs)} {per_phase:.0f}s per phase (faults off, then on), "
+          f"--cache-ram {args.cache_ram} MiB, seed {args.seed}; shared machine: figures are relative")  # fmt: skip
+    with tempfile.TemporaryDirectory(prefix="soak-") as logs:
+        results = soak(build.binary, archs, st, logs)
+        violations = [f"{r.arch} faults {'on' if r.faults else 'off'}: {v}" for r in results for v in r.violations]
+        report = {
+            "command": "soak",
+            "build": build.origin,
+            "binary": str(build.binary),
+            "semantics": build.semantics,
+            "minutes": args.minutes,
+            "cache_ram_mib": args.cache_ram,
+            "seed": args.seed,
+            "phases": [r.summary() for r in results],
+            "requests": sum(r.requests for r in results),
+            "fault_trials": sum(r.fault_trials for r in results),
+            "fault_survived": sum(r.fault_survived for r in results),
+            "crashes_under_faults": sum(r.crashes for r in results if r.faults),
+            "violations": violations,
+            "passed": not violations,
+        }
+        if args.json:
+            Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        if violations:
+            print(f"FAIL: {len(violations)} violations; first: {violations[0]}")
+            print(f"--- replay ---\npython -m harness soak --minutes {args.minutes} "
+                  + (f"--source {args.source} " if args.source else f"--semantics {args.semantics or 'shared'} ")
+                  + f"--arch {' '.join(archs)} --cache-ram {args.cache_ram} --seed {args.seed}"
+                  + (f" --rss-bound {args.rss_bound}" if args.rss_bound is not None else ""))  # fmt: skip
+            return EXIT_FAILED
+        print(f"PASS: {report['requests']} requests, {report['fault_trials']} fault trials, "
+              f"{report['fault_survived']} survived")  # fmt: skip
+        return EXIT_OK

@@ -1,0 +1,99 @@
+"""The gate's short concurrent run: ``gate --backend server`` runs it after the server backend's phases.
+
+Two configurations (:func:`~harness.load.concurrent.concurrent_configs` ``short``): ``llama`` on two
+slots with per-slot KV and ``mamba`` on three slots with unified KV, two seeded traces each of K
+clients x 4 overlapping requests (some naming a busy slot). Every response's slot and ``cache_n``
+must match the model fed the server's order; outputs are compared with a fresh server (on ``llama``
+a divergence is the known finding ``concurrent-output-divergence``; on ``mamba`` any divergence
+not explained by ``busy-slot-by-id`` fails). Adds about half a minute to the server gate. The
+figures go to ``report.extra["server"]["concurrent"]``; the known findings ``busy-slot-by-id``
+(with the trace that showed it), ``busy-slot-by-id-livelock`` (a request hung: costs the request
+timeout, 15 s) and ``concurrent-output-divergence`` are reported, not failed.
+"""
+
+from __future__ import annotations
+
+import shlex
+import tempfile
+import time
+from collections import Counter
+from pathlib import Path
+
+from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out
+from harness.backends.llama_server import sanitizer_reports
+from harness.findings import finding
+from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
+from properties.machine import MachineConfig
+
+__all__ = ["N_TRACES", "server_concurrent_step"]
+
+N_TRACES = 2
+
+
+def _replay(opts: GateOptions, semantics: str) -> str:
+    line = "python -m harness gate --backend server"
+    if opts.server_bin is not None:
+        line += f" --server-bin {shlex.quote(str(opts.server_bin))}"
+    elif opts.source is not None:
+        line += f" --source {shlex.quote(str(opts.source))}"
+    if opts.asan:
+        line += " --asan"
+    return line + f" --semantics {semantics} --seed {opts.seed}"
+
+
+def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> None:
+    """Run the short concurrent differential on the binary the server backend just tested."""
+    section = report.extra.get("server")
+    if not section or not section.get("binary"):
+        return  # the server backend did not get as far as a binary: nothing to run
+    binary = Path(section["binary"])
+    semantics = str(section["semantics"])
+    replay = _replay(opts, semantics)
+    total = ConcurrentResult("concurrent")
+    with tempfile.TemporaryDirectory(prefix="server-concurrent-") as logs:
+        for cfg in concurrent_configs(short=True):
+            t0 = time.perf_counter()
+            r = run_concurrent(cfg, binary, semantics, opts.seed, N_TRACES, log_dir=logs,
+                               binary_expr=f"Path({str(binary)!r})")  # fmt: skip
+            total.add(r)
+            ok = not r.mismatches and r.unmodellable is None
+            out(
+                f"  [{'ok  ' if ok else 'FAIL'}] concurrent {cfg.name:<14} {r.requests} requests by "
+                f"{min(4, cfg.n_parallel + 1)} clients, {r.interleavings} interleaved, {r.busy_requests} named a busy "
+                f"slot ({r.busy_slot_by_id} answers changed: busy-slot-by-id, {r.after_busy_hit} cache_n after it), "
+                f"{r.concurrent_divergences} "
+                f"concurrent-output-divergence, {r.busy_livelocks} hung (busy-slot-by-id-livelock), "
+                f"{r.unfollowed_after_busy_hit} traces not followed after busy-slot-by-id, "
+                f"{r.near_tie_flips} near-ties, {r.mismatches} mismatches "
+                f"{time.perf_counter() - t0:5.1f}s"
+            )
+            failure = None
+            if r.unmodellable is not None:
+                failure = Failure("concurrent_order", "error", f"{cfg.name}: {r.unmodellable}", "", replay,
+                                  f"server-concurrent-{cfg.name}", 0)  # fmt: skip
+            elif r.mismatches:
+                prop = "cache_n" if r.cache_n_mismatches else ("output" if r.output_mismatches else "request_error")
+                failure = Failure(prop, "violation", f"{cfg.name}: {r.failures[0]}", r.program, replay,
+                                  f"server-concurrent-{cfg.name}", r.program.count("Req("))  # fmt: skip
+                out("  the timed requests that replay it:\n    " + r.program.replace("\n", "\n    "))
+            checked = Counter({"cache_n": r.requests, "output": r.requests})
+            report.machines.append(
+                MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
+            )
+        reports = sanitizer_reports(logs)
+    for rep in reports[:5]:
+        f = Failure("sanitizer", "crash", rep, "", replay, "server-concurrent-asan", 0)
+        report.machines.append(MachineResult(MachineConfig(semantics), 0.0, f, Counter(), Counter(), []))
+    section["concurrent"] = {k: v for k, v in total.as_dict().items() if k not in ("program", "busy_program")}
+    section["concurrent"]["sanitizer_reports"] = len(reports)
+    machine = f"llama-server {section.get('flavour', binary)}, concurrent clients"
+    busy = finding("busy-slot-by-id")
+    extra = {"program": total.busy_program} if total.busy_program else {}
+    status = "reproduced" if total.busy_slot_by_id else "not-reproduced"
+    report.known.append(busy.entry(machine, status, count=total.busy_slot_by_id, **extra))
+    live = finding("busy-slot-by-id-livelock")
+    status = "reproduced" if total.busy_livelocks else "not-reproduced"
+    report.known.append(live.entry(machine, status, count=total.busy_livelocks))
+    conc = finding("concurrent-output-divergence")
+    status = "reproduced" if total.concurrent_divergences else "not-reproduced"
+    report.known.append(conc.entry(machine, status, count=total.concurrent_divergences))

@@ -1,0 +1,425 @@
+"""``python -m harness soak``: sustained load on a real ``llama-server`` with a small ``--cache-ram``.
+
+For each model (the five fixtures models by default), two phases of equal length: faults off, then
+the native shim (:class:`faults.native.RemoteShim`) preloaded into the server and armed every
+:data:`FAULT_PERIOD_S` seconds to fail the next allocation of at least :data:`FAULT_MIN_SIZE`
+bytes (a low rate: one failed large allocation every few seconds, among hundreds of requests).
+
+Clients (:data:`N_CLIENTS` threads) send unique prompts and prompts that repeat an earlier one with
+a new tail, without pause. A sampler reads, every second, the server's ``VmRSS`` and the last
+``cache state`` line of its log (``-lv 4``; size and entry count, server-task.cpp:1894). Checked:
+
+* RSS <= bound: the RSS once every slot has served a request (the model's base, slots and compute
+  buffers included) + ``--cache-ram`` + :data:`RSS_SLACK_MIB` (allocator slack, HTTP threads, the
+  slots' checkpoints); ``--rss-bound MIB`` replaces the bound;
+* the logged cache size never exceeds its logged limit;
+* no crash and no request error with faults off; with faults on, a crash is counted with the
+  failed allocation (a ``std::bad_alloc`` that terminates the server is a known finding:
+  ``checkpoint-alloc-terminates``, ``decode-bad-alloc-terminates``), the server is restarted and
+  the soak goes on; a fault trial *survived* when the server still answers afterwards;
+* the first :data:`OUTPUT_CHECKS` responses of a phase equal a fresh cache-less server's, checked
+  after the phase (:func:`harness.load.outputs.compare_output`; near-ties are counted, and so are
+  divergences a known finding explains, :class:`harness.load.outputs.Divergences`: on models with
+  attention layers ``concurrent-output-divergence``, so the cache's outputs are held to a fresh
+  server on ``mamba``; any other difference fails).
+
+Reported per model and phase: requests/s, p50/p99 latency, the RSS curve (one sample a second),
+the cache's size and entries, evictions, fault trials and how many the server survived. Every loop
+is bounded by the phase's deadline and :data:`MAX_REQUESTS`; servers are stopped on failure and
+Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import random
+import tempfile
+import threading
+import time
+import urllib.error
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from faults.native import RemoteShim
+from fixtures.models import model_path
+from harness.errors import ServerStartError
+from harness.load.order import LOG_PREFIX, STATE_LINE
+from harness.load.outputs import Divergences, compare_output
+from harness.targets.llama_server import ServerProcess
+
+__all__ = ["FAULT_MIN_SIZE", "PhaseResult", "SoakSettings", "rss_bytes", "soak_phase"]
+
+N_CLIENTS = 3
+CACHE_RAM_MIB = 4
+RSS_SLACK_MIB = 32
+FAULT_PERIOD_S = 3.0
+FAULT_MIN_SIZE = 16 * 1024
+OUTPUT_CHECKS = 1500  # the first responses of a phase, all checked against a fresh server afterwards
+MAX_REQUESTS = 200_000
+MAX_RESTARTS = 50
+_SERVER_ARGS = ["-cms", "64", "-b", "256", "-ub", "64", "--no-warmup", "-lv", "4"]
+_ERRORS_DOCUMENTED = ("Context size has been exceeded", "Invalid input batch", "failed to process speculative batch")
+
+
+def rss_bytes(pid: int) -> int:
+    """``VmRSS`` of ``pid`` in bytes (0 when the process is gone)."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+@dataclass(frozen=True)
+class SoakSettings:
+    seconds: float  # per phase
+    cache_ram_mib: int = CACHE_RAM_MIB
+    rss_bound_mib: float | None = None  # None: base + cache-ram + slack
+    n_parallel: int = 2
+    seed: int = 0
+
+
+@dataclass
+class PhaseResult:
+    arch: str
+    faults: bool
+    seconds: float = 0.0
+    requests: int = 0
+    errors: int = 0  # request errors (HTTP error bodies and broken connections)
+    fault_errors: int = 0  # of those, while a fault was armed or by a server the fault killed
+    latencies: list[float] = field(default_factory=list)
+    rss_curve: list[tuple[float, int, float, int]] = field(default_factory=list)  # (t, RSS B, cache MiB, entries)
+    rss_base: int = 0
+    rss_bound: int = 0
+    cache_limit_mib: float = 0.0
+    evictions: int = 0
+    output_checks: int = 0
+    near_tie_flips: int = 0
+    concurrent_divergences: int = 0  # explained by the known finding concurrent-output-divergence
+    responses: list[tuple[float, tuple[int, ...], tuple[int, ...], int, int]] = field(default_factory=list)
+    crashes: int = 0
+    crash_details: list[str] = field(default_factory=list)
+    fault_trials: int = 0  # arms that failed an allocation
+    fault_survived: int = 0
+    violations: list[str] = field(default_factory=list)
+
+    def summary(self) -> dict[str, Any]:
+        lat = sorted(self.latencies)
+
+        def pct(p: float) -> float:
+            return round(lat[min(len(lat) - 1, int(p * len(lat)))] * 1e3, 2) if lat else 0.0
+
+        rss = [r for _, r, _, _ in self.rss_curve]
+        cache = [c for _, _, c, _ in self.rss_curve]
+        return {
+            "arch": self.arch,
+            "faults": self.faults,
+            "seconds": round(self.seconds, 1),
+            "requests": self.requests,
+            "requests_per_s": round(self.requests / self.seconds, 2) if self.seconds else 0.0,
+            "p50_ms": pct(0.50),
+            "p99_ms": pct(0.99),
+            "errors": self.errors,
+            "fault_errors": self.fault_errors,
+            "rss_base_bytes": self.rss_base,
+            "rss_max_bytes": max(rss, default=0),
+            "rss_bound_bytes": self.rss_bound,
+            "cache_max_mib": max(cache, default=0.0),
+            "cache_limit_mib": self.cache_limit_mib,
+            "cache_max_entries": max((e for *_, e in self.rss_curve), default=0),
+            "evictions": self.evictions,
+            "output_checks": self.output_checks,
+            "near_tie_flips": self.near_tie_flips,
+            "concurrent_divergences": self.concurrent_divergences,
+            "crashes": self.crashes,
+            "crash_details": self.crash_details[:5],
+            "fault_trials": self.fault_trials,
+            "fault_survived": self.fault_survived,
+            "violations": self.violations[:20],
+            "rss_curve": [[round(t, 1), r, c, e] for t, r, c, e in self.rss_curve],
+        }
+
+
+class _Live:
+    """The phase's current server (replaced after a crash) and its log reader."""
+
+    def __init__(self, make: Callable[[], ServerProcess]) -> None:
+        self.make = make
+        self.lock = threading.Lock()
+        self.server = make()
+        self.offset = 0
+        self.generation = 0
+
+    def restart(self) -> None:
+        with self.lock:
+            self.server.stop()
+            self.server = self.make()
+            self.server.start()
+            self.offset = 0
+            self.generation += 1
+
+    def new_log(self) -> str:
+        path = self.server.log_path
+        if path is None:
+            return ""
+        with path.open("rb") as f:
+            f.seek(self.offset)
+            data = f.read()
+        cut = data.rfind(b"\n") + 1
+        self.offset += cut
+        return data[:cut].decode(errors="replace")
+
+
+def _prompt(rng: random.Random, pool: list[tuple[int, ...]], n_max: int) -> tuple[int, ...]:
+    if pool and rng.random() < 0.5:  # repeating: an earlier prompt, sometimes with a new tail
+        base = rng.choice(pool)
+        tail = tuple(3 + rng.randrange(250) for _ in range(rng.choice((0, 0, 4, 32))))
+        return (base + tail)[:n_max] or (1,)
+    toks = tuple(3 + rng.randrange(250) for _ in range(rng.choice((16, 64, 160, 320))))
+    pool.append(toks)
+    if len(pool) > 12:
+        pool.pop(0)
+    return toks
+
+
+def soak_phase(
+    binary: Path,
+    arch: str,
+    st: SoakSettings,
+    *,
+    faults: bool,
+    log_dir: str,
+    out: Callable[[str], None] = print,
+) -> PhaseResult:
+    """One model, one phase (faults off or on); see the module docstring for what is checked."""
+    res = PhaseResult(arch, faults)
+    shim = RemoteShim(tempfile.mkdtemp(prefix="soak-shim-", dir=log_dir)) if faults else None
+    n_log = 0
+
+    def make() -> ServerProcess:
+        nonlocal n_log
+        n_log += 1
+        return ServerProcess(
+            binary, _SERVER_ARGS, model=model_path(arch), n_parallel=st.n_parallel, ctx_size=2048,
+            cache_ram=st.cache_ram_mib, ctx_checkpoints=4, env=shim.env() if shim else None,
+            log_path=f"{log_dir}/soak-{arch}-{'faults' if faults else 'off'}-{n_log}.log",
+        )  # fmt: skip
+
+    live = _Live(make)
+    fresh = ServerProcess(binary, _SERVER_ARGS[:-2], model=model_path(arch), n_parallel=1, ctx_size=2048,
+                          cache_ram=0, ctx_checkpoints=4, log_path=f"{log_dir}/soak-{arch}-fresh.log")  # fmt: skip
+    res.cache_limit_mib = float(st.cache_ram_mib)
+    try:
+        live.server.start()
+        fresh.start()
+        _run(live, shim, st, res, out)
+        live.server.stop()
+        _check_outputs(fresh, res)
+    finally:
+        try:
+            live.server.stop()
+        finally:
+            fresh.stop()
+    return res
+
+
+def _warm_up(live: _Live, st: SoakSettings, res: PhaseResult) -> None:
+    """One request per slot at once, so the slots and compute buffers are in the base RSS."""
+    threads = [
+        threading.Thread(target=lambda k=k: live.server.completion([3 + k] * 64, 4, ignore_eos=True), daemon=True)
+        for k in range(st.n_parallel)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    res.rss_base = rss_bytes(live.server.pid)
+    bound = st.rss_bound_mib if st.rss_bound_mib is not None else None
+    res.rss_bound = (
+        int(bound * (1 << 20)) if bound is not None else res.rss_base + (st.cache_ram_mib + RSS_SLACK_MIB) * (1 << 20)
+    )
+
+
+def _check_outputs(fresh: ServerProcess, res: PhaseResult) -> None:
+    """Every recorded response against the fresh server, in the order they were sent."""
+    known = Divergences(res.arch)
+    for _, toks, gen, cache_n, slot in sorted(res.responses):
+        if not gen:
+            continue
+        problem = compare_output(fresh, toks, gen)
+        res.output_checks += 1
+        if problem == "near-tie":
+            res.near_tie_flips += 1
+        elif problem is not None and known.explains(toks, cache_n):
+            res.concurrent_divergences += 1
+            known.add(toks, gen)
+        elif problem is not None:
+            res.violations.append(f"output: {problem} (slot {slot}, cache_n {cache_n})")
+
+
+def _run(live: _Live, shim: RemoteShim | None, st: SoakSettings, res: PhaseResult, out: Callable[[str], None]) -> None:
+    _warm_up(live, st, res)
+    t0 = time.monotonic()
+    deadline = t0 + st.seconds
+    stop = threading.Event()
+    lock = threading.Lock()
+    armed = threading.Event()
+
+    def client(k: int) -> None:
+        rng = random.Random(st.seed * 100 + k)
+        pool: list[tuple[int, ...]] = []
+        while not stop.is_set() and time.monotonic() < deadline and res.requests < MAX_REQUESTS:
+            toks = _prompt(rng, pool, 900)
+            n_predict = rng.choice((2, 4, 8, 16))
+            gen = live.generation
+            t = time.monotonic()
+            try:
+                r = live.server.completion(list(toks), n_predict, ignore_eos=True, return_tokens=True)
+            except urllib.error.HTTPError as e:
+                body = e.read()[:300].decode(errors="replace")
+                with lock:
+                    res.requests += 1
+                    res.errors += 1
+                    if armed.is_set() or (shim is not None and any(d in body for d in _ERRORS_DOCUMENTED)):
+                        res.fault_errors += 1
+                    else:
+                        res.violations.append(f"request error with faults off: HTTP {e.code} {body}")
+                continue
+            except (urllib.error.URLError, OSError, ValueError) as e:
+                with lock:
+                    res.requests += 1
+                    res.errors += 1
+                    if shim is not None:
+                        res.fault_errors += 1
+                    elif live.generation == gen:
+                        res.violations.append(f"request failed with faults off: {type(e).__name__}: {e}")
+                time.sleep(0.05)  # the sampler notices a dead server and restarts it
+                continue
+            dt = time.monotonic() - t
+            with lock:
+                res.requests += 1
+                res.latencies.append(dt)
+            if len(res.responses) < OUTPUT_CHECKS:
+                gen_toks = tuple(int(x) for x in r.get("tokens") or ())
+                with lock:
+                    res.responses.append((t - t0, toks, gen_toks, int(r["timings"]["cache_n"]), int(r["id_slot"])))
+
+    threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(N_CLIENTS)]
+    for t in threads:
+        t.start()
+    next_fault = t0 + FAULT_PERIOD_S
+    try:
+        while time.monotonic() < deadline and not stop.is_set():
+            time.sleep(1.0)
+            _sample(live, res, t0)
+            if not live.server.running():
+                _crashed(live, shim, res, out)
+                if res.crashes > MAX_RESTARTS or shim is None:
+                    stop.set()
+                    break
+                continue
+            if shim is not None and time.monotonic() >= next_fault:
+                _fault_trial(live, shim, res, armed)
+                next_fault = time.monotonic() + FAULT_PERIOD_S
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(live.server.request_timeout)
+    res.seconds = time.monotonic() - t0
+
+
+def _sample(live: _Live, res: PhaseResult, t0: float) -> None:
+    rss = rss_bytes(live.server.pid) if live.server.running() else 0
+    mib, entries = (res.rss_curve[-1][2], res.rss_curve[-1][3]) if res.rss_curve else (0.0, 0)
+    for line in live.new_log().splitlines():
+        if "removing oldest entry" in line:
+            res.evictions += 1
+        m = LOG_PREFIX.match(line)
+        s = STATE_LINE.search(m.group(9)) if m else None
+        if s:
+            entries, mib, limit = int(s.group(1)), float(s.group(2)), float(s.group(3))
+            if mib > limit + 1e-3:
+                res.violations.append(f"the logged cache size {mib} MiB exceeds its limit {limit} MiB")
+    t = time.monotonic() - t0
+    res.rss_curve.append((t, rss, mib, entries))
+    if rss > res.rss_bound:
+        res.violations.append(
+            f"RSS {rss} B at {t:.0f}s exceeds the bound {res.rss_bound} B (base {res.rss_base} B + cache-ram + "
+            f"{RSS_SLACK_MIB} MiB)"
+        )
+
+
+def _crashed(live: _Live, shim: RemoteShim | None, res: PhaseResult, out: Callable[[str], None]) -> None:
+    proc = live.server.proc
+    rc = proc.returncode if proc is not None else None
+    log = live.server.log_path.read_text(errors="replace") if live.server.log_path else ""
+    lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
+    what = next((ln for ln in lines if "terminate called" in ln or "GGML_ASSERT" in ln), "")
+    if not what:  # no message of its own: the log's last lines and the top of the shim's C stack
+        frames = [ln.strip() for ln in (shim.stacks() if shim else "").splitlines() if "(" in ln][:4]
+        what = "no message; log ends: " + " | ".join(lines[-2:]) + ("; stack: " + " < ".join(frames) if frames else "")
+    res.crashes += 1
+    detail = f"exit {rc}: {what} (log {live.server.log_path})"
+    res.crash_details.append(detail)
+    if shim is None:
+        res.violations.append(f"llama-server died with faults off: {detail}")
+        return
+    out(f"    crash under a fault: {detail}; restarting")
+    try:
+        live.restart()
+    except ServerStartError as e:
+        res.violations.append(f"the server could not be restarted: {e}")
+
+
+def _fault_trial(live: _Live, shim: RemoteShim, res: PhaseResult, armed: threading.Event) -> None:
+    """Fail the server's next allocation of >= FAULT_MIN_SIZE bytes within one second; survived if
+    it still answers a request afterwards."""
+    pid = live.server.pid
+    try:
+        armed.set()
+        shim.arm(pid, 1, min_size=FAULT_MIN_SIZE)
+        time.sleep(1.0)
+        fired = shim.disarm(pid, timeout=2.0) if live.server.running() else 1
+    except ProcessLookupError:
+        fired = 1
+    finally:
+        armed.clear()
+    if not fired:
+        return
+    res.fault_trials += 1
+    try:
+        live.server.completion([5, 6, 7, 8], 2, ignore_eos=True)
+        res.fault_survived += live.server.running()
+    except (urllib.error.URLError, OSError, ValueError):
+        pass
+
+
+def soak(
+    binary: Path, archs: Sequence[str], st: SoakSettings, log_dir: str, out: Callable[[str], None] = print
+) -> list[PhaseResult]:
+    """Every model, faults off then on; one line per phase."""
+    results = []
+    for arch in archs:
+        for faults in (False, True):
+            r = soak_phase(binary, arch, st, faults=faults, log_dir=log_dir, out=out)
+            s = r.summary()
+            status = "FAIL" if r.violations else "ok  "
+            mib = {k: s[k] >> 20 for k in ("rss_max_bytes", "rss_base_bytes", "rss_bound_bytes")}
+            line = (
+                f"  [{status}] {arch:<7} faults {'on ' if faults else 'off'} {s['requests']:>6} requests "
+                f"{s['requests_per_s']:>7} req/s p50 {s['p50_ms']} ms p99 {s['p99_ms']} ms; RSS max "
+                f"{mib['rss_max_bytes']} MiB (base {mib['rss_base_bytes']}, bound {mib['rss_bound_bytes']}); "
+                f"cache max {s['cache_max_mib']:.2f}/{s['cache_limit_mib']:.0f} MiB {s['cache_max_entries']} "
+                f"entries, {s['evictions']} evictions; {s['output_checks']} outputs checked"
+            )
+            if faults:
+                line += f"; faults: {r.fault_trials} trials, {r.fault_survived} survived, {r.crashes} crashes"
+            out(line)
+            for v in r.violations[:3]:
+                out(f"      {v}")
+            results.append(r)
+    return results

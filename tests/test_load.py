@@ -1,0 +1,125 @@
+"""harness.load on the real pr llama-server: the concurrent differential, the order parser, the soak command."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.models import model_path
+from harness.backends.base import GateOptions, GateReport
+from harness.load.clients import BUSY, Req, run_clients
+from harness.load.concurrent import concurrent_configs, fresh_server, judge, load_config, scenario
+from harness.load.gate_step import server_concurrent_step
+from harness.load.order import cache_states, parse_log, tasks
+from harness.load.outputs import Divergences
+from harness.targets.llama_build import build_server
+from harness.targets.llama_server import ServerProcess
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def pr_binary() -> Path:
+    return build_server("pr")
+
+
+def test_gate_step_follows_the_servers_order_and_finds_no_mismatch(pr_binary: Path) -> None:
+    report = GateReport("shared", "server", "ci", 0, "test")
+    report.extra["server"] = {"binary": str(pr_binary), "semantics": "shared", "flavour": "pr"}
+    lines: list[str] = []
+    server_concurrent_step(report, GateOptions(seed=3), lines.append)
+    fig = report.extra["server"]["concurrent"]
+    assert fig["requests"] == 2 * sum(min(4, c.n_parallel + 1) * 4 for c in concurrent_configs(short=True))
+    assert fig["interleavings"] > 0  # the traces overlapped (busy slots are named when /slots shows one)
+    assert fig["mismatches"] == 0 and fig["unmodellable"] is None, lines
+    assert not [m.failure for m in report.machines if m.failure], lines
+    ids = {k["id"]: k for k in report.known}
+    assert set(ids) == {"busy-slot-by-id", "busy-slot-by-id-livelock", "concurrent-output-divergence"}
+    assert ids["busy-slot-by-id"]["count"] == fig["busy_slot_by_id"]
+
+
+def test_a_wrong_response_is_a_mismatch_with_the_timed_trace(pr_binary: Path, tmp_path: Path) -> None:
+    """A trace judged as it came is clean; the same trace with one response's cache_n off by one, or one
+    generated token changed on the pure recurrent model, fails and carries the program that replays it."""
+    cfg = load_config("mamba", 2, False)
+    reqs = scenario(7, 3, 2, 3, 1024)
+    with fresh_server(cfg, pr_binary) as fresh:
+        server = ServerProcess(pr_binary, [*cfg.server_args(), "-lv", "4"], model=model_path("mamba"), n_parallel=2,
+                               ctx_size=2048, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=4,
+                               log_path=tmp_path / "s.log")  # fmt: skip
+        with server:
+            run = run_clients(server, reqs)
+        log = (tmp_path / "s.log").read_text()
+        good = judge(cfg, "shared", log, run.sents, fresh, "REQS = [] # program")
+        assert good.requests == len(reqs) and good.mismatches == 0, good.failures + good.notes
+        first = next(s for s in run.sents if s.response is not None)
+        first.response["timings"]["cache_n"] += 1  # type: ignore[index]
+        bad = judge(cfg, "shared", log, run.sents, fresh, "REQS = [] # program")
+        assert bad.cache_n_mismatches >= 1 and bad.program == "REQS = [] # program", bad.failures
+        first.response["timings"]["cache_n"] -= 1  # type: ignore[index]
+        toks = first.response["tokens"]  # type: ignore[index]
+        toks[-1] = (toks[-1] + 1) % 200 + 3
+        worse = judge(cfg, "shared", log, run.sents, fresh, "REQS = [] # program")
+        assert worse.output_mismatches >= 1 and any(f.startswith("output:") for f in worse.failures)
+
+
+def test_order_parser_reads_selections_saves_and_releases(pr_binary: Path, tmp_path: Path) -> None:
+    log = tmp_path / "s.log"
+    a = [3 + (i * 7) % 250 for i in range(120)]
+    with ServerProcess(pr_binary, ["-lv", "4", "--no-warmup"], model=model_path("llama"), n_parallel=2,
+                       ctx_size=1024, cache_ram=4, log_path=log) as srv:  # fmt: skip
+        run = run_clients(srv, [Req(0, 0.0, tuple(a), 300), Req(1, 0.01, (*a[:60], 9, 9), 3, BUSY)])
+    events = parse_log(log.read_text())
+    kinds = [e.kind for e in events]
+    assert kinds.count("launch") == 2 and kinds.count("release") == 2 and "save" in kinds
+    info = tasks(events)
+    assert sorted((t.n_prompt, t.n_decoded) for t in info.values()) == [(62, 3), (120, 300)]
+    assert run.sents[1].id_slot in (0, 1, -1)
+    assert cache_states(log.read_text()), "the cache's state lines are read"
+
+
+def test_divergences_explain_only_what_a_known_finding_explains() -> None:
+    d = Divergences("mamba")
+    assert not d.explains((1, 2, 3), 0)  # mamba: a from-scratch divergence is a mismatch
+    d.add((1, 2), (3,))
+    assert d.explains((1, 2, 3, 4), 3) and not d.explains((1, 5, 3, 4), 3)
+    assert Divergences("llama").explains((1, 2, 3), 0)  # attention: concurrent-output-divergence
+
+
+def _soak(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:
+    out = tmp_path / "soak.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "harness", "soak", "--minutes", "0.1", "--arch", "mamba", "--json", str(out), *extra],
+        cwd=ROOT, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    return p, json.loads(out.read_text())
+
+
+def test_tiny_soak_writes_its_figures(pr_binary: Path, tmp_path: Path) -> None:
+    p, doc = _soak(tmp_path)
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert [(ph["arch"], ph["faults"]) for ph in doc["phases"]] == [("mamba", False), ("mamba", True)]
+    for ph in doc["phases"]:
+        assert ph["requests"] > 0 and ph["rss_curve"] and ph["p99_ms"] >= ph["p50_ms"] > 0
+        assert ph["rss_max_bytes"] <= ph["rss_bound_bytes"] and ph["cache_max_mib"] <= ph["cache_limit_mib"]
+        assert ph["output_checks"] > 0
+    assert doc["passed"] is True and doc["violations"] == []
+
+
+def test_soak_detects_a_broken_rss_bound(pr_binary: Path, tmp_path: Path) -> None:
+    p, doc = _soak(tmp_path, "--rss-bound", "1")
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert any("exceeds the bound" in v for v in doc["violations"]) and doc["passed"] is False
+    assert "--- replay ---" in p.stdout and "--rss-bound 1" in p.stdout
+
+
+def test_busy_slot_by_id_reproducer_shows_the_wrong_answer_on_the_pr_server(pr_binary: Path) -> None:
+    p = subprocess.run([sys.executable, "fixtures/findings/busy_slot_by_id_server.py", "pr"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    if p.returncode == 2:
+        pytest.skip("the request naming the busy slot never landed while it ran (machine too slow): " + p.stdout)
+    assert p.returncode == 1 and "BUG:" in p.stdout, p.stdout + p.stderr  # 1: present at 0c1e570 (+ PR #27451)
