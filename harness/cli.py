@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from harness.commands import build_server, contract, demo, gate, mutants, native, rlimit, sweep
+from harness.commands import bench, build_server, contract, demo, gate, mutants, native, rlimit, sweep
 from harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, HarnessError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "native": (native, "native malloc failures inside libllama's state calls and decode, one case each"),
     "build-server": (build_server, "build llama-server from the llama-cpp-python sdist (cached)"),
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
+    "bench": (bench, "the performance table: speed ratios with goals, as JSON and docs/bench.md"),
 }
 
 
