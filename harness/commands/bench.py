@@ -30,6 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--only", action="append", metavar="NAME", help=f"run only this case: {', '.join(CASES)}")
     parser.add_argument("--quick", action="store_true", help="tiny budget (for the test): figures mean nothing")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--reps", type=int, metavar="N", help="repetitions of every case (default: each case's own)")
     parser.add_argument("--json", metavar="PATH", default=os.path.join("artifacts", "bench.json"))
     parser.add_argument("--md", metavar="PATH", default=os.path.join("docs", "bench.md"), help="markdown table")
     parser.add_argument("--compare", metavar="OLD.json", help="ratios against an earlier run; regressions exit 1")
@@ -73,7 +74,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_OK
     old = load_json(args.compare) if args.compare else None  # a bad OLD.json fails before the run
     merged = [load_json(p) for p in args.merge or []]
-    doc = run_bench(commit(), args.only, quick=args.quick, seed=args.seed)
+    if args.reps is not None and args.reps < 1:
+        raise UsageError(f"--reps must be >= 1, got {args.reps}")
+    doc = run_bench(commit(), args.only, quick=args.quick, seed=args.seed, reps=args.reps)
     for m in merged:
         for name, entry in m["cases"].items():
             if name not in doc["cases"]:

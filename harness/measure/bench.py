@@ -126,9 +126,10 @@ class Budget:
     quick: bool = False
     seed: int = 0
     out: Callable[[str], None] = print
+    repetitions: int | None = None  # --reps: every case's repetitions (each case has its own default)
 
     def reps(self, full: int) -> int:
-        return 1 if self.quick else full
+        return 1 if self.quick else self.repetitions or full
 
 
 @dataclass(frozen=True)
@@ -167,6 +168,7 @@ def run_bench(
     *,
     quick: bool = False,
     seed: int = 0,
+    reps: int | None = None,
     out: Callable[[str], None] = print,
 ) -> dict[str, Any]:
     """Run the cases (all, or ``only``) and return the JSON document; a case that fails is recorded
@@ -175,12 +177,13 @@ def run_bench(
     unknown = [n for n in names if n not in CASES]
     if unknown:
         raise UsageError(f"unknown bench case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
-    budget = Budget(quick=quick, seed=seed, out=out)
+    budget = Budget(quick=quick, seed=seed, out=out, repetitions=reps)
     doc: dict[str, Any] = {
         "commit": commit,
         "started": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "quick": quick,
         "seed": seed,
+        "reps": reps,
         "machine": {
             "cpus": os.cpu_count(),
             "python": platform.python_version(),
