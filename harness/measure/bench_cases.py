@@ -377,9 +377,12 @@ def server(b: Budget) -> list[Figure]:
 
 @register("state-io", "libllama state get/set bytes/s against a memcpy of the same size")
 def state_io(b: Budget) -> list[Figure]:
+    """Per repetition, ``calls`` rounds of get, set and memcpy in turn; each rate is taken from its
+    fastest call (the physical limit; a loaded machine only adds to a call's time), so get and set are
+    compared with a memcpy measured within the same milliseconds."""
     arch = "mamba" if b.quick else "mamba-big"
     reps = b.reps(5)
-    inner = 3 if b.quick else 20
+    calls = 3 if b.quick else 30
     get_r, set_r, cpy_r = [], [], []
     with LlamaProvider(load_model(model_path(arch)), n_seq=1, n_ctx=256, check_restores=False) as p:
         p.decode(0, [1 + i % 24 for i in range(64)], 0)
@@ -387,21 +390,22 @@ def state_io(b: Budget) -> list[Figure]:
         size = int(ll.llama_state_seq_get_size_ext(ctx, 0, 0))
         buf = (ctypes.c_uint8 * size)()
         dst = (ctypes.c_uint8 * size)()
+        clock = time.perf_counter
         for _ in range(reps):
-            t0 = time.perf_counter()
-            for _ in range(inner):
+            best = [float("inf")] * 3
+            for _ in range(calls):
+                t0 = clock()
                 ll.llama_state_seq_get_data_ext(ctx, buf, size, 0, 0)
-            t1 = time.perf_counter()
-            for _ in range(inner):
+                t1 = clock()
                 ll.llama_state_seq_set_data_ext(ctx, buf, size, 0, 0)
-            t2 = time.perf_counter()
-            for _ in range(inner):
+                t2 = clock()
                 ctypes.memmove(dst, buf, size)
-            t3 = time.perf_counter()
-            get_r.append(size * inner / (t1 - t0))
-            set_r.append(size * inner / (t2 - t1))
-            cpy_r.append(size * inner / (t3 - t2))
-    inputs: dict[str, Any] = {"model": arch, "state_bytes": size, "calls_per_rep": inner}
+                t3 = clock()
+                best = [min(best[0], t1 - t0), min(best[1], t2 - t1), min(best[2], t3 - t2)]
+            get_r.append(size / best[0])
+            set_r.append(size / best[1])
+            cpy_r.append(size / best[2])
+    inputs: dict[str, Any] = {"model": arch, "state_bytes": size, "calls_per_rep": calls, "statistic": "fastest call"}
     mib = float(MIB)
     return [
         figure("state get", "MiB/s", [x / mib for x in get_r], **inputs),
