@@ -55,7 +55,10 @@ def _write(path: str, text: str) -> None:
 
 def _markdown(doc: dict[str, object]) -> str:
     m = doc["machine"]
-    assert isinstance(m, dict)
+    cases = doc["cases"]
+    assert isinstance(m, dict) and isinstance(cases, dict)
+    origins = [f"`{name}` ({entry['from']})" for name, entry in cases.items() if "from" in entry]
+    merged = f"\nCases measured in separate runs and merged (`--merge`): {', '.join(origins)}.\n" if origins else ""
     return (
         "# Bench\n\n"
         f"`python -m harness bench{' --quick' if doc['quick'] else ''}` at commit `{doc['commit']}`, "
@@ -63,7 +66,7 @@ def _markdown(doc: dict[str, object]) -> str:
         f"load average {m['loadavg_start']} at the start, {m['loadavg_end']} at the end.\n\n"
         "Ratios are measured interleaved in one run (the exploration ratio in CPU seconds of the bench's "
         "own process), so they hold on a loaded machine; absolute rates and times do not. The JSON beside "
-        "this table (`--json`) has every figure's samples and inputs.\n\n" + table(doc, markdown=True) + "\n"
+        "this table (`--json`) has every figure's samples and inputs.\n\n" + table(doc, markdown=True) + "\n" + merged
     )
 
 
