@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from types import ModuleType
 
 from harness.commands import (
+    bench,
     build_server,
     concurrent,
     contract,
@@ -44,6 +45,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "soak": (soak, "sustained load on a real llama-server: RSS, cache size and outputs under a small --cache-ram"),
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
     "report": (report, "the memory report: one self-contained HTML page and report.json, master vs PR"),
+    "bench": (bench, "the performance table: speed ratios with goals, as JSON and docs/bench.md"),
 }
 
 

@@ -86,8 +86,26 @@ def _fail(name: str, message: str) -> None:
     raise Violation(name, message)
 
 
+# id(bytes object) -> (that object, its digest). ``bytes`` are immutable and the object is held here,
+# so its id() cannot be reused while the entry lives: a hit is exactly the digest of the same bytes,
+# computed from the bytes themselves, never the payload's own (sealed) digest. Bounded: cleared
+# when full.
+_DIGESTS: dict[int, tuple[bytes, str]] = {}
+_DIGESTS_MAX = 4096
+
+
 def _bytes_digest(p: Payload) -> str:
-    return hashlib.blake2b(p.data, digest_size=12).hexdigest()
+    data = p.data
+    if type(data) is not bytes:  # a mutable buffer can change under the same id(): always hash it
+        return hashlib.blake2b(data, digest_size=12).hexdigest()
+    hit = _DIGESTS.get(id(data))
+    if hit is not None and hit[0] is data:
+        return hit[1]
+    d = hashlib.blake2b(data, digest_size=12).hexdigest()
+    if len(_DIGESTS) >= _DIGESTS_MAX:
+        _DIGESTS.clear()
+    _DIGESTS[id(data)] = (data, d)
+    return d
 
 
 def _ckpt_digests(c: CommonPromptCheckpoint) -> tuple[str | None, ...]:
@@ -553,12 +571,17 @@ class Tracer:
             assert cache is not None
             # the token limit as update() computes it on entry, after its byte-limit pass
             sizes = [(e.size(), len(e.prompt.tokens)) for e in cache.states]
+            total_b, total_n, first = sum(b for b, _ in sizes), sum(n for _, n in sizes), 0
             if cache.limit_size > 0:
-                while sizes and sum(b for b, _ in sizes) > cache.limit_size:
-                    sizes.pop(0)
-            spt = max(Fraction(1), Fraction(sum(b for b, _ in sizes), max(1, sum(n for _, n in sizes))))
+                while first < len(sizes) and total_b > cache.limit_size:
+                    total_b -= sizes[first][0]
+                    total_n -= sizes[first][1]
+                    first += 1
+            # size per token = max(1, B / max(1, N)) exactly; limit_size / spt in integers (floor, as int())
+            n_div = max(1, total_n)
             if cache.limit_size > 0:
-                limit_cur = max(cache.limit_tokens, int(cache.limit_size / spt))
+                per = cache.limit_size if total_b <= n_div else cache.limit_size * n_div // total_b
+                limit_cur = max(cache.limit_tokens, per)
             else:
                 limit_cur = cache.limit_tokens
             res = inner()

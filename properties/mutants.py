@@ -8,7 +8,8 @@ the name to ``(semantics, the property expected to kill it, what is broken)``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, replace
 from typing import Any
 
 from harness.errors import BadAlloc
@@ -25,8 +26,9 @@ from harness.model.memory import Payload
 from harness.model.semantics import MASTER, SHARED, Semantics
 from harness.model.server_context import ServerContext, ServerSlot
 from properties.machine import MachineConfig
+from properties.run import machines_for, make_settings, run_machine
 
-__all__ = ["MUTANTS", "Mutant", "config", "resolve"]
+__all__ = ["MUTANTS", "Mutant", "config", "kill", "resolve"]
 
 
 class _UpdateIgnoresLimitSize(ServerPromptCache):
@@ -343,3 +345,38 @@ def config(name: str, kind: str | None = None, *, draft: bool | None = None) -> 
     return MachineConfig(
         name, "" if m.arch else kind or m.kind, arch=m.arch, draft=m.draft if draft is None else draft, resolve=resolve
     )
+
+
+def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]:
+    """Run the gate's machines against mutant ``name`` until one fails; return the JSON row."""
+    m = MUTANTS[name]
+    cfg_settings = make_settings("ci", None, max_examples)
+    t0 = time.perf_counter()
+    own = config(name)
+    configs = [own] + [replace(c, semantics=name, resolve=resolve) for c in machines_for("shared", "ci")]
+    # a mutant that survives one seed gets two more before it counts as surviving
+    for cfg, s in ((c, s) for s in (seed, seed + 1, seed + 2) for c in configs):
+        replay = f"python -m harness mutants --only {name} --seed {s}"
+        r = run_machine(cfg, cfg_settings, s, replay)
+        if r.failure is not None:
+            f = r.failure
+            return {
+                "name": name,
+                "killed": True,
+                "seed": s,
+                "by": f.property,
+                "expected": m.kills,
+                "machine": f.machine,
+                "message": f.message,
+                "seconds": round(time.perf_counter() - t0, 2),
+                "steps": f.steps,
+                "program": f.program,
+            }
+    return {
+        "name": name,
+        "killed": False,
+        "by": None,
+        "expected": m.kills,
+        "seconds": round(time.perf_counter() - t0, 2),
+        "steps": 0,
+    }

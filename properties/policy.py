@@ -146,22 +146,22 @@ def expected_update(
     (:1883), computed once; token pass (:1885-1891): pop the front while ``n_tokens() > cur``.
     """
     keep = list(range(len(entries))) if alive is None else list(alive)
-
-    def size() -> int:
-        return sum(entries[i][1] for i in keep)
-
-    def n_tokens() -> int:
-        return sum(entries[i][0] for i in keep)
-
+    size = sum(entries[i][1] for i in keep)  # size() and n_tokens() of the kept entries, kept current
+    n_tokens = sum(entries[i][0] for i in keep)
+    first = 0  # keep[first:] survive: popping the front is advancing first
     if limit_size > 0:
-        while keep and size() > limit_size:
-            keep.pop(0)
-    spt = max(1.0, _f32(_f32(float(size())) / _f32(float(max(1, n_tokens())))))
+        while first < len(keep) and size > limit_size:
+            size -= entries[keep[first]][1]
+            n_tokens -= entries[keep[first]][0]
+            first += 1
+    spt = max(1.0, _f32(_f32(float(size)) / _f32(float(max(1, n_tokens)))))
     cur = max(limit_tokens, int(_f32(_f32(float(limit_size)) / spt))) if limit_size > 0 else limit_tokens
     if limit_tokens > 0:
-        while keep and n_tokens() > cur:
-            keep.pop(0)
-    return keep
+        while first < len(keep) and n_tokens > cur:
+            size -= entries[keep[first]][1]
+            n_tokens -= entries[keep[first]][0]
+            first += 1
+    return keep[first:]
 
 
 @dataclass(frozen=True)

@@ -11,50 +11,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
-from dataclasses import replace
-from typing import Any
 
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
-from properties.mutants import MUTANTS, config, resolve
-from properties.run import machines_for, make_settings, run_machine
+from properties.mutants import MUTANTS, kill
 
 __all__ = ["add_arguments", "kill", "run"]
-
-
-def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]:
-    """Run the gate's machines against mutant ``name`` until one fails; return the JSON row."""
-    m = MUTANTS[name]
-    cfg_settings = make_settings("ci", None, max_examples)
-    t0 = time.perf_counter()
-    own = config(name)
-    configs = [own] + [replace(c, semantics=name, resolve=resolve) for c in machines_for("shared", "ci")]
-    # a mutant that survives one seed gets two more before it counts as surviving
-    for cfg, s in ((c, s) for s in (seed, seed + 1, seed + 2) for c in configs):
-        replay = f"python -m harness mutants --only {name} --seed {s}"
-        r = run_machine(cfg, cfg_settings, s, replay)
-        if r.failure is not None:
-            f = r.failure
-            return {
-                "name": name,
-                "killed": True,
-                "seed": s,
-                "by": f.property,
-                "expected": m.kills,
-                "machine": f.machine,
-                "message": f.message,
-                "seconds": round(time.perf_counter() - t0, 2),
-                "steps": f.steps,
-                "program": f.program,
-            }
-    return {
-        "name": name,
-        "killed": False,
-        "by": None,
-        "expected": m.kills,
-        "seconds": round(time.perf_counter() - t0, 2),
-        "steps": 0,
-    }
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

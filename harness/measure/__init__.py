@@ -5,4 +5,6 @@
   checkpoint update; the breakdown of the server's peak.
 * :mod:`harness.measure.flame`: a memray capture drawn as a flame graph in plain SVG (renders offline).
 * :mod:`harness.measure.page`: the self-contained HTML page and ``report.json`` of ``python -m harness report``.
+* :mod:`harness.measure.bench`: the bench's framework (cases, figures, goals, table, comparison).
+* :mod:`harness.measure.bench_cases`: the cases of ``python -m harness bench`` (issue 17).
 """

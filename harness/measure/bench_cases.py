@@ -1,0 +1,430 @@
+"""The bench's cases, one function each, registered in :data:`harness.measure.bench.CASES` (issue 17).
+
+1. ``exploration``: examples/s of each gate machine against :class:`TrivialMachine` (the same rules and
+   argument strategies with empty bodies) under the same settings (the ``ci`` profile, same seed),
+   interleaved: trivial, machine, trivial, machine... The figure is the ratio of the machine's rate to
+   the trivial one measured right before it, in CPU seconds of this process (``time.process_time``: the
+   other processes of a loaded machine do not count; the wall-clock rate is in the inputs).
+2. ``mutants``: seconds to kill each mutant and the steps of its shrunk program (:func:`properties.mutants.kill`).
+3. ``sweep``: the fault sweep's trials/s and its wall time, both semantics, both modes.
+4. ``saves``: save time and transient peak against the checkpoint payload size, master against shared.
+   Measured here on the model's ledger (:func:`model_save_point`); the libllama and server layers come from
+   ``harness.measure.saves.save_curve`` once it is merged (:func:`save_layers` is the one place to wire).
+5. ``server``: a real llama-server differential (:class:`harness.backends.llama_server.Differential`):
+   requests/s with the model's prediction on, and the model's share of the time.
+6. ``state-io``: libllama state get/set bytes/s against ``ctypes.memmove`` of the same bytes.
+7. ``gate``: the default gate's wall time (``python -m harness gate``, builds cached); full bench only.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import statistics
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+
+from faults.scenarios import SCENARIOS
+from faults.sweep import run_sweep
+from fixtures.models import model_path
+from harness.backends.llama_server import Differential, ServerConfig
+from harness.child import run_child
+from harness.errors import UsageError
+from harness.measure.bench import Budget, Figure, figure, register
+from harness.model.memory import Host
+from harness.model.provider import MemoryKind, SyntheticProvider
+from harness.model.semantics import get_semantics
+from harness.model.server_context import ServerContext, ServerParams
+from harness.targets.libllama import LlamaProvider, load_model
+from harness.targets.llama_build import cached_binary
+from properties.machine import MAX_PROMPT
+from properties.mutants import MUTANTS, kill
+from properties.run import PROFILES, machines_for, make_settings, run_machine, run_seeded
+
+__all__ = ["TrivialMachine", "model_save_point", "save_layers"]
+
+MIB = 1 << 20
+
+
+class TrivialMachine(RuleBasedStateMachine):
+    """The gate machine's rules and argument strategies (:class:`properties.machine.PromptCacheMachine`)
+    with empty bodies and one empty invariant: what Hypothesis alone costs for the same programs."""
+
+    @rule(
+        source=st.integers(0, 5),
+        keep=st.integers(0, MAX_PROMPT),
+        suffix=st.lists(st.integers(1, 24), max_size=16),
+        id_slot=st.integers(-1, 1),
+        n_cmpl=st.integers(1, 2),
+        n_predict=st.integers(1, 4),
+    )
+    def request(self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int) -> None:
+        pass
+
+    @rule()
+    def step(self) -> None:
+        pass
+
+    @rule()
+    def finish(self) -> None:
+        pass
+
+    @rule(kind=st.sampled_from(["oom-transient", "oom-persistent"]), nth=st.integers(1, 8))
+    def arm_fault(self, kind: str, nth: int) -> None:
+        pass
+
+    @rule(where=st.sampled_from(["load", "restore"]), nth=st.integers(1, 2))
+    def arm_restore_fault(self, where: str, nth: int) -> None:
+        pass
+
+    @rule(cache_ram=st.integers(1, 12))
+    def set_limit(self, cache_ram: int) -> None:
+        pass
+
+    @rule(slot=st.integers(0, 1))
+    def refresh_checkpoint(self, slot: int) -> None:
+        pass
+
+    @invariant()
+    def state_invariants(self) -> None:
+        pass
+
+
+def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
+    """(CPU seconds of this process, wall seconds) of ``fn()``."""
+    c0, w0 = time.process_time(), time.perf_counter()
+    fn()
+    return time.process_time() - c0, time.perf_counter() - w0
+
+
+@register("exploration", "examples/s of each gate machine against a trivial machine (ci profile, interleaved)")
+def exploration(b: Budget) -> list[Figure]:
+    profile = PROFILES["ci"]
+    n = 5 if b.quick else profile["max_examples"]
+    reps = b.reps(3)
+    cfg_settings = make_settings("ci", None, n)
+    configs = machines_for("shared", "ci")[: 1 if b.quick else None]
+    ratios: dict[str, list[float]] = {c.class_name: [] for c in configs}
+    rates: dict[str, list[float]] = {c.class_name: [] for c in configs}
+    trivial: list[float] = []
+    for rep in range(reps):
+        for cfg in configs:
+            t_cpu, _ = _timed(lambda: run_seeded(TrivialMachine, cfg_settings, b.seed))
+            c0, w0 = time.process_time(), time.perf_counter()
+            result = run_machine(cfg, cfg_settings, b.seed, "")
+            m_cpu, m_wall = time.process_time() - c0, time.perf_counter() - w0
+            if result.failure is not None:
+                raise UsageError(f"{cfg.class_name} failed on seed {b.seed}: {result.failure.message}")
+            trivial.append(n / t_cpu)
+            rates[cfg.class_name].append(n / m_cpu)
+            ratios[cfg.class_name].append(t_cpu / m_cpu)
+            b.out(f"  rep {rep} {cfg.class_name:<34} ratio {t_cpu / m_cpu:.2f} ({n / m_wall:.1f} examples/s wall)")
+    inputs: dict[str, Any] = {
+        "profile": "ci",
+        "examples": n,
+        "steps": profile["steps"],
+        "seed": b.seed,
+        "clock": "process_time",
+    }
+    out = [
+        figure(
+            f"{name} / trivial",
+            "ratio",
+            r,
+            goal=(">=", 0.80),
+            **inputs,
+            machine_examples_per_s=round(statistics.median(rates[name]), 2),
+        )
+        for name, r in ratios.items()
+    ]
+    out.append(figure("trivial machine", "examples/s", trivial, **inputs))
+    return out
+
+
+@register("mutants", "seconds to kill each mutant and the steps of its shrunk program")
+def mutants(b: Budget) -> list[Figure]:
+    names = ["master"] if b.quick else list(MUTANTS)
+    max_examples = 20 if b.quick else 300
+    rows = []
+    for name in names:
+        c0 = time.process_time()
+        row = kill(name, seed=b.seed, max_examples=max_examples)
+        row["cpu_seconds"] = round(time.process_time() - c0, 2)
+        b.out(
+            f"  {name:<36} {'killed' if row['killed'] else 'SURVIVED'} {row['cpu_seconds']:6.1f}s CPU "
+            f"{row['seconds']:6.1f}s wall {row['steps']} steps"
+        )
+        rows.append(row)
+    survivors = [r["name"] for r in rows if not r["killed"]]
+    inputs: dict[str, Any] = {
+        "mutants": len(rows),
+        "seed": b.seed,
+        "max_examples": max_examples,
+        "survivors": survivors,
+        "clock": "process_time (wall in per_mutant)",
+    }
+    cpu = [r["cpu_seconds"] for r in rows]
+    steps = [r["steps"] for r in rows if r["killed"]] or [0]
+    per = {
+        r["name"]: {"cpu_seconds": r["cpu_seconds"], "seconds": r["seconds"], "steps": r["steps"], "by": r["by"]}
+        for r in rows
+    }
+    return [
+        figure("median kill time", "s CPU", [statistics.median(cpu)], better="lower", goal=("<=", 2), **inputs),
+        figure("max kill time", "s CPU", [max(cpu)], better="lower", goal=("<=", 20), **inputs, per_mutant=per),
+        figure("max shrunk steps", "steps", [max(steps)], better="lower", goal=("<=", 6), **inputs),
+        figure("median shrunk steps", "steps", [statistics.median(steps)], better="lower", **inputs),
+        figure("killed", "mutants", [len(rows) - len(survivors)], goal=(">=", len(rows)), **inputs),
+    ]
+
+
+@register("sweep", "the fault sweep: trials/s and wall time, both semantics, both modes")
+def sweep(b: Budget) -> list[Figure]:
+    scenarios = list(SCENARIOS.values())[:1] if b.quick else None
+    reps = b.reps(2)
+    out: list[Figure] = []
+    totals: list[float] = []
+    per: dict[tuple[str, str], list[float]] = {}
+    trials: dict[tuple[str, str], int] = {}
+    for _ in range(reps):
+        total = 0.0
+        for sem in ("shared", "master"):
+            for mode in ("transient", "persistent"):
+                t0 = time.perf_counter()
+                report = run_sweep(sem, [mode], scenarios)
+                dt = time.perf_counter() - t0
+                total += dt
+                per.setdefault((sem, mode), []).append(len(report.cases) / dt)
+                trials[(sem, mode)] = len(report.cases)
+        totals.append(total)
+        b.out(f"  full sweep (both semantics, both modes) {total:.1f}s")
+    n_sc = len(scenarios) if scenarios else len(SCENARIOS)
+    for (sem, mode), v in per.items():
+        out.append(figure(f"{sem} {mode}", "trials/s", v, semantics=sem, mode=mode, trials=trials[(sem, mode)]))
+    out.append(figure("wall, both semantics and modes", "s", totals, better="lower", goal=("<=", 60), scenarios=n_sc))
+    return out
+
+
+# ---- 4. save cost against the checkpoint payload size -----------------------------------------------------
+
+
+def model_save_point(semantics: str, total_bytes: int, checkpoint_bytes: int = MIB) -> dict[str, Any]:
+    """One save on the model's ledger of a slot holding ``total_bytes`` of checkpoints, ``checkpoint_bytes`` each.
+
+    A recurrent synthetic context whose state (and so each checkpoint) is ``checkpoint_bytes``: S is
+    fixed and the number of checkpoints n = total / c grows, as on the ``counts`` axis of
+    ``harness.measure.saves``. Requests extending one prompt by 16 tokens leave up to two checkpoints
+    each (near the prompt's end); then ``prompt_save`` into an empty cache, timed. Returns the row
+    shape of ``harness.measure.saves.save_curve`` (``save_seconds``, ``peak_bytes``, ...).
+    """
+    n = max(1, total_bytes // checkpoint_bytes)
+    params = ServerParams(
+        n_slots=1, cache_ram=-1, cache_idle_slots=False, n_ctx_checkpoints=n, checkpoint_min_step=4,
+        n_batch=8, n_ubatch=8,
+    )  # fmt: skip
+    sem = get_semantics(semantics)
+    tgt = SyntheticProvider(MemoryKind.RECURRENT, n_seq=1, n_ctx=1 << 16, rs_bytes=checkpoint_bytes)
+    server = (sem.server_cls or ServerContext)(params, Host(), sem, tgt, None)
+    slot = server.slots[0]
+    tokens = [1]
+    for _ in range(n):  # bounded: at least one checkpoint per request
+        if len(slot.prompt.checkpoints) >= n:
+            break
+        tokens += [3 + (len(tokens) * 7 + j) % 200 for j in range(16)]
+        server.handle_completion(tuple(tokens), n_predict=1)
+        server.run_until_idle()
+    cache = server.prompt_cache
+    assert cache is not None
+    c = sum(ck.size() for ck in slot.prompt.checkpoints)
+    t0 = time.perf_counter()
+    ok = slot.prompt_save(cache)
+    dt = time.perf_counter() - t0
+    op = server.host.last_op
+    assert ok and op is not None and op.name == "save"
+    return {
+        "layer": "model",
+        "semantics": semantics,
+        "n_checkpoints": len(slot.prompt.checkpoints),
+        "checkpoint_bytes": c,
+        "state_bytes": op.state_bytes,
+        "peak_bytes": op.peak_excess,
+        "save_seconds": dt,
+    }
+
+
+def save_layers(semantics: str, sizes: list[int], reps: int) -> dict[str, list[dict[str, Any]]]:
+    """Rows per layer for the ``saves`` case: the model's ledger here.
+
+    Integrator: once ``harness.measure.saves`` is merged, add its layers here, e.g.
+    ``rows["llama"] = save_curve("llama", semantics, sizes=[s // 4 for s in sizes], reps=reps)`` and
+    ``rows["server"] = save_curve("server", semantics, sizes=..., reps=reps, binary=cached_binary(...))``
+    (its rows carry the same ``save_seconds``/``peak_bytes``/``checkpoint_bytes`` keys).
+    """
+    return {"model": [model_save_point(semantics, s) for s in sizes for _ in range(reps)]}
+
+
+@register("saves", "save time and transient peak against checkpoint payload size, master against shared")
+def saves(b: Budget) -> list[Figure]:
+    sizes = [1 * MIB, 2 * MIB] if b.quick else [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
+    reps = b.reps(3)
+    out: list[Figure] = []
+    for sem in ("shared", "master"):
+        for layer, rows in save_layers(sem, sizes, reps).items():
+            by_size: dict[int, list[dict[str, Any]]] = {}
+            for r, s in zip(rows, [s for s in sizes for _ in range(reps)], strict=True):
+                by_size.setdefault(s, []).append(r)
+            for s, rs in by_size.items():
+                out.append(
+                    figure(
+                        f"{layer} {sem} save {s // MIB} MiB",
+                        "s",
+                        [r["save_seconds"] for r in rs],
+                        better="lower",
+                        layer=layer,
+                        semantics=sem,
+                        checkpoint_bytes=rs[0]["checkpoint_bytes"],
+                        peak_bytes=rs[0]["peak_bytes"],
+                        state_bytes=rs[0]["state_bytes"],
+                    )
+                )
+            lo, hi = by_size[sizes[0]], by_size[sizes[-1]]
+            ratio = statistics.median(r["save_seconds"] for r in hi) / statistics.median(r["save_seconds"] for r in lo)
+            peak_ratio = hi[0]["peak_bytes"] / max(1, lo[0]["peak_bytes"])
+            goal = ("<=", 1.5) if sem == "shared" else None
+            note = "PR: must not grow with checkpoint bytes" if sem == "shared" else "master: about linear expected"
+            out.append(
+                figure(
+                    f"{layer} {sem} save time {sizes[-1] // MIB}/{sizes[0] // MIB} MiB",
+                    "ratio",
+                    [ratio],
+                    better="lower",
+                    goal=goal,
+                    note=note,
+                    layer=layer,
+                    semantics=sem,
+                    peak_ratio=round(peak_ratio, 3),
+                    repetitions=reps,
+                )
+            )
+    return out
+
+
+# ---- 5. the real server differential ---------------------------------------------------------------------
+
+
+def _prompts(n: int) -> list[list[int]]:
+    """Requests that share, extend and diverge: three families, each request extending the last."""
+    out = []
+    for i in range(n):
+        fam = i % 3
+        out.append([1] + [3 + (j * (fam + 2)) % 200 for j in range(16 + 8 * (i // 3) % 96)])
+    return out
+
+
+def _time_model(d: Differential) -> list[float]:
+    """Charge the model's part of each request (``handle_completion`` + ``run_until_idle``) to a counter."""
+    secs = [0.0]
+
+    def timed(fn: Callable[..., Any]) -> Callable[..., Any]:
+        def inner(*a: Any, **kw: Any) -> Any:
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **kw)
+            finally:
+                secs[0] += time.perf_counter() - t0
+
+        return inner
+
+    d.model.handle_completion = timed(d.model.handle_completion)  # type: ignore[method-assign]
+    d.model.run_until_idle = timed(d.model.run_until_idle)  # type: ignore[method-assign]
+    return secs
+
+
+@register("server", "real llama-server differential: requests/s with the model's prediction on")
+def server(b: Budget) -> list[Figure]:
+    binary = cached_binary("pr")
+    if binary is None:
+        raise UsageError("no cached llama-server (pr): run python -m harness build-server --semantics shared")
+    n = 6 if b.quick else 60
+    reps = b.reps(3)
+    rates: list[float] = []
+    shares: list[float] = []
+    mismatches = 0
+    cfg = ServerConfig("llama")
+    for _ in range(reps):
+        with Differential(cfg, binary, "shared") as d:
+            model_secs = _time_model(d)
+            t0 = time.perf_counter()
+            for p in _prompts(n):
+                mismatches += not d.request(p, 4).ok
+            dt = time.perf_counter() - t0
+        rates.append(n / dt)
+        shares.append(model_secs[0] / dt)
+        b.out(f"  {n / dt:.1f} requests/s, model {model_secs[0] / dt:.0%} of the time")
+    inputs: dict[str, Any] = {"model": cfg.arch, "requests": n, "n_predict": 4, "mismatches": mismatches}
+    return [
+        figure("requests/s (model on)", "req/s", rates, goal=(">=", 20), **inputs),
+        figure("model's share of the time", "fraction", shares, better="lower", **inputs),
+    ]
+
+
+# ---- 6. state I/O against memcpy -------------------------------------------------------------------------
+
+
+@register("state-io", "libllama state get/set bytes/s against a memcpy of the same size")
+def state_io(b: Budget) -> list[Figure]:
+    """Per repetition, ``calls`` rounds of get, set and memcpy in turn; each rate is taken from its
+    fastest call (the physical limit; a loaded machine only adds to a call's time), so get and set are
+    compared with a memcpy measured within the same milliseconds."""
+    arch = "mamba" if b.quick else "mamba-big"
+    reps = b.reps(5)
+    calls = 3 if b.quick else 30
+    get_r, set_r, cpy_r = [], [], []
+    with LlamaProvider(load_model(model_path(arch)), n_seq=1, n_ctx=256, check_restores=False) as p:
+        p.decode(0, [1 + i % 24 for i in range(64)], 0)
+        ll, ctx = p._ll, p.ctx
+        size = int(ll.llama_state_seq_get_size_ext(ctx, 0, 0))
+        buf = (ctypes.c_uint8 * size)()
+        dst = (ctypes.c_uint8 * size)()
+        clock = time.perf_counter
+        for _ in range(reps):
+            best = [float("inf")] * 3
+            for _ in range(calls):
+                t0 = clock()
+                ll.llama_state_seq_get_data_ext(ctx, buf, size, 0, 0)
+                t1 = clock()
+                ll.llama_state_seq_set_data_ext(ctx, buf, size, 0, 0)
+                t2 = clock()
+                ctypes.memmove(dst, buf, size)
+                t3 = clock()
+                best = [min(best[0], t1 - t0), min(best[1], t2 - t1), min(best[2], t3 - t2)]
+            get_r.append(size / best[0])
+            set_r.append(size / best[1])
+            cpy_r.append(size / best[2])
+    inputs: dict[str, Any] = {"model": arch, "state_bytes": size, "calls_per_rep": calls, "statistic": "fastest call"}
+    mib = float(MIB)
+    return [
+        figure("state get", "MiB/s", [x / mib for x in get_r], **inputs),
+        figure("state set", "MiB/s", [x / mib for x in set_r], **inputs),
+        figure("memcpy", "MiB/s", [x / mib for x in cpy_r], **inputs),
+        figure("state get / memcpy", "ratio", [g / c for g, c in zip(get_r, cpy_r, strict=True)], **inputs),
+        figure("state set / memcpy", "ratio", [s / c for s, c in zip(set_r, cpy_r, strict=True)], **inputs),
+    ]
+
+
+# ---- 7. the whole gate ----------------------------------------------------------------------------------
+
+
+@register("gate", "the default gate's wall time after builds (python -m harness gate)", full_only=True)
+def gate(b: Budget) -> list[Figure]:
+    argv = [sys.executable, "-m", "harness", "gate", "--seed", str(b.seed)]
+    r = run_child(argv, timeout=1800)
+    if r.crashed or r.returncode != 0:
+        tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+        raise UsageError(f"the gate did not pass ({r.describe()}): {' | '.join(tail)}")
+    b.out(f"  gate {r.elapsed:.1f}s")
+    return [figure("default gate wall", "s", [r.elapsed], better="lower", goal=("<=", 180), seed=b.seed)]

@@ -1,0 +1,90 @@
+"""``python -m harness bench`` on a tiny budget: it runs, writes valid JSON and markdown, and ``--compare``
+flags an injected regression (and only a regression). No timing is asserted: speed goals live in the
+bench itself, never in a test."""
+
+from __future__ import annotations
+
+import copy
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from harness.cli import main
+from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
+from harness.measure.bench import CASES, compare, figure
+
+
+def _quick(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
+    out = tmp_path / "bench.json"
+    rc = main(["bench", "--quick", "--only", "sweep", "--only", "saves", "--json", str(out), "--md",
+               str(tmp_path / "bench.md"), *extra])  # fmt: skip
+    return rc, json.loads(out.read_text())
+
+
+def test_quick_bench_writes_valid_json_and_markdown(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, doc = _quick(tmp_path)
+    assert rc == EXIT_OK
+    assert set(doc["cases"]) == {"sweep", "saves"} and doc["quick"] is True
+    assert doc["commit"] and doc["machine"]["cpus"] >= 1
+    sweep = {f["name"]: f for f in doc["cases"]["sweep"]["figures"]}
+    wall = sweep["wall, both semantics and modes"]
+    assert wall["goal"] == {"op": "<=", "threshold": 60, "met": wall["median"] <= 60}
+    assert {"shared transient", "master persistent"} <= set(sweep)
+    for f in (f for c in doc["cases"].values() for f in c["figures"]):
+        assert f["min"] <= f["median"] <= f["max"] and f["repetitions"] == len(f["samples"]) >= 1
+        assert f["better"] in ("higher", "lower") and isinstance(f["inputs"], dict)
+    saves = {f["name"]: f for f in doc["cases"]["saves"]["figures"]}
+    # the ledger's peak: master copies the checkpoints, shared does not (the PR's claim, on the model)
+    assert (
+        saves["model master save 2 MiB"]["inputs"]["peak_bytes"]
+        > saves["model shared save 2 MiB"]["inputs"]["peak_bytes"]
+    )
+    md = (tmp_path / "bench.md").read_text()
+    assert "| sweep | wall, both semantics and modes |" in md
+    assert "wall, both semantics and modes" in capsys.readouterr().out
+
+
+def test_compare_flags_an_injected_regression(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, doc = _quick(tmp_path)
+    assert rc == EXIT_OK
+    old = copy.deepcopy(doc)
+    # the earlier run was 100x faster at the sweep: whatever this machine's noise, that is a regression
+    for f in old["cases"]["sweep"]["figures"]:
+        if f["unit"] == "trials/s":
+            f["min"], f["median"], f["max"] = (100 * f[k] for k in ("min", "median", "max"))
+    old_path = tmp_path / "old.json"
+    old_path.write_text(json.dumps(old))
+    capsys.readouterr()
+    rc, _ = _quick(tmp_path, "--compare", str(old_path))
+    out = capsys.readouterr().out
+    assert rc == EXIT_FAILED
+    assert "sweep/shared transient" in out and "REGRESSION" in out
+    # a run set against itself has none
+    lines, regressions = compare(doc, doc)
+    assert lines and not regressions
+
+
+def test_compare_uses_the_noise_and_the_direction() -> None:
+    def doc(name: str, samples: list[float], better: str) -> dict[str, Any]:
+        return {"cases": {"c": {"figures": [figure(name, "s", samples, better=better).row()]}}}
+
+    # 30% slower but the runs spread by 50%: noise, not a regression
+    _, reg = compare(doc("t", [1.0, 1.5, 2.0], "lower"), doc("t", [1.3, 1.3, 1.3], "lower"))
+    assert reg == []
+    # 30% slower with a 5% spread: a regression; the same change on a rate is an improvement
+    _, reg = compare(doc("t", [1.0, 1.0, 1.05], "lower"), doc("t", [1.3, 1.3, 1.3], "lower"))
+    assert reg == ["c/t"]
+    _, reg = compare(doc("r", [1.0, 1.0, 1.05], "higher"), doc("r", [1.3, 1.3, 1.3], "higher"))
+    assert reg == []
+
+
+def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "old.json"
+    bad.write_text("{not json")
+    assert main(["bench", "--quick", "--only", "sweep", "--compare", str(bad)]) == EXIT_USAGE
+    assert main(["bench", "--quick", "--only", "no-such-case", "--json", str(tmp_path / "x.json")]) == EXIT_USAGE
+    err = capsys.readouterr().err
+    assert "is not JSON" in err and "unknown bench case" in err and "Traceback" not in err
+    assert {"exploration", "mutants", "sweep", "saves", "server", "state-io", "gate"} <= set(CASES)
