@@ -14,7 +14,7 @@ import sys
 from collections.abc import Callable, Sequence
 from types import ModuleType
 
-from harness.commands import build_server, contract, demo, gate, mutants, native, rlimit, sweep
+from harness.commands import build_server, contract, demo, fuzz, gate, mutants, native, replay, rlimit, sweep
 from harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, HarnessError
 
 __all__ = ["COMMANDS", "build_parser", "main"]
@@ -27,6 +27,8 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "rlimit": (rlimit, "the seed's save under a real address-space limit, both semantics"),
     "contract": (contract, "libllama's memory API against its contract on the five models (findings reported)"),
     "native": (native, "native malloc failures inside libllama's state calls and decode, one case each"),
+    "fuzz": (fuzz, "a local fuzzing campaign: every machine of the backends, K workers, a time budget"),
+    "replay": (replay, "re-run every failure a campaign's database holds: program and verdict"),
     "build-server": (build_server, "build llama-server from the llama-cpp-python sdist (cached)"),
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
 }
