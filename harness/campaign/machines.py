@@ -201,6 +201,8 @@ def check_ready(plan: Plan) -> None:
         raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
     if plan.archs is not None and "llama" not in plan.backends:
         raise UsageError("--arch applies to the llama backend; add --backend llama")
+    if "server" in plan.backends:
+        _server(plan)  # its build must be cached: checked before models are made
     models = set()
     if "llama" in plan.backends:
         models |= set(plan.archs or ARCHS)
@@ -212,4 +214,4 @@ def check_ready(plan: Plan) -> None:
         model_path(arch)  # generated when missing; a cache that cannot be written is ModelLoadError (exit 2)
     if "llama" in plan.backends or "server" in plan.backends:
         draft_path()
-    machines(plan)  # the server backend: its build must be cached
+    machines(plan)  # an unknown backend, a --machine that matches nothing

@@ -31,6 +31,7 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.database import ExampleDatabase, InMemoryExampleDatabase
+from hypothesis.errors import Unsatisfiable
 from hypothesis.reporting import with_reporter
 from hypothesis.stateful import RULE_MARKER, Rule, RuleBasedStateMachine, get_state_machine_test
 
@@ -155,6 +156,8 @@ def attempt(spec: MachineSpec, cls: type[RuleBasedStateMachine], s: settings) ->
             test()
     except (KeyboardInterrupt, SystemExit):
         raise
+    except Unsatisfiable:
+        return None  # every example was rejected (a saved one that no longer applies): nothing failed
     except BaseException as e:
         return found_of(spec, e)
     return None

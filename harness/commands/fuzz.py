@@ -48,7 +48,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--semantics", choices=SEMANTICS, default="shared", help="shared (PR #27451) or master")
     parser.add_argument("--mutant", metavar="NAME", help="run the synthetic machines on this mutant")
     parser.add_argument(
-        "--machine", action="append", metavar="PATTERN", help="only the machines whose name matches (fnmatch; repeatable)"
+        "--machine", action="append", metavar="PATTERN", help="only machines whose name matches (fnmatch)"
     )
     parser.add_argument("--db", default=DEFAULT_DB, help=f"DIR or redis://HOST:PORT/N (default {DEFAULT_DB})")
     parser.add_argument("--no-target", action="store_true", help="without Hypothesis' target phase")
