@@ -15,9 +15,10 @@ Guidance for fuzzing: each example measures what it reached (:data:`REACH`: cach
 the save's transient peak above live bytes, the most holders one checkpoint payload had, the most
 checkpoints alive at once, allocation faults that fired) and hands each to ``hypothesis.target``
 at teardown, so that a campaign with Hypothesis' ``target`` phase (``python -m harness fuzz``)
-climbs toward cache pressure and shared state. The gate's profiles have no ``target`` phase: there
-the observations are recorded and nothing else changes. ``reach`` (per class) keeps the maxima
-over the examples of a run, for the campaign's live view.
+climbs toward cache pressure and shared state. Only a class with ``observe_reach`` set measures
+(the campaign's subclasses set it): the gate's profiles have no ``target`` phase, and its machines
+pay one attribute test per step. ``reach`` (per class) keeps the maxima over the examples of a
+run, for the campaign's live view.
 
 Each configuration is a concrete subclass registered in this module under a stable name
 (``Shared_hybrid_draft`` ...), so a printed failing program runs as pasted after
@@ -131,6 +132,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     layout_example: ClassVar[list[str]]  # the first kv-layout-dependent-logits difference seen
     finding_examples: ClassVar[dict[str, str]]  # finding id -> the first restore difference it explains
     reach: ClassVar[Counter[str]]  # REACH label -> the most any example of this class reached
+    observe_reach: ClassVar[bool] = False  # measure REACH and hand it to hypothesis.target (campaigns)
 
     def __init__(self) -> None:
         super().__init__()
@@ -327,7 +329,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
     def state_invariants(self) -> None:
         if self.crashed:
             return
-        self._observe()
+        if self.observe_reach:
+            self._observe()
         t = type(self)
         for name, check in (
             ("accounting", inv.check_accounting),
@@ -375,7 +378,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
         inv.check_draft_in_step(server, excuse_stale_checkpoint="strict-stale-checkpoint" not in self.config.known)
 
     def teardown(self) -> None:
-        self._target()
+        if self.observe_reach:
+            self._target()
         t = type(self)
         for k, v in self.tracer.checked.items():
             t.stats_checked[k] += v

@@ -97,7 +97,8 @@ def rule_names(cls: type[RuleBasedStateMachine]) -> list[str]:
 
 def instrument(cls: type[RuleBasedStateMachine], tally: Tally) -> type[RuleBasedStateMachine]:
     """``cls`` counting into ``tally``; same ``__name__`` and ``__qualname__``, so the same database key."""
-    ns: dict[str, Any] = {"__qualname__": cls.__name__, "__module__": cls.__module__}
+    # observe_reach: the machines of properties.machine measure their reach and call hypothesis.target
+    ns: dict[str, Any] = {"__qualname__": cls.__name__, "__module__": cls.__module__, "observe_reach": True}
     for name, f in inspect.getmembers(cls):
         r = getattr(f, RULE_MARKER, None)
         if isinstance(r, Rule):
