@@ -87,6 +87,8 @@ class MachineConfig:
             parts.append("draft")
         if self.kv_unified:
             parts.append("kvu")
+        if self.n_slots != 2:
+            parts.append(f"np{self.n_slots}")  # distinct names: a printed program and the example database key on it
         if self.cache_ram != 6:
             parts.append("nobytes" if self.cache_ram < 0 else f"ram{self.cache_ram}")
         if self.n_ctx != 256:
