@@ -5,14 +5,11 @@ A :class:`Plan` says what a campaign covers (backends, semantics, a mutant, arch
 (each worker rebuilds it from the plan and runs the names it was given). A spec builds its
 Hypothesis machine class lazily, in the process that runs it, once.
 
-=========================  ==========================================================  =====  =====
-backend                    machines                                                    steps  batch
-=========================  ==========================================================  =====  =====
-``synthetic``              the gate's ``fuzz`` profile (:func:`properties.run.machines_for`)  60    30
-``llama``                  one per fixtures model (:func:`~harness.backends.libllama.llama_machines`)  40   5
-``llama-cpp-python-cache`` RAM and disk cache on each of its models, known findings modelled   20     5
-``server``                 the differential's configurations on the cached build             25     2
-=========================  ==========================================================  =====  =====
+* ``synthetic``: the gate's ``fuzz`` profile (:func:`properties.run.machines_for`), 60 steps, batch 30;
+* ``llama``: one per fixtures model (:func:`~harness.backends.libllama.llama_machines`), 40 steps, batch 5;
+* ``llama-cpp-python-cache``: RAM and disk cache on each of its models, known findings modelled as
+  upstream behaves (as the gate does once it has seen them), 20 steps, batch 5;
+* ``server``: the differential's configurations on the cached build (never built here), 25 steps, batch 2.
 
 ``batch`` is the number of examples a worker asks of one run before it moves on to its next
 machine (adapted to about :data:`RUN_SECONDS` per run). With ``mutant``, the synthetic machines run
