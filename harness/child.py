@@ -23,6 +23,13 @@ the caller's current size (``fork`` resets it) rather than include the set-up. I
   file on a fatal signal. :attr:`ChildResult.stacks` holds whatever was written. A forked child
   inherits its parent's stacks file (faulthandler and the shim keep it open): its ``stacks`` are
   what it appended there.
+
+A child that must run *beside* the caller (the workers of a fuzz campaign) is started with
+:func:`spawn` instead: it returns at once with a :class:`Spawned` whose stdout is read line by line
+without blocking (:func:`read_lines`). The same promises hold: its own session, its whole process
+group killed in :meth:`Spawned.kill` (call it in ``finally``; :func:`spawn` callers use it as a
+context manager), and on Linux it dies with the caller (``PR_SET_PDEATHSIG``) even when the caller
+is killed by SIGKILL and cannot clean up.
 """
 
 from __future__ import annotations
@@ -41,7 +48,17 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, NoReturn
 
-__all__ = ["STACKS_ENV", "WATCHDOG_ENV", "ChildResult", "child_setup", "child_stacks_file", "run_child"]
+__all__ = [
+    "STACKS_ENV",
+    "WATCHDOG_ENV",
+    "ChildResult",
+    "Spawned",
+    "child_setup",
+    "child_stacks_file",
+    "read_lines",
+    "run_child",
+    "spawn",
+]
 
 STACKS_ENV = "FAULTS_STACKS"
 WATCHDOG_ENV = "FAULTS_WATCHDOG"
@@ -271,3 +288,104 @@ def child_setup(*, watchdog: bool = True) -> None:
     seconds = os.environ.get(WATCHDOG_ENV)
     if watchdog and seconds:
         faulthandler.dump_traceback_later(float(seconds), exit=True, file=child_stacks_file())
+
+
+# ---- children beside the caller -----------------------------------------------------------------
+
+
+def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
+    """Linux: SIGKILL this child when the process that spawned it dies (even by SIGKILL)."""
+    with contextlib.suppress(Exception):
+        import ctypes
+
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+class Spawned:
+    """A child started by :func:`spawn`: stdout a pipe read without blocking, stderr a file."""
+
+    def __init__(self, argv: Sequence[str], env: Mapping[str, str] | None, stderr_path: str) -> None:
+        self.argv = list(argv)
+        self.stderr_path = stderr_path
+        self._buf = b""
+        self.eof = False
+        with open(stderr_path, "wb") as err:
+            self.proc = subprocess.Popen(
+                self.argv,
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.PIPE,
+                stderr=err,
+                env=None if env is None else dict(env),
+                start_new_session=True,
+                preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )
+        assert self.proc.stdout is not None
+        self.fd = self.proc.stdout.fileno()
+        os.set_blocking(self.fd, False)
+
+    @property
+    def pid(self) -> int:
+        return self.proc.pid
+
+    def poll(self) -> int | None:
+        return self.proc.poll()
+
+    def _read(self) -> list[str]:
+        """The complete lines readable now (the last partial line too, at end of file)."""
+        chunks = []
+        while not self.eof:
+            try:
+                chunk = os.read(self.fd, 1 << 16)
+            except BlockingIOError:
+                break
+            if not chunk:
+                self.eof = True
+                break
+            chunks.append(chunk)
+        data = self._buf + b"".join(chunks)
+        *lines, self._buf = data.split(b"\n")
+        if self.eof and self._buf:
+            lines.append(self._buf)
+            self._buf = b""
+        return [line.decode(errors="replace") for line in lines]
+
+    def stderr_tail(self, n: int = 5) -> str:
+        try:
+            with open(self.stderr_path, errors="replace") as f:
+                return " | ".join(line.rstrip() for line in f.readlines()[-n:])
+        except OSError:
+            return ""
+
+    def kill(self) -> None:
+        """Kill the child's whole process group and reap it (idempotent)."""
+        _kill_pid_group(self.proc.pid)
+        if self.proc.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                self.proc.kill()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=10)
+        if self.proc.stdout is not None:
+            with contextlib.suppress(OSError):
+                self.proc.stdout.close()
+
+    def __enter__(self) -> Spawned:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.kill()
+
+
+def spawn(argv: Sequence[str], *, stderr_path: str, env: Mapping[str, str] | None = None) -> Spawned:
+    """Start ``argv`` beside the caller and return at once; the caller must :meth:`Spawned.kill` it."""
+    return Spawned(argv, env, stderr_path)
+
+
+def read_lines(children: Sequence[Spawned], timeout: float) -> list[tuple[Spawned, str]]:
+    """Wait up to ``timeout`` s for output of any child; every complete line read, with its child."""
+    live = [c for c in children if not c.eof]
+    if not live:
+        time.sleep(max(0.0, min(timeout, 0.05)))
+        return []
+    ready, _, _ = select.select([c.fd for c in live], [], [], max(0.0, timeout))
+    return [(c, line) for c in live if c.fd in ready for line in c._read()]

@@ -11,6 +11,15 @@ After every step all state invariants run (:func:`properties.invariants.check_st
 per-operation post-conditions run inside the operations (:class:`properties.invariants.Tracer`).
 An exception that escapes the server (``BadAlloc``, ``GgmlAbort``) is a :class:`TargetCrash`.
 
+Guidance for fuzzing: each example measures what it reached (:data:`REACH`: cache evictions,
+the save's transient peak above live bytes, the most holders one checkpoint payload had, the most
+checkpoints alive at once, allocation faults that fired) and hands each to ``hypothesis.target``
+at teardown, so that a campaign with Hypothesis' ``target`` phase (``python -m harness fuzz``)
+climbs toward cache pressure and shared state. Only a class with ``observe_reach`` set measures
+(the campaign's subclasses set it): the gate's profiles have no ``target`` phase, and its machines
+pay one attribute test per step. ``reach`` (per class) keeps the maxima over the examples of a
+run, for the campaign's live view.
+
 Each configuration is a concrete subclass registered in this module under a stable name
 (``Shared_hybrid_draft`` ...), so a printed failing program runs as pasted after
 ``from properties.machine import *``.
@@ -23,7 +32,7 @@ from collections import Counter
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
-from hypothesis import reject
+from hypothesis import currently_in_test_context, reject, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
@@ -37,10 +46,12 @@ from harness.targets.synthetic import make_server
 from properties import invariants as inv
 from properties.policy import ExpectedAbort, PolicyTracer
 
-__all__ = ["MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
+__all__ = ["REACH", "MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
 
 MAX_PROMPT = 40
 BOS = 1
+# what an example reached, each a hypothesis.target label (maximised by a campaign's target phase)
+REACH = ("evictions", "transient_peak", "shared_holders", "checkpoints", "faults_fired")
 
 
 @dataclass(frozen=True)
@@ -76,6 +87,8 @@ class MachineConfig:
             parts.append("draft")
         if self.kv_unified:
             parts.append("kvu")
+        if self.n_slots != 2:
+            parts.append(f"np{self.n_slots}")  # distinct names: a printed program and the example database key on it
         if self.cache_ram != 6:
             parts.append("nobytes" if self.cache_ram < 0 else f"ram{self.cache_ram}")
         if self.n_ctx != 256:
@@ -120,6 +133,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
     llama_stats: ClassVar[Counter[str]]  # restore_checks (summed), state_bytes / partial_bytes (max)
     layout_example: ClassVar[list[str]]  # the first kv-layout-dependent-logits difference seen
     finding_examples: ClassVar[dict[str, str]]  # finding id -> the first restore difference it explains
+    reach: ClassVar[Counter[str]]  # REACH label -> the most any example of this class reached
+    observe_reach: ClassVar[bool] = False  # measure REACH and hand it to hypothesis.target (campaigns)
 
     def __init__(self) -> None:
         super().__init__()
@@ -170,6 +185,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             *((("restore_equivalence", inv.check_restore_equivalence),) if cfg.arch else ()),
             *((("draft_recovery", inv.check_draft_recovery),) if self.params.draft_recovery else ()),
         )
+        self._reached: Counter[str] = Counter()  # this example's maxima (REACH)
 
     # ---- helpers ---------------------------------------------------------------------------
 
@@ -333,6 +349,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
         if self.crashed or self.unchanged:
             self.unchanged = False
             return
+        if self.observe_reach:
+            self._observe()
         t = type(self)
         seconds, checked, server, clock = t.stats_seconds, t.stats_checked, self.server, time.perf_counter
         for name, check in self.checks:
@@ -341,6 +359,31 @@ class PromptCacheMachine(RuleBasedStateMachine):
             seconds[name] += clock() - t0  # type: ignore[assignment]
             checked[name] += 1
 
+    def _observe(self) -> None:
+        """The shared state after a step: checkpoints alive, the most holders of one payload."""
+        server, r = self.server, self._reached
+        lists = [s.prompt.checkpoints for s in server.slots]
+        if server.prompt_cache is not None:
+            lists += [e.prompt.checkpoints for e in server.prompt_cache.states]
+        n = sum(len(cl) for cl in lists)
+        holders = max((p.holders for cl in lists for c in cl for p in c.payloads()), default=0)
+        r["checkpoints"] = max(r["checkpoints"], n)
+        r["shared_holders"] = max(r["shared_holders"], holders)
+
+    def _target(self) -> None:
+        """This example's reach to ``hypothesis.target`` (once per label) and to the class maxima."""
+        r, server = self._reached, self.server
+        if server.prompt_cache is not None:
+            r["evictions"] = server.prompt_cache.evictions
+        r["transient_peak"] = max((p[0] for p in self.tracer.peaks), default=0)
+        r["faults_fired"] = server.host.seam.total_fired
+        reach = type(self).reach
+        for label in REACH:
+            reach[label] = max(reach[label], r[label])
+        if currently_in_test_context():  # not in a printed program pasted into python
+            for label in REACH:
+                target(float(r[label]), label=label)
+
     def _check_lists(self, server: Any) -> None:
         inv.check_checkpoint_lists(server, excuse_swa_resume="strict-swa-order" not in self.config.known)
 
@@ -348,6 +391,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
         inv.check_draft_in_step(server, excuse_stale_checkpoint="strict-stale-checkpoint" not in self.config.known)
 
     def teardown(self) -> None:
+        if self.observe_reach:
+            self._target()
         t = type(self)
         for k, v in self.tracer.checked.items():
             t.stats_checked[k] += v
@@ -401,6 +446,7 @@ def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
                 "llama_stats": Counter(),
                 "layout_example": [],
                 "finding_examples": {},
+                "reach": Counter(),
                 "__module__": __name__,
             },
         )

@@ -37,6 +37,7 @@ __all__ = [
     "commit",
     "machines_for",
     "make_settings",
+    "program_of",
     "run_machine",
     "run_seeded",
 ]
@@ -164,6 +165,9 @@ def _program(cfg: MachineConfig, notes: Iterable[str]) -> tuple[str, int]:
     head.append(f"{cfg.class_name} = machine_class({config})")
     steps = sum(1 for n in lines if n.startswith("state.") and not n.startswith(("state.teardown", "state.state_inv")))
     return "\n".join(head + lines), steps
+
+
+program_of = _program  # the shrunk program of a machine's failure from its notes, and its number of steps
 
 
 def run_machine(cfg: MachineConfig, cfg_settings: settings, seed_value: int, replay: str) -> MachineResult:

@@ -66,6 +66,7 @@ class AllocationSeam:
         self.scope: str | None = None
         self.count = 0
         self.fired = 0
+        self.total_fired = 0  # faults fired since the seam was made, over every arming (statistics; not upstream)
         self.sites: list[str] = []
         self.fired_sites: list[str] = []
         self.min_size = 0
@@ -108,6 +109,7 @@ class AllocationSeam:
             return
         if self.count == self._nth or (self._persistent and self.count > self._nth):
             self.fired += 1
+            self.total_fired += 1
             self.fired_sites.append(site)
             raise BadAlloc(site, self.count, nbytes)
 
