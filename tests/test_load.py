@@ -46,7 +46,7 @@ def test_a_wrong_response_is_a_mismatch_with_the_timed_trace(pr_binary: Path, tm
     """A trace judged as it came is clean; the same trace with one response's cache_n off by one, or one
     generated token changed on the pure recurrent model, fails and carries the program that replays it."""
     cfg = load_config("mamba", 2, False)
-    reqs = scenario(7, 3, 2, 3, 1024)
+    reqs = scenario(7, 3, 2, 3, 1024, busy=False)  # a clean trace: no busy-slot-by-id can excuse a mismatch
     with fresh_server(cfg, pr_binary) as fresh:
         server = ServerProcess(pr_binary, [*cfg.server_args(), "-lv", "4"], model=model_path("mamba"), n_parallel=2,
                                ctx_size=2048, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=4,
