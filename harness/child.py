@@ -35,6 +35,7 @@ is killed by SIGKILL and cannot clean up.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import faulthandler
 import os
 import select
@@ -296,8 +297,6 @@ def child_setup(*, watchdog: bool = True) -> None:
 def _die_with_parent() -> None:  # pragma: no cover - runs in the child between fork and exec
     """Linux: SIGKILL this child when the process that spawned it dies (even by SIGKILL)."""
     with contextlib.suppress(Exception):
-        import ctypes
-
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, int(signal.SIGKILL), 0, 0, 0)  # PR_SET_PDEATHSIG
 

@@ -31,7 +31,13 @@ from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageEr
 from harness.load.gate_step import server_concurrent_step
 from properties.run import PROFILES, commit
 
-__all__ = ["add_arguments", "options_from_args", "run", "run_gate"]
+__all__ = ["FOLLOW_UPS", "add_arguments", "options_from_args", "run", "run_gate"]
+
+# work built on a backend that runs right after it in a gate run; it sits on a floor above the
+# backends (harness.load), so it is listed here rather than called from the backend itself
+FOLLOW_UPS: dict[str, tuple[Callable[[GateReport, GateOptions, Callable[[str], None]], None], ...]] = {
+    "server": (server_concurrent_step,),  # the short concurrent run (issue 16)
+}
 
 SEMANTICS = ("shared", "master")
 # flag (GateOptions field) -> the command-line spelling, for messages
@@ -51,8 +57,8 @@ def run_gate(opts: GateOptions, backends: Sequence[str | Backend], out: Callable
     report = GateReport(opts.semantics, "+".join(b.name for b in runners), opts.profile, opts.seed, commit())
     for b in runners:
         b.run(report, opts, out)
-        if b.name == "server":  # the short concurrent run (harness.load sits above the backends)
-            server_concurrent_step(report, opts, out)
+        for step in FOLLOW_UPS.get(b.name, ()):
+            step(report, opts, out)
     _print_report(report, out)
     return report
 
