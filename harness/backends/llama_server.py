@@ -63,7 +63,7 @@ from harness.targets.llama_build import (
     pinned_status,
     server_build,
 )
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import ServerProcess, proc_status
 from properties.machine import MachineConfig
 from properties.run import run_seeded
 
@@ -375,17 +375,6 @@ def server_machine(
     return ServerMachine
 
 
-def _proc_status(pid: int) -> dict[str, int]:
-    """VmRSS / VmHWM of ``pid`` in bytes."""
-    out: dict[str, int] = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    return out
-
-
 def _big_cfg() -> ServerConfig:
     return ServerConfig(
         "mamba-big",
@@ -438,11 +427,11 @@ def save_peak(binary: Path, semantics: str, *, n_extend: int = 8, log_dir: str |
         pid = d.server.pid
         with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
-        rss0 = _proc_status(pid)["VmRSS"]
+        rss0 = proc_status(pid)["VmRSS"]
         row = d.request(DIVERGING, 1)
         if not row.ok:
             raise ServerMismatch("cache_n", row.describe(), d.program())
-        hwm = _proc_status(pid)["VmHWM"]
+        hwm = proc_status(pid)["VmHWM"]
         model_peak, state_bytes = saves[0] if saves else (0, 0)
         return {
             "rss_peak_bytes": hwm - rss0,

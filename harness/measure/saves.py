@@ -57,7 +57,7 @@ from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
 from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerContext
 from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import ServerProcess, proc_status
 
 __all__ = [
     "BASE",
@@ -120,19 +120,6 @@ def _cfg(arch: str, n_checkpoints: int) -> ServerConfig:
 def _n_extend(n_checkpoints: int) -> int:
     """Requests of the build-up: each leaves up to two checkpoints; one more to fill the list."""
     return n_checkpoints // 2 + 2
-
-
-def proc_status(pid: int) -> dict[str, int]:
-    """VmRSS / VmHWM of ``pid`` in bytes, and its minor page faults so far (``minflt``)."""
-    out: dict[str, int] = {}
-    with open(f"/proc/{pid}/status") as f:
-        for line in f:
-            key, _, rest = line.partition(":")
-            if key in ("VmRSS", "VmHWM"):
-                out[key] = int(rest.split()[0]) * 1024
-    with open(f"/proc/{pid}/stat") as f:
-        out["minflt"] = int(f.read().rsplit(")", 1)[1].split()[7])
-    return out
 
 
 def _row(layer: str, sem: str, arch: str, n_ckpt: int, c_bytes: int, s_bytes: int, rep: int) -> dict[str, Any]:

@@ -29,7 +29,7 @@ from typing import IO, Any
 from harness.errors import ServerStartError
 from harness.targets.llama_build import build_server, log_tail
 
-__all__ = ["ServerProcess", "ServerStartError"]
+__all__ = ["ServerProcess", "ServerStartError", "proc_status"]
 
 
 # --------------------------------------------------------------------------------------------
@@ -323,3 +323,16 @@ class ServerProcess:
 # --------------------------------------------------------------------------------------------
 # command
 # --------------------------------------------------------------------------------------------
+
+
+def proc_status(pid: int) -> dict[str, int]:
+    """VmRSS / VmHWM of process ``pid`` in bytes, and its minor page faults so far (``minflt``)."""
+    out: dict[str, int] = {}
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            key, _, rest = line.partition(":")
+            if key in ("VmRSS", "VmHWM"):
+                out[key] = int(rest.split()[0]) * 1024
+    with open(f"/proc/{pid}/stat") as f:
+        out["minflt"] = int(f.read().rsplit(")", 1)[1].split()[7])
+    return out
