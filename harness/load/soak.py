@@ -46,7 +46,7 @@ from fixtures.models import model_path
 from harness.errors import ServerStartError
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import ServerProcess, proc_status
 
 __all__ = ["FAULT_MIN_SIZE", "PhaseResult", "SoakSettings", "rss_bytes", "soak_phase"]
 
@@ -65,13 +65,9 @@ _ERRORS_DOCUMENTED = ("Context size has been exceeded", "Invalid input batch", "
 def rss_bytes(pid: int) -> int:
     """``VmRSS`` of ``pid`` in bytes (0 when the process is gone)."""
     try:
-        with open(f"/proc/{pid}/status") as f:
-            for line in f:
-                if line.startswith("VmRSS:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+        return proc_status(pid)["VmRSS"]
+    except (OSError, KeyError):  # gone, or a zombie without VmRSS
+        return 0
 
 
 @dataclass(frozen=True)
