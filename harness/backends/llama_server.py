@@ -159,6 +159,7 @@ class Differential:
     rows: list[Row] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
     binary_expr: str = "build_server('pr')"  # only for the replay program: how to get the binary again
+    _sent: int = field(default=0, init=False, repr=False)  # requests answered: the log's releases to wait for
 
     def __post_init__(self) -> None:
         self.model_file = model_path(self.cfg.arch)
@@ -207,7 +208,8 @@ class Differential:
         self.model.run_until_idle()
         predicted_slot = res.slot
         predicted = self.model.slots[predicted_slot].n_prompt_cached if predicted_slot >= 0 else -1
-        log = self.server.log_path.read_text(errors="replace") if self.server.log_path else ""
+        self._sent += 1
+        log = self.server.log_through(self._sent)  # written by a worker thread: wait for this release
         cache = self.model.prompt_cache
         row = Row(
             toks,

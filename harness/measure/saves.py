@@ -260,7 +260,8 @@ def _server_point(
 
         slot.prompt_save = traced  # type: ignore[method-assign,assignment]
         pid = d.server.pid
-        log0 = len(d.server.log_path.read_text(errors="replace")) if d.server.log_path else 0
+        text0 = d.server.log_through(0)
+        log0, released = len(text0), text0.count("stop processing: n_tokens")
         with open(f"/proc/{pid}/clear_refs", "w") as f:
             f.write("5")
         before = proc_status(pid)
@@ -269,7 +270,7 @@ def _server_point(
         after = proc_status(pid)
         if not row.ok:
             raise UsageError(f"server and model disagree on the saving request ({arch}): {row.describe()}")
-        log = d.server.log_path.read_text(errors="replace") if d.server.log_path else ""
+        log = d.server.log_through(released + 1)
         save_peak, s_bytes = saves[0] if saves else (0, 0)
         new_ckpt = sum(c.size() for c in d.model.slots[0].prompt.checkpoints)
         out = _row("server", sem, arch, len(ckpts), c_bytes, s_bytes, rep)

@@ -316,6 +316,19 @@ class ServerProcess:
         body.update(kw)
         return self.request("POST", "/completion", body)
 
+    def log_through(self, releases: int, timeout: float = 10.0) -> str:
+        """The log once it shows ``releases`` slot releases ("stop processing"), or as it is at ``timeout``.
+
+        llama-server writes its log from a worker thread (``common_log``), so a line about a request
+        can land after the HTTP response; everything a request logged precedes its release line."""
+        assert self.log_path is not None
+        deadline = time.monotonic() + timeout
+        while True:
+            text = self.log_path.read_text(errors="replace")
+            if text.count("stop processing: n_tokens") >= releases or time.monotonic() > deadline:
+                return text
+            time.sleep(0.02)
+
     def health(self) -> Any:
         return self.request("GET", "/health")
 
