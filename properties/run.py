@@ -163,11 +163,68 @@ def _program(cfg: MachineConfig, notes: Iterable[str]) -> tuple[str, int]:
         head.insert(0, "import properties.mutants")
         config = config[:-1] + ", resolve=properties.mutants.resolve)"
     head.append(f"{cfg.class_name} = machine_class({config})")
-    steps = sum(1 for n in lines if n.startswith("state.") and not n.startswith(("state.teardown", "state.state_inv")))
-    return "\n".join(head + lines), steps
+    return "\n".join(head + lines), _count_steps("\n".join(lines))
 
 
 program_of = _program  # the shrunk program of a machine's failure from its notes, and its number of steps
+
+TIDY_SECONDS = 20.0  # the budget of :func:`tidy` per failure
+
+
+def _failure_of(program: str) -> PropertyFailure | None:
+    """Run a printed program as pasted; the property failure it raises, if any."""
+    try:
+        exec(compile(program, "<program>", "exec"), {})  # our own printed program, as a user pastes it
+    except PropertyFailure as e:
+        return e
+    except Exception:
+        return None  # another error: not the same failure
+    return None
+
+
+def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> str:
+    """The shrunk program without the steps its failure does not need: a last pass after Hypothesis.
+
+    Hypothesis' shrinker works on the choice sequence, where a step that changes nothing (a
+    ``set_limit`` to the limit already set) is cheap to keep and its simplest form: repeated
+    ``set_limit(cache_ram=1)`` lines survived it. Here each step (its line and the invariant check
+    after it) is deleted in turn, last first, and the deletion is kept when the program still fails
+    on property ``name`` the same way (a crash stays a crash); passes repeat until none deletes a
+    step or ``budget`` seconds are spent. Synthetic machines only (a program runs in a few
+    milliseconds and holds no native context)."""
+    lines = program.splitlines()
+    try:
+        start = next(i for i, line in enumerate(lines) if line.startswith("state = ")) + 1
+    except StopIteration:
+        return program
+    if start < len(lines) and lines[start] == "state.state_invariants()":
+        start += 1
+    head, body = lines[:start], lines[start:]
+    steps: list[list[str]] = []  # each step's line and the checks after it
+    tail: list[str] = []
+    for line in body:
+        if line.startswith("state.teardown"):
+            tail.append(line)
+        elif line.startswith("state.state_invariants") and steps:
+            steps[-1].append(line)
+        else:
+            steps.append([line])
+
+    def same(candidate: list[list[str]]) -> bool:
+        e = _failure_of("\n".join(head + [x for st in candidate for x in st] + tail))
+        return e is not None and e.name == name and isinstance(e, TargetCrash) == crash
+
+    deadline = time.perf_counter() + budget
+    changed = True
+    while changed and time.perf_counter() < deadline:
+        changed = False
+        for i in range(len(steps) - 1, -1, -1):
+            if time.perf_counter() >= deadline:
+                break
+            if i < len(steps) and same(steps[:i] + steps[i + 1 :]):
+                del steps[i]
+                changed = True
+    return "\n".join(head + [x for st in steps for x in st] + tail)
 
 
 def run_machine(cfg: MachineConfig, cfg_settings: settings, seed_value: int, replay: str) -> MachineResult:
@@ -191,6 +248,20 @@ def run_machine(cfg: MachineConfig, cfg_settings: settings, seed_value: int, rep
     except Exception as e:  # a bug of the harness or the model itself: still a reproducible failure
         program, steps = _program(cfg, getattr(e, "__notes__", []))
         failure = Failure("crash", "error", f"{type(e).__name__}: {e}", program, replay, cfg.class_name, steps)
-    return MachineResult(
+    result = MachineResult(
         cfg, time.perf_counter() - t0, failure, Counter(cls.stats_checked), Counter(cls.stats_seconds), list(cls.peaks)
     )
+    if failure is not None and failure.kind != "error" and not cfg.arch:
+        failure.program = tidy(failure.program, failure.property, failure.kind == "crash")
+        failure.steps = _count_steps(failure.program)
+        printed = _failure_of(failure.program)
+        if printed is not None:
+            failure.message = printed.message  # the message of the program as printed
+    return result
+
+
+def _count_steps(program: str) -> int:
+    return sum(
+        1 for n in program.splitlines()
+        if n.startswith("state.") and not n.startswith(("state.teardown", "state.state_inv"))
+    )  # fmt: skip
