@@ -3,8 +3,9 @@
 Runs the cases of :mod:`harness.measure.bench_cases` (all, or ``--only NAME``, repeatable), prints one
 table with each figure's median, min..max over its repetitions, its goal and whether the goal is met,
 writes every figure with its inputs as JSON (``--json PATH``, default ``artifacts/bench.json``) and the
-table as markdown (``--md PATH``, default ``docs/bench.md``). ``--quick`` is the tiny budget of the
-test (a few examples, one repetition, the gate case skipped): its figures say nothing about speed.
+table as markdown (``--md PATH``, default ``artifacts/bench.md``; ``docs/bench.md`` is the last full
+run, replaced only when named). ``--quick`` is the tiny budget of the test (a few examples, one
+repetition, the gate case skipped): its figures say nothing about speed.
 ``--merge JSON`` adds the cases of an earlier run that this one did not run (the long ones can run
 apart, in another process). ``--compare OLD.json`` prints each figure's ratio against an earlier
 run and flags the regressions beyond the noise the two runs measured; with regressions it exits 1.
@@ -32,7 +33,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, metavar="N", help="repetitions of every case (default: each case's own)")
     parser.add_argument("--json", metavar="PATH", default=os.path.join("artifacts", "bench.json"))
-    parser.add_argument("--md", metavar="PATH", default=os.path.join("docs", "bench.md"), help="markdown table")
+    parser.add_argument(
+        "--md", metavar="PATH", default=os.path.join("artifacts", "bench.md"),
+        help="markdown table (docs/bench.md holds the last full run: --md docs/bench.md to replace it)",
+    )  # fmt: skip
     parser.add_argument("--compare", metavar="OLD.json", help="ratios against an earlier run; regressions exit 1")
     parser.add_argument(
         "--merge",
