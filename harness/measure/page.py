@@ -116,6 +116,9 @@ def fig_charge(charge: dict[str, list[dict[str, Any]]]) -> str:
                 label="physical unique bytes of the cache")  # fmt: skip
         ax.plot(xs, [r["peak_live_bytes"] / (1 << 20) for r in rows], "^-",
                 label="model: peak live bytes in the request")  # fmt: skip
+        if rows and "llama_heap_bytes" in rows[0]:
+            ax.plot(xs, [r["llama_heap_bytes"] / (1 << 20) for r in rows], "o-.",
+                    label="libllama: malloc heap in use over the first")  # fmt: skip
         if rows and "server_hwm_bytes" in rows[0]:
             ax.plot(xs, [r["server_hwm_bytes"] / (1 << 20) for r in rows], "s:", label="server VmHWM over first VmRSS")
             ax.plot(xs, [r["server_rss_bytes"] / (1 << 20) for r in rows], "x:", label="server VmRSS over first VmRSS")
@@ -276,11 +279,14 @@ def render(report: dict[str, Any]) -> str:
         "at rest. Here the peaks are the same too: each request saves a slot holding two checkpoints and then "
         "creates two new ones for its own prompt, so the PR's saving on the save (C) is spent again by the "
         "request (section 4 shows the same effect on the gate's save). The PR lowers a request's peak by C minus "
-        "the checkpoints the request creates, when that is positive.</p>" + fig_charge(charge)
+        "the checkpoints the request creates, when that is positive. Physical bytes at rest, measured: "
+        "libllama (this process runs the model's server logic on real contexts; its malloc heap in use after "
+        "each request, over the first) and the server's VmRSS.</p>" + fig_charge(charge)
         + _table(["semantics", "request", "entries", "evictions", "logical", "unique", "peak live (model)",
-                  "server VmHWM", "server VmRSS"],
+                  "libllama heap", "server VmHWM", "server VmRSS"],
                  [[s, r["request"] + 1, r["entries"], r["evictions"], _mib(r["logical_bytes"]),
-                   _mib(r["unique_bytes"]), _mib(r["peak_live_bytes"]), _mib(r.get("server_hwm_bytes")),
+                   _mib(r["unique_bytes"]), _mib(r["peak_live_bytes"]), _mib(r.get("llama_heap_bytes")),
+                   _mib(r.get("server_hwm_bytes")),
                    _mib(r.get("server_rss_bytes"))] for s in ("master", "shared") for r in charge.get(s, [])])
     ) if charge else "<p>not measured in this run</p>"))  # fmt: skip
     cost = report.get("update_cost", {})

@@ -38,6 +38,8 @@ Size: ``_server_point`` drives one server through the build-up, the measured req
 
 from __future__ import annotations
 
+import ctypes
+import gc
 import math
 import re
 import resource
@@ -262,8 +264,7 @@ def _server_point(
         pid = d.server.pid
         text0 = d.server.log_through(0)
         log0, released = len(text0), text0.count("stop processing: n_tokens")
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
+        _reset_hwm(pid)
         before = proc_status(pid)
         with d.model.host.operation("request") as req:
             row = d.request(diverging(n_diverging), 1)
@@ -342,6 +343,29 @@ def _family(k: int, n: int = 200) -> list[int]:
 CHARGE_REQUESTS = (0, 1, 2, 3, 1, 4, 5, 0, 6, 3)  # families: new ones, then revisits (cache hits or misses)
 
 
+class _Mallinfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in (
+        "arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost"
+    )]  # fmt: skip
+
+
+def heap_in_use() -> int:
+    """Bytes this process holds from malloc (glibc ``mallinfo2``: in-use chunks of every arena plus
+    mmapped blocks): libllama's and CPython's large buffers alike. 0 where glibc lacks mallinfo2."""
+    fn = getattr(ctypes.CDLL(None), "mallinfo2", None)
+    if fn is None:
+        return 0
+    fn.restype = _Mallinfo2
+    m = fn()
+    return int(m.uordblks + m.hblkhd)
+
+
+def _reset_hwm(pid: int) -> None:
+    """Reset VmHWM to the current VmRSS (``5 > /proc/PID/clear_refs``)."""
+    with open(f"/proc/{pid}/clear_refs", "w") as f:
+        f.write("5")
+
+
 def charge_run(
     semantics: str,
     *,
@@ -359,7 +383,10 @@ def charge_run(
     payload bytes the cache's entries hold (physical: a payload shared by two holders counts once), all the
     payload bytes alive (cache and slot) at the end of the request and at its peak, the evictions so far;
     with ``binary`` also the real server's VmRSS and VmHWM (reset before each request) over its VmRSS after
-    the first request, and the evictions its log reports.
+    the first request, and the evictions its log reports. The libllama layer is this process (the model's
+    server logic on real libllama contexts, the cache's payloads real buffers): its malloc heap in use
+    (:func:`heap_in_use`) and its VmHWM (reset before each request), both over their values after the
+    first request.
     """
     cfg = _cfg(arch, 4)
     cfg = ServerConfig(**{**cfg.__dict__, "cache_ram_mib": cache_ram_mib})
@@ -372,13 +399,14 @@ def charge_run(
         if d is not None:
             d.server.start()
         rss0: int | None = None
+        heap0: int | None = None
         for i, fam in enumerate(CHARGE_REQUESTS):
             progress(f"charge {semantics}: request {i + 1}/{len(CHARGE_REQUESTS)}")
             row: dict[str, Any] = {"request": i, "family": fam, "semantics": semantics}
+            gc.collect()  # another run's cyclic garbage freed now, not in the middle of this one's readings
             with model.host.operation("request") as op:
                 if d is not None:
-                    with open(f"/proc/{d.server.pid}/clear_refs", "w") as f:
-                        f.write("5")
+                    _reset_hwm(d.server.pid)
                     r = d.request(_family(fam), 1)
                     st = proc_status(d.server.pid)
                     rss0 = st["VmRSS"] if rss0 is None else rss0
@@ -391,6 +419,11 @@ def charge_run(
                 else:
                     model.handle_completion(tuple(_family(fam)), id_slot=0, n_cmpl=1, n_predict=1)
                     model.run_until_idle()
+            gc.collect()
+            heap = heap_in_use()
+            heap0 = heap if heap0 is None else heap0
+            # libllama: this process runs the model's server logic on real contexts, its cache real buffers
+            row["llama_heap_bytes"] = heap - heap0
             cache = model.prompt_cache
             assert cache is not None
             unique = {p.ident: p.nbytes for e in cache.states for p in e.payloads()}
@@ -504,8 +537,7 @@ def server_update_cost(
     with srv:
         srv.completion(diverging(40), 8, ignore_eos=True)
         pid = srv.pid
-        with open(f"/proc/{pid}/clear_refs", "w") as f:
-            f.write("5")
+        _reset_hwm(pid)
         before = proc_status(pid)
         t0 = time.perf_counter()
         r = srv.completion(BASE[:100], n_predict, ignore_eos=True)
