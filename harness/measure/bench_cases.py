@@ -14,6 +14,11 @@
    requests/s with the model's prediction on, and the model's share of the time.
 6. ``state-io``: libllama state get/set bytes/s against ``ctypes.memmove`` of the same bytes.
 7. ``gate``: the default gate's wall time (``python -m harness gate``, builds cached); full bench only.
+
+``targeting`` (beside 3): a campaign's reach with ``hypothesis.target`` against without, same examples.
+
+Size: eight cases, each one function with its own setup and figures and nothing shared but the
+registry; a module per case would spread one table over eight files.
 """
 
 from __future__ import annotations
