@@ -532,8 +532,10 @@ class LlamaProvider:
         reductions: a :attr:`layout_diffs` entry (the known finding ``kv-layout-dependent-logits``).
         In a unified KV the sequence may have been computed beside other sequences' cells, which
         changes the rounding of its stored K/V too; there a difference within
-        :data:`UNIFIED_LAYOUT_TOLERANCE` of the largest logit is also the layout finding. Otherwise
-        the state itself differs: a :attr:`mismatches` entry.
+        :data:`UNIFIED_LAYOUT_TOLERANCE` of the largest logit is also the layout finding, and so it
+        is where the components hold the same tokens decoded in different batches (the reference
+        can reproduce one batch shape only). Otherwise the state itself differs: a
+        :attr:`mismatches` entry.
         """
         chunks_by_comp = self._hist[seq]
         histories = {_flat(v) for v in chunks_by_comp.values()}
@@ -561,6 +563,7 @@ class LlamaProvider:
             history=_flat(chunks),
         )
         scale = max((abs(x) for x in b), default=0.0) or 1.0
+        mixed_batches = len({tuple(v) for v in chunks_by_comp.values()}) > 1
         if seq in self._overwritten:
             # a deferred stream copy overwrote this sequence's restored K/V when this decode (or an
             # earlier one, whose cells it kept) began: the known finding, not the provider's restore.
@@ -571,6 +574,11 @@ class LlamaProvider:
         elif self._kv_unified and m.max_abs_diff <= UNIFIED_LAYOUT_TOLERANCE * scale:
             # in a unified KV the sequence was computed beside other sequences' cells, so even its
             # stored K/V (layers past the first) carry the layout's rounding: not a wrong state
+            self.layout_diffs.append(m)
+        elif mixed_batches and m.max_abs_diff <= UNIFIED_LAYOUT_TOLERANCE * scale:
+            # the same tokens, computed in different batches per component (a partial restore put an
+            # SWA checkpoint taken in one batch beside KV cells decoded in another): one fresh
+            # evaluation cannot have both batch shapes, so the last bits differ; not a wrong state
             self.layout_diffs.append(m)
         else:
             self.mismatches.append(m)
