@@ -37,7 +37,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
 from fixtures.models import draft_path, model_path
-from harness.errors import BadAlloc, GgmlAbort, TargetCrash
+from harness.errors import BadAlloc, GgmlAbort, TargetCrash, UsageError
 from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
 from harness.model.semantics import Semantics, get_semantics
 from harness.model.server_context import ServerParams
@@ -352,7 +352,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
         share, which is the copy-on-write contract PR #27451 states.
         """
         if not self._refreshable(slot):
-            raise ValueError(f"slot {slot} has no checkpoint to refresh")  # a pasted program that misnames it
+            raise UsageError(f"slot {slot} has no checkpoint to refresh")  # a pasted program that misnames it
         s = self.server.slots[slot]
         c = s.prompt.checkpoints.back()
         ctx_tgt, ctx_dft = self.server.ctx_tgt, self.server.ctx_dft
