@@ -90,3 +90,18 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
     err = capsys.readouterr().err
     assert "is not JSON" in err and "unknown bench case" in err and "Traceback" not in err
     assert {"exploration", "mutants", "sweep", "saves", "server", "state-io", "gate"} <= set(CASES)
+
+
+def test_quick_targeting_sets_every_reach_label_on_against_off(tmp_path: Path) -> None:
+    out = tmp_path / "t.json"
+    assert main(["bench", "--quick", "--only", "targeting", "--json", str(out), "--md", str(tmp_path / "t.md")]) == 0
+    figures = json.loads(out.read_text())["cases"]["targeting"]["figures"]
+    assert {f["inputs"]["label"] for f in figures} == {"evictions", "transient_peak", "shared_holders",
+                                                        "checkpoints", "faults_fired"}  # fmt: skip
+    for f in figures:
+        on, off = f["inputs"]["on"], f["inputs"]["off"]
+        assert len(on) == len(off) == f["inputs"]["runs"] == 2
+        assert f["median"] == pytest.approx((sum(on) / 2 + 1) / (sum(off) / 2 + 1))
+    # the machine was exercised: some example made checkpoints
+    by = {f["inputs"]["label"]: f for f in figures}
+    assert max(by["checkpoints"]["inputs"]["on"] + by["checkpoints"]["inputs"]["off"]) > 0
