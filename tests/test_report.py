@@ -32,6 +32,9 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 HWM_REL, HWM_ABS = 0.05, 256 << 10
 SAVE_REL, SAVE_ABS = 0.10, 128 << 10
 MEMRAY_REL, MEMRAY_ABS = 0.01, 64 << 10
+# - the charge run's physical bytes at rest on libllama (this process's malloc heap over the first request's)
+#   against the model's unique payload bytes of the cache: within 2 % + 256 KiB (Python's own objects)
+HEAP_REL, HEAP_ABS = 0.02, 256 << 10
 
 
 @pytest.fixture(scope="module")
@@ -75,6 +78,9 @@ def test_report_json_agrees_with_the_gates_figures(built: tuple[Path, dict[str, 
         expected = r["predicted_bytes"] + 2 * r["state_bytes"]
         assert _near(r["peak_bytes"], expected, MEMRAY_REL, MEMRAY_ABS), r
         assert (out / "captures" / r["capture"]).is_file()
+    for sem, rows_ in report["charge"].items():
+        for r in rows_[1:]:
+            assert _near(r["llama_heap_bytes"], r["unique_bytes"], HEAP_REL, HEAP_ABS), (sem, r)
     cost = report["update_cost"]
     assert cost["master"]["model_allocations_per_update"] == 0
     assert cost["shared"]["model_allocations_per_update"] == 1
