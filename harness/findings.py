@@ -312,6 +312,17 @@ _ALL = [
         "fixtures/findings/fault_half_built_batch_assert.py",
     ),
     Finding(
+        "decode-exception-keeps-slot-tokens",
+        "server",
+        "output",
+        "when decode() throws (a std::bad_alloc out of llama_decode), update_slots' catch calls abort_all_slots, "
+        "which releases every processing slot without prompt_clear(): the slot keeps the failed batch's tokens "
+        "although its memory never got them, the next request sharing the prefix reuses them (cache_n counts "
+        "them) and the slot is saved to the prompt cache as that prompt: wrong output, no error "
+        "(server-context.cpp:2870-2875, 2735-2742; decode()'s own error path clears the slots, :3693-3700)",
+        "fixtures/findings/decode_exception_keeps_slot_tokens.py",
+    ),
+    Finding(
         "checkpoint-alloc-terminates",
         "server",
         "native_fault",

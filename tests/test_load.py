@@ -5,6 +5,8 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -16,6 +18,7 @@ from harness.load.concurrent import concurrent_configs, fresh_server, judge, loa
 from harness.load.gate_step import server_concurrent_step
 from harness.load.order import cache_states, parse_log, tasks
 from harness.load.outputs import Divergences
+from harness.load.soak import LiveServer
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 
@@ -88,6 +91,49 @@ def test_divergences_explain_only_what_a_known_finding_explains() -> None:
     d.add((1, 2), (3,))
     assert d.explains((1, 2, 3, 4), 3) and not d.explains((1, 5, 3, 4), 3)
     assert Divergences("llama").explains((1, 2, 3), 0)  # attention: concurrent-output-divergence
+
+
+def test_a_failed_decode_explains_only_prompts_that_reuse_its_tokens() -> None:
+    d = Divergences("mamba")
+    failed = (7, 8, 9, 10, 11, 12)
+    assert not d.explains((*failed, 13), 6)
+    d.failed_decode(failed)
+    assert d.after_failed_decode((*failed, 13), 6) and d.explains((*failed, 13), 6)
+    assert not d.after_failed_decode((7, 8, 9, 99, 11), 5)  # shares 3 first tokens only
+    assert not d.after_failed_decode((*failed, 13), 0)  # reused nothing: a fresh evaluation
+    assert not d.explains((1, 2, 3, 4, 5), 5)
+
+
+def test_a_request_overlapping_a_restart_is_part_of_the_crash(pr_binary: Path, tmp_path: Path) -> None:
+    # a client reaching the new server while it loads its model gets HTTP 503 "Loading model": the soak
+    # must count that with the crash under a fault, never as a request error with faults off
+    n = iter(range(10))
+    live = LiveServer(lambda: ServerProcess(pr_binary, ["--no-warmup"], model=model_path("mamba"), n_parallel=1,
+                                       ctx_size=256, cache_ram=0, log_path=tmp_path / f"s{next(n)}.log"))  # fmt: skip
+    live.server.start()
+    try:
+        assert not live.in_crash(0)
+        seen: list[bool] = []
+        t = threading.Thread(target=live.restart)
+        t.start()
+        while t.is_alive():
+            seen.append(live.in_crash(0))
+            time.sleep(0.002)
+        t.join()
+        assert any(seen), "restart() marks the time it runs"
+        assert live.in_crash(0) and not live.in_crash(1)  # sent before the restart / after it
+        assert live.server.running()
+    finally:
+        live.server.stop()
+
+
+def test_decode_exception_reproducer_shows_the_finding_on_the_pr_server(pr_binary: Path) -> None:
+    # standalone, as a maintainer runs it: the slot keeps the tokens of a batch whose decode threw
+    script = ROOT / "fixtures" / "findings" / "decode_exception_keeps_slot_tokens.py"
+    p = subprocess.run([sys.executable, str(script), "--server-bin", str(pr_binary)],
+                       capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "decode() failed: std::bad_alloc" in p.stdout and "BUG:" in p.stdout
 
 
 def _soak(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str], dict]:

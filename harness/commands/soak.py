@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -66,7 +67,9 @@ def run(args: argparse.Namespace) -> int:
     st = SoakSettings(per_phase, cache_ram_mib=args.cache_ram, rss_bound_mib=args.rss_bound, seed=args.seed)
     print(f"soak: build={build.origin} models={','.join(archs)} {per_phase:.0f}s per phase (faults off, then on), "
           f"--cache-ram {args.cache_ram} MiB, seed {args.seed}; shared machine: figures are relative")  # fmt: skip
-    with tempfile.TemporaryDirectory(prefix="soak-") as logs:
+    logs = tempfile.mkdtemp(prefix="soak-")  # kept when a bound broke: the server logs say what happened
+    failed = True
+    try:
         results = soak(build.binary, archs, st, logs)
         violations = [f"{r.arch} faults {'on' if r.faults else 'off'}: {v}" for r in results for v in r.violations]
         report = {
@@ -87,8 +90,10 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+        failed = bool(violations)
         if violations:
             print(f"FAIL: {len(violations)} violations; first: {violations[0]}")
+            print(f"server logs kept in {logs}")
             print(f"--- replay ---\npython -m harness soak --minutes {args.minutes} "
                   + (f"--source {args.source} " if args.source else f"--semantics {args.semantics or 'shared'} ")
                   + f"--arch {' '.join(archs)} --cache-ram {args.cache_ram} --seed {args.seed}"
@@ -97,3 +102,6 @@ def run(args: argparse.Namespace) -> int:
         print(f"PASS: {report['requests']} requests, {report['fault_trials']} fault trials, "
               f"{report['fault_survived']} survived")  # fmt: skip
         return EXIT_OK
+    finally:
+        if not failed:
+            shutil.rmtree(logs, ignore_errors=True)

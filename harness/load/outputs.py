@@ -2,8 +2,8 @@
 
 :func:`compare_output` compares a response's tokens with a fresh single-slot server's (greedy, no
 cache) and tells a rounding tie from a real divergence; :class:`Divergences` decides which
-differences a known finding explains (``concurrent-output-divergence``, ``busy-slot-by-id``) and
-which are mismatches. Used by the concurrent differential and the soak.
+differences a known finding explains (``concurrent-output-divergence``, ``busy-slot-by-id``,
+``decode-exception-keeps-slot-tokens``) and which are mismatches. Used by the concurrent differential and the soak.
 """
 
 from __future__ import annotations
@@ -29,21 +29,39 @@ class Divergences:
     counted as that finding, and the cache's own correctness under load is checked on ``mamba``
     (pure recurrent), where it never showed. ``busy-slot-by-id``: a response changed by it leaves
     wrong state the same way; a later divergence that reused ``cache_n`` tokens starting like such a
-    response is explained by it. Anything else is a mismatch.
+    response is explained by it. ``decode-exception-keeps-slot-tokens``: a request that failed with
+    "decode() failed" (:meth:`failed_decode`, the faults-on phases) leaves its slot claiming tokens
+    its memory never got; a divergence whose prompt starts like such a request's (at least
+    :data:`SHARED_HEAD` tokens) reused them. Anything else is a mismatch.
     """
+
+    SHARED_HEAD = 4  # the soak's prompts are random token ids: 4 shared first tokens are no chance
 
     def __init__(self, arch: str) -> None:
         self.arch = arch
         self.seen: list[tuple[int, ...]] = []
+        self.failed: list[tuple[int, ...]] = []
 
     def add(self, tokens: Sequence[int], generated: Sequence[int]) -> None:
         self.seen.append((*tokens, *generated))
+
+    def failed_decode(self, tokens: Sequence[int]) -> None:
+        """A request that ended in "decode() failed": its slot may keep its tokens unevaluated."""
+        self.failed.append(tuple(tokens))
 
     def explains(self, tokens: Sequence[int], cache_n: int) -> bool:
         if self.arch in ATTENTION_ARCHS:
             return True
         head = tuple(tokens[:cache_n])
-        return cache_n > 0 and any(s[:cache_n] == head for s in self.seen)
+        if cache_n > 0 and any(s[:cache_n] == head for s in self.seen):
+            return True
+        return self.after_failed_decode(tokens, cache_n)
+
+    def after_failed_decode(self, tokens: Sequence[int], cache_n: int) -> bool:
+        """Whether the prompt reused a prefix of a request that failed in decode()."""
+        k = self.SHARED_HEAD
+        head = tuple(tokens[:k])
+        return cache_n >= k and any(f[:k] == head for f in self.failed)
 
 
 def compare_output(fresh: ServerProcess, tokens: Sequence[int], generated: Sequence[int]) -> str | None:
