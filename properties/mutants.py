@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
+
+from hypothesis.statistics import collector
 
 from harness.errors import BadAlloc
 from harness.model.cache import (
@@ -348,7 +350,13 @@ def config(name: str, kind: str | None = None, *, draft: bool | None = None) -> 
 
 
 def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]:
-    """Run the gate's machines against mutant ``name`` until one fails; return the JSON row."""
+    """Run the gate's machines against mutant ``name`` until one fails; return the JSON row.
+
+    ``seconds`` is the whole kill, wall clock; it splits into ``detect_seconds`` (from the start to
+    the first failing example: the machines that passed, then the killing run's generate phase, from
+    Hypothesis' own phase statistics), ``shrink_seconds`` (Hypothesis' shrink phase) and the rest
+    (:func:`properties.run.tidy` and printing the program).
+    """
     m = MUTANTS[name]
     cfg_settings = make_settings("ci", None, max_examples)
     t0 = time.perf_counter()
@@ -357,9 +365,17 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
     # a mutant that survives one seed gets two more before it counts as surviving
     for cfg, s in ((c, s) for s in (seed, seed + 1, seed + 2) for c in configs):
         replay = f"python -m harness mutants --only {name} --seed {s}"
-        r = run_machine(cfg, cfg_settings, s, replay)
+        start = time.perf_counter() - t0
+        phases: list[dict[str, Any]] = []
+        with cast(Any, collector).with_value(phases.append):  # Hypothesis' phase statistics (typed None)
+            r = run_machine(cfg, cfg_settings, s, replay)
         if r.failure is not None:
             f = r.failure
+            stats = phases[-1] if phases else {}
+
+            def phase(p: str, stats: dict[str, Any] = stats) -> float:
+                return float(stats.get(f"{p}-phase", {}).get("duration-seconds", 0.0))
+
             return {
                 "name": name,
                 "killed": True,
@@ -369,6 +385,8 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
                 "machine": f.machine,
                 "message": f.message,
                 "seconds": round(time.perf_counter() - t0, 2),
+                "detect_seconds": round(start + phase("explicit") + phase("generate"), 2),
+                "shrink_seconds": round(phase("shrink"), 2),
                 "steps": f.steps,
                 "program": f.program,
             }

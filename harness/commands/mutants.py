@@ -43,7 +43,8 @@ def run(args: argparse.Namespace) -> int:
         if row["killed"]:
             ok = row["by"] == row["expected"] or row["by"] in MUTANTS[name].also
             note = "" if ok else f" (expected {row['expected']})"
-            print(f"  [killed  ] {name:<28} by {row['by']:<20} {row['steps']:>3} steps {row['seconds']:6.1f}s{note}")
+            print(f"  [killed  ] {name:<28} by {row['by']:<20} {row['steps']:>3} steps {row['seconds']:6.1f}s "
+                  f"(found in {row['detect_seconds']:.1f}s, shrunk in {row['shrink_seconds']:.1f}s){note}")  # fmt: skip
         else:
             print(f"  [SURVIVED] {name:<28} expected {row['expected']}  {row['seconds']:6.1f}s")
     survivors = [r["name"] for r in rows if not r["killed"]]
