@@ -135,6 +135,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     finding_examples: ClassVar[dict[str, str]]  # finding id -> the first restore difference it explains
     reach: ClassVar[Counter[str]]  # REACH label -> the most any example of this class reached
     observe_reach: ClassVar[bool] = False  # measure REACH and hand it to hypothesis.target (campaigns)
+    target_labels: ClassVar[tuple[str, ...]] = REACH  # the labels handed to hypothesis.target
 
     def __init__(self) -> None:
         super().__init__()
@@ -402,7 +403,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
         for label in REACH:
             reach[label] = max(reach[label], r[label])
         if currently_in_test_context():  # not in a printed program pasted into python
-            for label in REACH:
+            for label in self.target_labels:
                 target(float(r[label]), label=label)
 
     def _check_lists(self, server: Any) -> None:
