@@ -72,6 +72,12 @@ def test_report_json_agrees_with_the_gates_figures(built: tuple[Path, dict[str, 
     # master: S + C whatever the prompt after the save
     for n in (3, 300):
         assert _near(rows[("master", n)]["peak_bytes"], s + c, HWM_REL, HWM_ABS), rows[("master", n)]
+    # the allocator control: what the one-checkpoint save leaves unmodelled is glibc's, gone with a fixed mmap
+    # threshold (within the same tolerance as the other server readings, in checkpoints)
+    for sem, a in b["allocator"].items():
+        fixed = a["rows"]["fixed_mmap_threshold"]
+        assert _near(fixed["peak_bytes"], fixed["predicted_request_bytes"], HWM_REL, HWM_ABS), (sem, a)
+    assert any("MALLOC_MMAP_THRESHOLD_" in line for line in b["explanation"])
     llama = [r for r in report["saves"]["counts"] if r["layer"] == "llama"]
     assert {r["semantics"] for r in llama} == {"master", "shared"} and len(llama) == 4
     for r in llama:

@@ -242,10 +242,19 @@ def _breakdown_body(b: dict[str, Any]) -> str:
          r["minflt"], "-" if r["save_seconds"] is None else f"{r['save_seconds'] * 1e3:.2f} ms"]
         for r in rows
     ]  # fmt: skip
+    alloc = b.get("allocator") or {}
+    alloc_rows = [
+        [sem, _mb(a["checkpoint_size"]), f"{a['default_residual_checkpoints']:+.2f} c",
+         f"{a['fixed_mmap_threshold_residual_checkpoints']:+.2f} c"]
+        for sem, a in alloc.items()
+    ]  # fmt: skip
+    alloc_head = ["semantics", "c (one checkpoint)", "unmodelled, glibc default",
+                  "unmodelled, MALLOC_MMAP_THRESHOLD_=65536"]  # fmt: skip
     return (
         "".join(f"<p>{html.escape(p)}</p>" for p in b.get("explanation", []))
         + fig_breakdown(rows)
         + _table(head, body)
+        + (_table(alloc_head, alloc_rows) if alloc_rows else "")
     )
 
 

@@ -63,7 +63,9 @@ from harness.targets.llama_server import ServerProcess, proc_status
 
 __all__ = [
     "BASE",
+    "FIXED_MMAP_THRESHOLD",
     "LAYERS",
+    "allocator_control",
     "charge_run",
     "checkpoint_size",
     "diverging",
@@ -223,6 +225,32 @@ def _save_seconds(log: str, since: int) -> float | None:
     return None if t_sel is None or t_launch is None else round(t_launch - t_sel, 6)
 
 
+# glibc's malloc with a fixed mmap threshold: every allocation >= 64 KiB is its own mapping and goes back to
+# the kernel when freed (a fixed threshold also turns off glibc's dynamic threshold, which rises to the size
+# of the last freed mapped chunk and then serves such sizes from the heap, where a freed chunk stays resident)
+FIXED_MMAP_THRESHOLD = {"MALLOC_MMAP_THRESHOLD_": "65536"}
+
+
+def allocator_control(binary: Path, semantics: str, log_dir: str | None = None) -> dict[str, Any]:
+    """The residual of the one-checkpoint save (``mamba-big``, 300-token prompt after it), measured with
+    glibc's default malloc and with :data:`FIXED_MMAP_THRESHOLD`: what the allocator keeps resident."""
+    rows = {
+        name: _server_point(binary, semantics, "mamba-big", 1, 0, 300, log_dir, env=env)
+        for name, env in (("default", None), ("fixed_mmap_threshold", FIXED_MMAP_THRESHOLD))
+    }
+    c = rows["default"]["checkpoint_size"]
+    return {
+        "semantics": semantics,
+        "checkpoint_size": c,
+        "env": FIXED_MMAP_THRESHOLD,
+        **{
+            f"{name}_residual_checkpoints": round((r["peak_bytes"] - r["predicted_request_bytes"]) / c, 2)
+            for name, r in rows.items()
+        },
+        "rows": rows,
+    }
+
+
 def server_point(binary: Path, semantics: str, *, n_diverging: int = 300, log_dir: str | None = None) -> dict[str, Any]:
     """The gate's own save (:func:`harness.backends.llama_server.save_peak`: ``mamba-big``, 16 checkpoints
     at most, the 600-token prompt extended 8 times), followed by an ``n_diverging``-token prompt."""
@@ -240,9 +268,11 @@ def _server_point(
     *,
     n_extend: int | None = None,
     base: Sequence[int] = BASE,
+    env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """One save on a real llama-server: VmHWM around the request that makes it, and what the model says."""
-    with Differential(_cfg(arch, n_checkpoints), binary, sem, log_dir) as d:
+    """One save on a real llama-server: VmHWM around the request that makes it, and what the model says.
+    ``env``: extra environment of the server (the allocator control sets glibc's malloc tunables)."""
+    with Differential(_cfg(arch, n_checkpoints), binary, sem, log_dir, env=dict(env or {})) as d:
         for k in range(_n_extend(n_checkpoints) if n_extend is None else n_extend):
             row = d.request([*base, *_EXT[: 40 * k]], 1)
             if not row.ok:
@@ -392,8 +422,10 @@ def charge_run(
     cfg = ServerConfig(**{**cfg.__dict__, "cache_ram_mib": cache_ram_mib})
     rows: list[dict[str, Any]] = []
     d = Differential(cfg, binary, semantics, log_dir) if binary is not None else None
-    model = d.model if d is not None else make_llama_server(
-        semantics, model_path(arch), params=cfg.params(), n_ctx=cfg.n_ctx, check_restores=False
+    model = (
+        d.model
+        if d is not None
+        else make_llama_server(semantics, model_path(arch), params=cfg.params(), n_ctx=cfg.n_ctx, check_restores=False)
     )
     try:
         if d is not None:
@@ -507,7 +539,6 @@ def update_cost(
             )
         ckpt.destroy()
         return out
-
 
 
 def server_update_cost(
