@@ -274,10 +274,20 @@ class Mutant:
     kind: str = "hybrid"
     draft: bool = False
     arch: str = ""  # run on this fixtures model (libllama backend) instead of the synthetic provider
+    # its own machine's settings (MachineConfig fields), where the broken behaviour shows: the kill tries
+    # this machine first, then the gate's
+    machine: tuple[tuple[str, Any], ...] = ()
 
 
 def _m(
-    name: str, kills: str, cls: type, *, draft: bool = False, arch: str = "", also: frozenset[str] = frozenset()
+    name: str,
+    kills: str,
+    cls: type,
+    *,
+    draft: bool = False,
+    arch: str = "",
+    also: frozenset[str] = frozenset(),
+    machine: tuple[tuple[str, Any], ...] = (),
 ) -> Mutant:
     """A mutant of ``shared`` whose one broken class is ``cls`` (its docstring says what is broken)."""
     slot = {
@@ -288,7 +298,7 @@ def _m(
     }
     field_name = next(v for k, v in slot.items() if issubclass(cls, k))
     sem = Semantics(name, shared_payloads=True, wide_try=True, **{field_name: cls})
-    return Mutant(sem, kills, (cls.__doc__ or "").strip(), also=also, draft=draft, arch=arch)
+    return Mutant(sem, kills, (cls.__doc__ or "").strip(), also=also, draft=draft, arch=arch, machine=machine)
 
 
 MUTANTS: dict[str, Mutant] = {
@@ -325,7 +335,13 @@ MUTANTS: dict[str, Mutant] = {
         _m("load-first-usable", "load_choice", _LoadFirstUsable),
         _m("evict-newest", "alloc_eviction", _EvictNewest),
         _m("evict-one-more", "update_eviction", _EvictOneMore),
-        _m("token-limit-needs-ram", "update_eviction", _TokenLimitNeedsRam),
+        # only the token limit is at stake: a machine with the byte limit off and little KV room
+        _m(
+            "token-limit-needs-ram",
+            "update_eviction",
+            _TokenLimitNeedsRam,
+            machine=(("kind", "transformer"), ("kv_unified", True), ("cache_ram", -1), ("n_ctx", 44)),
+        ),
         _m("no-min-step-thinning", "checkpoint_policy", _NoMinStepThinning),
         _m("failed-load-keeps-slot", "restore_failure", _FailedLoadKeepsSlot),
         _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored),
@@ -344,9 +360,13 @@ def resolve(name: str) -> Semantics:
 def config(name: str, kind: str | None = None, *, draft: bool | None = None) -> MachineConfig:
     """The machine configuration that runs mutant ``name`` (its own kind and draft by default)."""
     m = MUTANTS[name]
-    return MachineConfig(
+    cfg = MachineConfig(
         name, "" if m.arch else kind or m.kind, arch=m.arch, draft=m.draft if draft is None else draft, resolve=resolve
     )
+    own = dict(m.machine)
+    if kind is not None:
+        own.pop("kind", None)
+    return replace(cfg, **own) if own else cfg
 
 
 def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]:
