@@ -97,6 +97,7 @@ def test_cmake_args() -> None:
         assert arg in master
     assert ls.cmake_args("pr") == master
     assert any("-fsanitize=address,undefined" in a for a in ls.cmake_args("asan"))
+    assert "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" in ls.cmake_args("asan")  # the sanitizers' advice, and 2 cores
 
 
 def test_patch_has_header_and_applies_to_vendored_tree(tmp_path: Path) -> None:
