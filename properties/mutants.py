@@ -274,8 +274,8 @@ class Mutant:
     kind: str = "hybrid"
     draft: bool = False
     arch: str = ""  # run on this fixtures model (libllama backend) instead of the synthetic provider
-    # its own machine's settings (MachineConfig fields), where the broken behaviour shows: the kill tries
-    # this machine first, then the gate's
+    # more of its own machine's settings (MachineConfig fields besides kind and draft), where the broken
+    # behaviour shows: the kill tries this machine first, then the gate's
     machine: tuple[tuple[str, Any], ...] = ()
 
 
@@ -284,6 +284,7 @@ def _m(
     kills: str,
     cls: type,
     *,
+    kind: str = "hybrid",
     draft: bool = False,
     arch: str = "",
     also: frozenset[str] = frozenset(),
@@ -298,7 +299,9 @@ def _m(
     }
     field_name = next(v for k, v in slot.items() if issubclass(cls, k))
     sem = Semantics(name, shared_payloads=True, wide_try=True, **{field_name: cls})
-    return Mutant(sem, kills, (cls.__doc__ or "").strip(), also=also, draft=draft, arch=arch, machine=machine)
+    return Mutant(
+        sem, kills, (cls.__doc__ or "").strip(), also=also, kind=kind, draft=draft, arch=arch, machine=machine
+    )
 
 
 MUTANTS: dict[str, Mutant] = {
@@ -340,7 +343,8 @@ MUTANTS: dict[str, Mutant] = {
             "token-limit-needs-ram",
             "update_eviction",
             _TokenLimitNeedsRam,
-            machine=(("kind", "transformer"), ("kv_unified", True), ("cache_ram", -1), ("n_ctx", 44)),
+            kind="transformer",
+            machine=(("kv_unified", True), ("cache_ram", -1), ("n_ctx", 44)),
         ),
         _m("no-min-step-thinning", "checkpoint_policy", _NoMinStepThinning),
         _m("failed-load-keeps-slot", "restore_failure", _FailedLoadKeepsSlot),
@@ -363,10 +367,7 @@ def config(name: str, kind: str | None = None, *, draft: bool | None = None) -> 
     cfg = MachineConfig(
         name, "" if m.arch else kind or m.kind, arch=m.arch, draft=m.draft if draft is None else draft, resolve=resolve
     )
-    own = dict(m.machine)
-    if kind is not None:
-        own.pop("kind", None)
-    return replace(cfg, **own) if own else cfg
+    return replace(cfg, **dict(m.machine))
 
 
 def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]:
