@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -164,6 +165,7 @@ def test_tiny_soak_writes_its_figures(pr_binary: Path, tmp_path: Path) -> None:
         assert ph["rss_max_bytes"] <= ph["rss_bound_bytes"] and ph["cache_max_mib"] <= ph["cache_limit_mib"]
         assert ph["output_checks"] > 0
     assert doc["passed"] is True and doc["violations"] == []
+    assert "server logs kept" not in p.stderr  # a pass removes them
 
 
 def test_soak_detects_a_broken_rss_bound(pr_binary: Path, tmp_path: Path) -> None:
@@ -171,6 +173,12 @@ def test_soak_detects_a_broken_rss_bound(pr_binary: Path, tmp_path: Path) -> Non
     assert p.returncode == 1, p.stdout + p.stderr
     assert any("exceeds the bound" in v for v in doc["violations"]) and doc["passed"] is False
     assert "--- replay ---" in p.stdout and "--rss-bound 1" in p.stdout
+    # nothing lost: the servers' logs stay, and the run says where
+    kept = Path(p.stderr.split("server logs kept in ", 1)[1].split()[0])
+    try:
+        assert any(f.name.startswith("soak-mamba-") and f.stat().st_size > 0 for f in kept.iterdir())
+    finally:
+        shutil.rmtree(kept, ignore_errors=True)
 
 
 def test_busy_slot_by_id_reproducer_shows_the_wrong_answer_on_the_pr_server(pr_binary: Path) -> None:

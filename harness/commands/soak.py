@@ -93,7 +93,6 @@ def run(args: argparse.Namespace) -> int:
         failed = bool(violations)
         if violations:
             print(f"FAIL: {len(violations)} violations; first: {violations[0]}")
-            print(f"server logs kept in {logs}")
             print(f"--- replay ---\npython -m harness soak --minutes {args.minutes} "
                   + (f"--source {args.source} " if args.source else f"--semantics {args.semantics or 'shared'} ")
                   + f"--arch {' '.join(archs)} --cache-ram {args.cache_ram} --seed {args.seed}"
@@ -103,5 +102,7 @@ def run(args: argparse.Namespace) -> int:
               f"{report['fault_survived']} survived")  # fmt: skip
         return EXIT_OK
     finally:
-        if not failed:
+        if failed:  # a broken bound, an error or Ctrl-C: say where the servers' logs are
+            print(f"server logs kept in {logs}", file=sys.stderr)
+        else:
             shutil.rmtree(logs, ignore_errors=True)
