@@ -24,8 +24,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, seed, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
-from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
+from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase, InMemoryExampleDatabase
+from hypothesis.stateful import RULE_MARKER, RuleBasedStateMachine, get_state_machine_test
 
 from harness.errors import PropertyFailure, UsageError
 from properties.machine import MachineConfig, TargetCrash, machine_class
@@ -84,11 +84,73 @@ def make_settings(profile: str, db: str | None, max_examples: int | None = None)
     )
 
 
-def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
-    """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``."""
+def _seeded_test(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> Any:
     test: Any = get_state_machine_test(factory, settings=cfg_settings)  # type: ignore[no-untyped-call]
     seed(seed_value)(test)
-    test()
+    return test
+
+
+def _with_database(test: Any, db: ExampleDatabase) -> bool:
+    """Put the example database back on a seeded test; False when this Hypothesis does not allow it.
+
+    ``hypothesis.seed`` turns the database off (hypothesis/core.py ``seed``: the settings it leaves on
+    the test get ``database=None``); the two runs of :func:`run_seeded` pass the failing example
+    through it, so it goes back on the same settings object ``seed`` wrote.
+    """
+    current = getattr(test, "_hypothesis_internal_use_settings", None)
+    if not isinstance(current, settings):
+        return False
+    test._hypothesis_internal_use_settings = settings(current, database=db)
+    return True
+
+
+def _rule_steps(factory: Callable[[], RuleBasedStateMachine], notes: Iterable[str]) -> int:
+    """The rule calls in a failing example's printed program (its invariant checks are not steps)."""
+    n = 0
+    for line in notes:
+        call = line.split(" = ", 1)[-1]  # a rule with a bundle target prints "x = state.rule(...)"
+        if call.startswith("state.") and "(" in call:
+            name = call[len("state.") : call.index("(")]
+            n += getattr(getattr(factory, name, None), RULE_MARKER, None) is not None
+    return n
+
+
+def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
+    """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``.
+
+    A failure is shrunk in a second run, on a step count cut to the failing program's steps. The first
+    run leaves out Hypothesis' shrink phase and saves the failing example to an example database in
+    memory; the second replays it (the reuse phase) and shrinks
+    it with ``stateful_step_count`` = the steps it failed at. Replayed with that count, the example
+    draws the same choices up to its failure, so it fails the same way. Hypothesis runs a machine to
+    its step count on every example that does not fail, and most of what the shrinker tries does not
+    fail: with the profile's count (30), a failure at step 3 made each such try 30 steps long (bench
+    ``mutants``: the shrink phase was 13 of a kill's 14 seconds). A failure the second run does not
+    reproduce is raised as the first run found it, unshrunk.
+    """
+    db = InMemoryExampleDatabase()  # passes the failing example from the first run to the second
+    find = settings(cfg_settings, phases=[p for p in cfg_settings.phases if p is not Phase.shrink])
+    test = _seeded_test(factory, find, seed_value)
+    if Phase.shrink not in cfg_settings.phases or not _with_database(test, db):
+        _seeded_test(factory, cfg_settings, seed_value)()  # one run, Hypothesis' own shrink (if any)
+        return
+    try:
+        test()
+    except Exception as found:
+        steps = _rule_steps(factory, getattr(found, "__notes__", []))
+        # the example goes to the secondary corpus: one found in the primary counts as shrunk already
+        # (hypothesis/internal/conjecture/engine.py ``_run``: reused_previously_shrunk_test_case)
+        for key in [k for k in db.data if not k.endswith(b".secondary")]:
+            for value in list(db.fetch(key)):
+                db.move(key, key + b".secondary", value)
+        shrink = settings(cfg_settings, phases=[Phase.reuse, Phase.shrink], stateful_step_count=max(1, steps))
+        again = _seeded_test(factory, shrink, seed_value)
+        _with_database(again, db)
+        try:
+            again()
+        except Exception as shrunk:
+            raise shrunk from None
+        raise found from None
 
 
 def machines_for(variant: str, profile: str) -> list[MachineConfig]:
@@ -188,7 +250,8 @@ def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> 
     Hypothesis' shrinker works on the choice sequence, where a step that changes nothing (a
     ``set_limit`` to the limit already set) is cheap to keep and its simplest form: repeated
     ``set_limit(cache_ram=1)`` lines survived it. Here each step (its line and the invariant check
-    after it) is deleted in turn, last first, and the deletion is kept when the program still fails
+    after it) is deleted in turn, last first, then each two neighbouring steps (a request and the
+    ``finish`` that completes it go together), and a deletion is kept when the program still fails
     on property ``name`` the same way (a crash stays a crash); passes repeat until none deletes a
     step or ``budget`` seconds are spent. Synthetic machines only (a program runs in a few
     milliseconds and holds no native context)."""
@@ -218,12 +281,13 @@ def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> 
     changed = True
     while changed and time.perf_counter() < deadline:
         changed = False
-        for i in range(len(steps) - 1, -1, -1):
-            if time.perf_counter() >= deadline:
-                break
-            if i < len(steps) and same(steps[:i] + steps[i + 1 :]):
-                del steps[i]
-                changed = True
+        for width in (1, 2):  # a step, then two neighbours (a request and the finish it needs)
+            for i in range(len(steps) - width, -1, -1):
+                if time.perf_counter() >= deadline:
+                    break
+                if i + width <= len(steps) and same(steps[:i] + steps[i + width :]):
+                    del steps[i : i + width]
+                    changed = True
     return "\n".join(head + [x for st in steps for x in st] + tail)
 
 
