@@ -408,8 +408,25 @@ class ServerContext:
         slot.error = None
 
     def send_error(self, slot: ServerSlot, msg: str) -> None:
+        """The error result of ``slot``'s task; the request's other tasks are cancelled.
+
+        The HTTP handler's reader stops at the first error result and cancels the request's remaining
+        tasks (server-queue.cpp:559-561 ``next`` calls ``stop``, :602-617 posts a
+        ``SERVER_TASK_TYPE_CANCEL`` per task); a cancel releases the slot running that task
+        (server-context.cpp:2435-2444). Without it, the children of an ``n_cmpl > 1`` parent that
+        failed would wait for it (``SLOT_STATE_WAIT_OTHER``) for ever. Deviation: the model cancels at
+        once, where upstream's cancels are the next tasks the loop takes.
+        """
         slot.error = msg
         self.errors.append((slot.id, msg))
+        task = slot.task
+        if task is None or not (task.is_parent() or task.is_child()):
+            return
+        root = task.id_parent if task.is_child() else task.id
+        for other in self.slots:
+            t = other.task
+            if other is not slot and t is not None and other.is_processing() and root in (t.id, t.id_parent):
+                other.release()
 
     # ---- update_slots ----------------------------------------------------------------------
 
