@@ -14,6 +14,8 @@
    requests/s with the model's prediction on, and the model's share of the time.
 6. ``state-io``: libllama state get/set bytes/s against ``ctypes.memmove`` of the same bytes.
 7. ``gate``: the default gate's wall time (``python -m harness gate``, builds cached); full bench only.
+   ``ci``: ``.ci/run``'s wall time on a clean clone of HEAD with this machine's caches warm; only when
+   named (``--only ci``: half an hour).
 
 ``targeting`` (beside 3): a campaign's reach with ``hypothesis.target`` against without, same examples.
 
@@ -24,10 +26,15 @@ registry; a module per case would spread one table over eight files.
 from __future__ import annotations
 
 import ctypes
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 from hypothesis import strategies as st
@@ -560,3 +567,40 @@ def gate(b: Budget) -> list[Figure]:
         raise UsageError(f"the gate did not pass ({r.describe()}): {' | '.join(tail)}")
     b.out(f"  gate {r.elapsed:.1f}s")
     return [figure("default gate wall", "s", [r.elapsed], better="lower", goal=("<=", 180), seed=b.seed)]
+
+
+@register(
+    "ci",
+    "the wall time of .ci/run on a clean clone of HEAD, this machine's caches warm (about 30 minutes)",
+    full_only=True,
+    named_only=True,
+)
+def ci(b: Budget) -> list[Figure]:
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="bench-ci-") as tmp:
+        clone = Path(tmp) / "clone"
+        got = subprocess.run(["git", "clone", "-q", str(root), str(clone)], capture_output=True, text=True)
+        if got.returncode != 0:
+            raise UsageError(f"cannot clone {root}: {got.stderr.strip()}")
+        rev = ["git", "-C", str(clone), "rev-parse", "--short=12", "HEAD"]
+        head = subprocess.run(rev, capture_output=True, text=True)
+        env = {**os.environ, "CI": "true"}
+        r = run_child(["bash", str(clone / ".ci" / "run")], env=env, timeout=90 * 60)
+        tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+        if r.crashed or r.returncode != 0:
+            raise UsageError(f".ci/run did not pass ({r.describe()}): {' | '.join(tail)}")
+        sections = [line[3:] for line in r.stdout.splitlines() if line.startswith("== ")]
+        pytest_seconds = None
+        xml = clone / "artifacts" / "pytest.xml"
+        if xml.exists():
+            suite = ET.parse(xml).getroot()
+            suite = suite if suite.tag == "testsuite" else suite.find("testsuite") or suite
+            pytest_seconds = float(suite.get("time", "nan"))
+    b.out(f"  .ci/run {r.elapsed:.0f}s (pytest {pytest_seconds}s)")
+    return [
+        figure(
+            ".ci/run wall, warm", "s", [r.elapsed], better="lower", goal=("<=", 90 * 60),
+            commit=head.stdout.strip(), sections=len(sections), pytest_seconds=pytest_seconds,
+            caches="warm: this machine's pip cache, llama-server builds and generated models",
+        )
+    ]  # fmt: skip
