@@ -31,12 +31,12 @@ from harness.errors import UsageError
 
 __all__ = [
     "CASES",
-    "case_names",
     "MIN_NOISE",
     "Budget",
     "Case",
     "Figure",
     "Goal",
+    "case_names",
     "compare",
     "figure",
     "load_json",
