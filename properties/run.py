@@ -24,7 +24,12 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, seed, settings
-from hypothesis.database import DirectoryBasedExampleDatabase, ExampleDatabase, InMemoryExampleDatabase
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    InMemoryExampleDatabase,
+    MultiplexedDatabase,
+)
 from hypothesis.stateful import RULE_MARKER, RuleBasedStateMachine, get_state_machine_test
 
 from harness.errors import PropertyFailure, UsageError
@@ -118,34 +123,50 @@ def _rule_steps(factory: Callable[[], RuleBasedStateMachine], notes: Iterable[st
 def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
     """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``.
 
+    The example database of ``cfg_settings`` (the fuzz profile's ``.hypothesis/gate`` or ``--db``) is
+    used: its failures are replayed first and a new one is saved there. (``hypothesis.seed`` turns a
+    test's database off; :func:`_with_database` puts it back.)
+
     A failure is shrunk in a second run, on a step count cut to the failing program's steps. The first
-    run leaves out Hypothesis' shrink phase and saves the failing example to an example database in
-    memory; the second replays it (the reuse phase) and shrinks
-    it with ``stateful_step_count`` = the steps it failed at. Replayed with that count, the example
-    draws the same choices up to its failure, so it fails the same way. Hypothesis runs a machine to
-    its step count on every example that does not fail, and most of what the shrinker tries does not
-    fail: with the profile's count (30), a failure at step 3 made each such try 30 steps long (bench
-    ``mutants``: the shrink phase was 13 of a kill's 14 seconds). A failure the second run does not
-    reproduce is raised as the first run found it, unshrunk.
+    run leaves out Hypothesis' shrink phase; its failing example, kept in a database in memory, goes
+    to the second run, which replays it (the reuse phase) and shrinks it with ``stateful_step_count``
+    = the steps it failed at. Replayed with that count, the example draws the same choices up to its
+    failure, so it fails the same way. Hypothesis runs a machine to its step count on every example
+    that does not fail, and most of what the shrinker tries does not fail: with the profile's count
+    (30), a failure at step 3 made each such try 30 steps long (bench ``mutants``: the shrink phase
+    was 13 of a kill's 14 seconds). A failure the second run does not reproduce is raised as the
+    first run found it, unshrunk.
     """
-    db = InMemoryExampleDatabase()  # passes the failing example from the first run to the second
+    user = cfg_settings.database
+    mem = InMemoryExampleDatabase()  # the failing example, from the first run to the second
+
+    def db(*first: ExampleDatabase) -> ExampleDatabase:
+        dbs = [*first, *([user] if user is not None else [])]
+        return dbs[0] if len(dbs) == 1 else MultiplexedDatabase(*dbs)
+
     find = settings(cfg_settings, phases=[p for p in cfg_settings.phases if p is not Phase.shrink])
     test = _seeded_test(factory, find, seed_value)
-    if Phase.shrink not in cfg_settings.phases or not _with_database(test, db):
-        _seeded_test(factory, cfg_settings, seed_value)()  # one run, Hypothesis' own shrink (if any)
+    if Phase.shrink not in cfg_settings.phases or not _with_database(test, db(mem)):
+        whole = _seeded_test(factory, cfg_settings, seed_value)
+        if user is not None:
+            _with_database(whole, user)
+        whole()  # one run, Hypothesis' own shrink (if its phases have it)
         return
     try:
         test()
     except Exception as found:
         steps = _rule_steps(factory, getattr(found, "__notes__", []))
-        # the example goes to the secondary corpus: one found in the primary counts as shrunk already
-        # (hypothesis/internal/conjecture/engine.py ``_run``: reused_previously_shrunk_test_case)
-        for key in [k for k in db.data if not k.endswith(b".secondary")]:
-            for value in list(db.fetch(key)):
-                db.move(key, key + b".secondary", value)
+        # the example goes to the secondary corpus, and leaves the user's primary one: an example
+        # found in the primary counts as shrunk already (hypothesis/internal/conjecture/engine.py
+        # ``_run``: reused_previously_shrunk_test_case); the shrunk one is saved to both
+        for key in [k for k in mem.data if not k.endswith(b".secondary")]:
+            for value in list(mem.fetch(key)):
+                mem.move(key, key + b".secondary", value)
+                if user is not None:
+                    user.delete(key, value)
         shrink = settings(cfg_settings, phases=[Phase.reuse, Phase.shrink], stateful_step_count=max(1, steps))
         again = _seeded_test(factory, shrink, seed_value)
-        _with_database(again, db)
+        _with_database(again, db(mem))
         try:
             again()
         except Exception as shrunk:

@@ -119,6 +119,20 @@ def test_a_failure_is_shrunk_on_a_step_count_cut_to_the_steps_it_failed_at() -> 
     assert max(n for n, _ in _Sums.examples[:first]) > found  # while finding, examples ran longer
 
 
+def test_the_fuzz_profile_replays_its_saved_failure_first(tmp_path: Path) -> None:
+    # hypothesis.seed turns a test's example database off: run_seeded puts the profile's back on
+    fuzz = make_settings("fuzz", str(tmp_path / "db"), 300)
+    _Sums.examples.clear()
+    with pytest.raises(Violation):
+        run_seeded(_Sums, fuzz, 0)
+    assert len(_Sums.examples) > 10 and any(list((tmp_path / "db").iterdir()))
+    _Sums.examples.clear()
+    with pytest.raises(Violation) as e:
+        run_seeded(_Sums, fuzz, 1)  # another seed: the saved (shrunk) failure is the first example
+    assert _Sums.examples[0] == (2, True)
+    assert "\n".join(getattr(e.value, "__notes__", [])).count("state.add(x=10)") == 2
+
+
 def test_gate_shared_passes_and_checks_every_property() -> None:
     lines: list[str] = []
     report = run_gate("shared", max_examples=60, known=False, out=lines.append)
