@@ -35,11 +35,12 @@ import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.statistics import collector
 
 from faults.scenarios import SCENARIOS
 from faults.sweep import run_sweep
@@ -131,18 +132,29 @@ def exploration(b: Budget) -> list[Figure]:
     configs = machines_for("shared", "ci")[: 1 if b.quick else None]
     ratios: dict[str, list[float]] = {c.class_name: [] for c in configs}
     rates: dict[str, list[float]] = {c.class_name: [] for c in configs}
+    splits: dict[str, list[dict[str, float]]] = {c.class_name: [] for c in configs}
+    shares: list[float] = []
     trivial: list[float] = []
     for rep in range(reps):
         for cfg in configs:
-            t_cpu, _ = _timed(lambda: run_seeded(TrivialMachine, cfg_settings, b.seed))
+            t_stats: list[dict[str, Any]] = []
+            with cast(Any, collector).with_value(t_stats.append):
+                t_cpu, _ = _timed(lambda: run_seeded(TrivialMachine, cfg_settings, b.seed))
+            m_stats: list[dict[str, Any]] = []
             c0, w0 = time.process_time(), time.perf_counter()
-            result = run_machine(cfg, cfg_settings, b.seed, "")
+            with cast(Any, collector).with_value(m_stats.append):
+                result = run_machine(cfg, cfg_settings, b.seed, "")
             m_cpu, m_wall = time.process_time() - c0, time.perf_counter() - w0
             if result.failure is not None:
                 raise UsageError(f"{cfg.class_name} failed on seed {b.seed}: {result.failure.message}")
             trivial.append(n / t_cpu)
             rates[cfg.class_name].append(n / m_cpu)
             ratios[cfg.class_name].append(t_cpu / m_cpu)
+            t_split, m_split = _split(t_stats), _split(m_stats)
+            splits[cfg.class_name].append({**{f"machine_{k}": v for k, v in m_split.items()},
+                                           **{f"trivial_{k}": v for k, v in t_split.items()}})  # fmt: skip
+            # the rule bodies and checks beyond what the trivial machine's empty ones cost: this code's share
+            shares.append(max(0.0, m_split["body_s"] - t_split["body_s"]) / m_cpu)
             b.out(f"  rep {rep} {cfg.class_name:<34} ratio {t_cpu / m_cpu:.2f} ({n / m_wall:.1f} examples/s wall)")
     inputs: dict[str, Any] = {
         "profile": "ci",
@@ -159,11 +171,32 @@ def exploration(b: Budget) -> list[Figure]:
             goal=(">=", 0.80),
             **inputs,
             machine_examples_per_s=round(statistics.median(rates[name]), 2),
+            split={k: round(statistics.median(x[k] for x in splits[name]), 3) for k in splits[name][0]},
         )
         for name, r in ratios.items()
     ]
     out.append(figure("trivial machine", "examples/s", trivial, **inputs))
+    out.append(
+        figure(
+            "rule bodies and checks, share of a machine's time", "fraction", shares, better="lower", **inputs,
+            how="(machine body - trivial body) / machine CPU; body = Hypothesis' test-case runtime minus its draw time",
+        )
+    )  # fmt: skip
     return out
+
+
+def _split(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds drawing (rule choice, preconditions, arguments) and in the bodies (rules, invariants, the
+    stateful loop), and the test cases that do not count toward max_examples, from Hypothesis' statistics."""
+    cases = [c for st in stats for ph, v in st.items() if ph.endswith("-phase") for c in v.get("test-cases", [])]
+    draw = sum(float(c["drawtime"]) for c in cases)
+    return {
+        "draw_s": round(draw, 3),
+        "body_s": round(sum(float(c["runtime"]) for c in cases) - draw, 3),
+        "gc_s": round(sum(float(c.get("gctime", 0.0)) for c in cases), 3),
+        "invalid": sum(c["status"] == "invalid" for c in cases),
+        "overrun": sum(c["status"] == "overrun" for c in cases),
+    }
 
 
 @register("mutants", "seconds to kill each mutant and the steps of its shrunk program")
