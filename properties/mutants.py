@@ -349,8 +349,7 @@ MUTANTS: dict[str, Mutant] = {
             machine=(("kv_unified", True), ("cache_ram", -1), ("n_ctx", 24)),
         ),
         _m("no-min-step-thinning", "checkpoint_policy", _NoMinStepThinning),
-        # iSWA: a failed load there is common (seeds 0-2: found in 5.3, 7.0 and 0.6 s; 30 s on seed 0 from hybrid)
-        _m("failed-load-keeps-slot", "restore_failure", _FailedLoadKeepsSlot, kind="iswa"),
+        _m("failed-load-keeps-slot", "restore_failure", _FailedLoadKeepsSlot),
         # killed on the gate's draft machine: its own first
         _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored, draft=True),
         _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
