@@ -116,3 +116,23 @@ def test_the_ci_case_runs_only_when_named() -> None:
     assert case_names(["ci"]) == ["ci"]
     with pytest.raises(UsageError, match="unknown bench case"):
         case_names(["nope"])
+
+
+def test_merge_keeps_where_each_case_was_measured(tmp_path: Path) -> None:
+    # a case merged from a run that had merged it itself keeps its first origin
+    old = {
+        "commit": "bbbb",
+        "started": "T1",
+        "cases": {
+            "saves": {"title": "s", "figures": [], "from": "commit aaaa, started T0"},
+            "state-io": {"title": "i", "figures": []},
+        },
+    }
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    out = tmp_path / "new.json"
+    rc = main(["bench", "--quick", "--only", "sweep", "--merge", str(tmp_path / "old.json"), "--json", str(out),
+               "--md", str(tmp_path / "new.md")])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert rc == EXIT_OK and "from" not in doc["cases"]["sweep"]
+    assert doc["cases"]["saves"]["from"] == "commit aaaa, started T0"
+    assert doc["cases"]["state-io"]["from"] == "commit bbbb, started T1"

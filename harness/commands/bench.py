@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         for name, entry in m["cases"].items():
             if name not in doc["cases"]:
                 origin = f"commit {m.get('commit', '?')}, started {m.get('started', '?')}"
-                doc["cases"][name] = {**entry, "from": origin}
+                doc["cases"][name] = {**entry, "from": entry.get("from", origin)}  # a merged case keeps its origin
     print(table(doc, markdown=False))
     _write(args.json, json.dumps(doc, indent=2) + "\n")
     if args.md:
