@@ -626,9 +626,9 @@ def ci(b: Budget) -> list[Figure]:
         pytest_seconds = None
         xml = clone / "artifacts" / "pytest.xml"
         if xml.exists():
-            suite = ET.parse(xml).getroot()
-            suite = suite if suite.tag == "testsuite" else suite.find("testsuite") or suite
-            pytest_seconds = float(suite.get("time", "nan"))
+            top = ET.parse(xml).getroot()
+            suite = top if top.tag == "testsuite" else top.find("testsuite")
+            pytest_seconds = None if suite is None else float(suite.get("time", "nan"))
     b.out(f"  .ci/run {r.elapsed:.0f}s (pytest {pytest_seconds}s)")
     return [
         figure(
