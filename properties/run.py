@@ -15,7 +15,9 @@ May import: ``harness.model``, ``harness.targets``, ``harness.errors``, ``proper
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import time
 from collections import Counter
@@ -24,12 +26,14 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, seed, settings
+from hypothesis.core import decode_failure
 from hypothesis.database import (
     DirectoryBasedExampleDatabase,
     ExampleDatabase,
     InMemoryExampleDatabase,
-    MultiplexedDatabase,
+    choices_to_bytes,
 )
+from hypothesis.errors import InvalidArgument
 from hypothesis.stateful import RULE_MARKER, RuleBasedStateMachine, get_state_machine_test
 
 from harness.errors import PropertyFailure, UsageError
@@ -120,33 +124,75 @@ def _rule_steps(factory: Callable[[], RuleBasedStateMachine], notes: Iterable[st
     return n
 
 
+_BLOB = re.compile(r"@reproduce_failure\('[^']*', (b'[A-Za-z0-9+/=]*')\)")
+
+
+class _Handoff(InMemoryExampleDatabase):
+    """The first run's failing example, offered to the second run as the secondary corpus of its key.
+
+    Secondary, because an example found in the primary corpus counts as shrunk already
+    (hypothesis/internal/conjecture/engine.py ``_run``: reused_previously_shrunk_test_case). Offered
+    until the engine deletes it; what the shrinker saves is kept as in memory.
+    """
+
+    def __init__(self, choices: bytes) -> None:
+        super().__init__()
+        self.choices: bytes | None = choices
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        yield from super().fetch(key)
+        if key.endswith(b".secondary") and self.choices is not None:
+            yield self.choices
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        if value == self.choices:
+            self.choices = None
+        super().delete(key, value)
+
+
+def _failing_choices(exc: BaseException) -> bytes | None:
+    """The failing example's choices, from the ``@reproduce_failure`` note (``print_blob``), which
+    is taken off the exception; None when there is none."""
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        return None
+    found = None
+    for note in list(notes):
+        m = _BLOB.search(note)
+        if m:
+            notes.remove(note)
+            try:
+                found = choices_to_bytes(decode_failure(ast.literal_eval(m.group(1))))
+            except (ValueError, SyntaxError, InvalidArgument):
+                found = None
+    return found
+
+
 def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
     """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``.
 
     The example database of ``cfg_settings`` (the fuzz profile's ``.hypothesis/gate`` or ``--db``) is
     used: its failures are replayed first and a new one is saved there. (``hypothesis.seed`` turns a
-    test's database off; :func:`_with_database` puts it back.)
+    test's database off; :func:`_with_database` puts it back.) Without one, the run has none: a
+    database changes what a seed generates (Hypothesis keeps a pareto front beside it, which draws
+    from the same random source).
 
     A failure is shrunk in a second run, on a step count cut to the failing program's steps. The first
-    run leaves out Hypothesis' shrink phase; its failing example, kept in a database in memory, goes
-    to the second run, which replays it (the reuse phase) and shrinks it with ``stateful_step_count``
-    = the steps it failed at. Replayed with that count, the example draws the same choices up to its
-    failure, so it fails the same way. Hypothesis runs a machine to its step count on every example
-    that does not fail, and most of what the shrinker tries does not fail: with the profile's count
-    (30), a failure at step 3 made each such try 30 steps long (bench ``mutants``: the shrink phase
-    was 13 of a kill's 14 seconds). A failure the second run does not reproduce is raised as the
-    first run found it, unshrunk.
+    run leaves out Hypothesis' shrink phase and prints the failing example's choices
+    (``print_blob``); the second is handed them (:class:`_Handoff`), replays them (the reuse phase)
+    and shrinks them with ``stateful_step_count`` = the steps the example failed at. Replayed with
+    that count, the example draws the same choices up to its failure, so it fails the same way.
+    Hypothesis runs a machine to its step count on every example that does not fail, and most of
+    what the shrinker tries does not fail: with the profile's count (30), a failure at step 3 made
+    each such try 30 steps long (bench ``mutants``: the shrink phase was 13 of a kill's 14 seconds).
+    A failure the second run does not reproduce is raised as the first run found it, unshrunk.
     """
     user = cfg_settings.database
-    mem = InMemoryExampleDatabase()  # the failing example, from the first run to the second
-
-    def db(*first: ExampleDatabase) -> ExampleDatabase:
-        dbs = [*first, *([user] if user is not None else [])]
-        return dbs[0] if len(dbs) == 1 else MultiplexedDatabase(*dbs)
-
-    find = settings(cfg_settings, phases=[p for p in cfg_settings.phases if p is not Phase.shrink])
+    find = settings(
+        cfg_settings, phases=[p for p in cfg_settings.phases if p is not Phase.shrink], print_blob=True
+    )
     test = _seeded_test(factory, find, seed_value)
-    if Phase.shrink not in cfg_settings.phases or not _with_database(test, db(mem)):
+    if Phase.shrink not in cfg_settings.phases or (user is not None and not _with_database(test, user)):
         whole = _seeded_test(factory, cfg_settings, seed_value)
         if user is not None:
             _with_database(whole, user)
@@ -155,22 +201,26 @@ def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: setti
     try:
         test()
     except Exception as found:
+        choices = _failing_choices(found)
+        if choices is None:
+            raise
         steps = _rule_steps(factory, getattr(found, "__notes__", []))
-        # the example goes to the secondary corpus, and leaves the user's primary one: an example
-        # found in the primary counts as shrunk already (hypothesis/internal/conjecture/engine.py
-        # ``_run``: reused_previously_shrunk_test_case); the shrunk one is saved to both
-        for key in [k for k in mem.data if not k.endswith(b".secondary")]:
-            for value in list(mem.fetch(key)):
-                mem.move(key, key + b".secondary", value)
-                if user is not None:
-                    user.delete(key, value)
+        handoff = _Handoff(choices)
         shrink = settings(cfg_settings, phases=[Phase.reuse, Phase.shrink], stateful_step_count=max(1, steps))
         again = _seeded_test(factory, shrink, seed_value)
-        _with_database(again, db(mem))
+        if not _with_database(again, handoff):
+            raise
         try:
             again()
         except Exception as shrunk:
             raise shrunk from None
+        finally:
+            if user is not None:  # the shrunk example replaces the found one there
+                for key, values in list(handoff.data.items()):
+                    for value in values:
+                        user.save(key, value)
+                    if values and not key.endswith(b".secondary"):
+                        user.delete(key, choices)
         raise found from None
 
 
