@@ -335,20 +335,23 @@ MUTANTS: dict[str, Mutant] = {
         _m("idle-caching-saves-busy", "busy_slot_untouched", _IdleCachingSavesBusy),
         _m("draft-not-restored", "draft_in_step", _DraftNotRestored, draft=True),
         _m("corrupt-checkpoint-restore", "restore_equivalence", _CorruptCheckpointRestore, arch="jamba"),
-        _m("load-first-usable", "load_choice", _LoadFirstUsable),
+        # killed on the gate's recurrent machine (two entries that beat the slot, one better): its own first
+        _m("load-first-usable", "load_choice", _LoadFirstUsable, kind="recurrent", machine=(("kv_unified", True),)),
         _m("evict-newest", "alloc_eviction", _EvictNewest),
         _m("evict-one-more", "update_eviction", _EvictOneMore),
-        # only the token limit is at stake: a machine with the byte limit off and little KV room
+        # only the token limit is at stake: a machine with the byte limit off and little KV room (n_ctx 24:
+        # three short prompts pass the token limit; at the gate's 44 the shrunk program needed 11 steps)
         _m(
             "token-limit-needs-ram",
             "update_eviction",
             _TokenLimitNeedsRam,
             kind="transformer",
-            machine=(("kv_unified", True), ("cache_ram", -1), ("n_ctx", 44)),
+            machine=(("kv_unified", True), ("cache_ram", -1), ("n_ctx", 24)),
         ),
         _m("no-min-step-thinning", "checkpoint_policy", _NoMinStepThinning),
         _m("failed-load-keeps-slot", "restore_failure", _FailedLoadKeepsSlot),
-        _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored),
+        # killed on the gate's draft machine: its own first
+        _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored, draft=True),
         _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
     ]
 }
@@ -392,10 +395,10 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
             r = run_machine(cfg, cfg_settings, s, replay)
         if r.failure is not None:
             f = r.failure
-            stats = phases[-1] if phases else {}
 
-            def phase(p: str, stats: dict[str, Any] = stats) -> float:
-                return float(stats.get(f"{p}-phase", {}).get("duration-seconds", 0.0))
+            def phase(p: str, runs: list[dict[str, Any]] = phases) -> float:
+                # both runs of run_seeded: the first finds (generate), the second shrinks
+                return sum(float(r.get(f"{p}-phase", {}).get("duration-seconds", 0.0)) for r in runs)
 
             return {
                 "name": name,

@@ -15,7 +15,9 @@ May import: ``harness.model``, ``harness.targets``, ``harness.errors``, ``proper
 
 from __future__ import annotations
 
+import ast
 import os
+import re
 import subprocess
 import time
 from collections import Counter
@@ -24,8 +26,15 @@ from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, seed, settings
-from hypothesis.database import DirectoryBasedExampleDatabase
-from hypothesis.stateful import RuleBasedStateMachine, get_state_machine_test
+from hypothesis.core import decode_failure
+from hypothesis.database import (
+    DirectoryBasedExampleDatabase,
+    ExampleDatabase,
+    InMemoryExampleDatabase,
+    choices_to_bytes,
+)
+from hypothesis.errors import InvalidArgument
+from hypothesis.stateful import RULE_MARKER, RuleBasedStateMachine, get_state_machine_test
 
 from harness.errors import PropertyFailure, UsageError
 from properties.machine import MachineConfig, TargetCrash, machine_class
@@ -84,11 +93,135 @@ def make_settings(profile: str, db: str | None, max_examples: int | None = None)
     )
 
 
-def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
-    """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``."""
+def _seeded_test(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> Any:
     test: Any = get_state_machine_test(factory, settings=cfg_settings)  # type: ignore[no-untyped-call]
     seed(seed_value)(test)
-    test()
+    return test
+
+
+def _with_database(test: Any, db: ExampleDatabase) -> bool:
+    """Put the example database back on a seeded test; False when this Hypothesis does not allow it.
+
+    ``hypothesis.seed`` turns the database off (hypothesis/core.py ``seed``: the settings it leaves on
+    the test get ``database=None``); the two runs of :func:`run_seeded` pass the failing example
+    through it, so it goes back on the same settings object ``seed`` wrote.
+    """
+    current = getattr(test, "_hypothesis_internal_use_settings", None)
+    if not isinstance(current, settings):
+        return False
+    test._hypothesis_internal_use_settings = settings(current, database=db)
+    return True
+
+
+def _rule_steps(factory: Callable[[], RuleBasedStateMachine], notes: Iterable[str]) -> int:
+    """The rule calls in a failing example's printed program (its invariant checks are not steps)."""
+    n = 0
+    for line in notes:
+        call = line.split(" = ", 1)[-1]  # a rule with a bundle target prints "x = state.rule(...)"
+        if call.startswith("state.") and "(" in call:
+            name = call[len("state.") : call.index("(")]
+            n += getattr(getattr(factory, name, None), RULE_MARKER, None) is not None
+    return n
+
+
+_BLOB = re.compile(r"@reproduce_failure\('[^']*', (b'[A-Za-z0-9+/=]*')\)")
+
+
+class _Handoff(InMemoryExampleDatabase):
+    """The first run's failing example, offered to the second run as the secondary corpus of its key.
+
+    Secondary, because an example found in the primary corpus counts as shrunk already
+    (hypothesis/internal/conjecture/engine.py ``_run``: reused_previously_shrunk_test_case). Offered
+    until the engine deletes it; what the shrinker saves is kept as in memory.
+    """
+
+    def __init__(self, choices: bytes) -> None:
+        super().__init__()
+        self.choices: bytes | None = choices
+
+    def fetch(self, key: bytes) -> Iterable[bytes]:
+        yield from super().fetch(key)
+        if key.endswith(b".secondary") and self.choices is not None:
+            yield self.choices
+
+    def delete(self, key: bytes, value: bytes) -> None:
+        if value == self.choices:
+            self.choices = None
+        super().delete(key, value)
+
+
+def _failing_choices(exc: BaseException) -> bytes | None:
+    """The failing example's choices, from the ``@reproduce_failure`` note (``print_blob``), which
+    is taken off the exception; None when there is none."""
+    notes = getattr(exc, "__notes__", None)
+    if not isinstance(notes, list):
+        return None
+    found = None
+    for note in list(notes):
+        m = _BLOB.search(note)
+        if m:
+            notes.remove(note)
+            try:
+                found = choices_to_bytes(decode_failure(ast.literal_eval(m.group(1))))
+            except (ValueError, SyntaxError, InvalidArgument):
+                found = None
+    return found
+
+
+def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
+    """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``.
+
+    The example database of ``cfg_settings`` (the fuzz profile's ``.hypothesis/gate`` or ``--db``) is
+    used: its failures are replayed first and a new one is saved there. (``hypothesis.seed`` turns a
+    test's database off; :func:`_with_database` puts it back.) Without one, the run has none: a
+    database changes what a seed generates (Hypothesis keeps a pareto front beside it, which draws
+    from the same random source).
+
+    A failure is shrunk in a second run, on a step count cut to the failing program's steps. The first
+    run leaves out Hypothesis' shrink phase and prints the failing example's choices
+    (``print_blob``); the second is handed them (:class:`_Handoff`), replays them (the reuse phase)
+    and shrinks them with ``stateful_step_count`` = the steps the example failed at. Replayed with
+    that count, the example draws the same choices up to its failure, so it fails the same way.
+    Hypothesis runs a machine to its step count on every example that does not fail, and most of
+    what the shrinker tries does not fail: with the profile's count (30), a failure at step 3 made
+    each such try 30 steps long (bench ``mutants``: the shrink phase was 13 of a kill's 14 seconds).
+    A failure the second run does not reproduce is raised as the first run found it, unshrunk.
+    """
+    user = cfg_settings.database
+    find = settings(
+        cfg_settings, phases=[p for p in cfg_settings.phases if p is not Phase.shrink], print_blob=True
+    )
+    test = _seeded_test(factory, find, seed_value)
+    if Phase.shrink not in cfg_settings.phases or (user is not None and not _with_database(test, user)):
+        whole = _seeded_test(factory, cfg_settings, seed_value)
+        if user is not None:
+            _with_database(whole, user)
+        whole()  # one run, Hypothesis' own shrink (if its phases have it)
+        return
+    try:
+        test()
+    except Exception as found:
+        choices = _failing_choices(found)
+        if choices is None:
+            raise
+        steps = _rule_steps(factory, getattr(found, "__notes__", []))
+        handoff = _Handoff(choices)
+        shrink = settings(cfg_settings, phases=[Phase.reuse, Phase.shrink], stateful_step_count=max(1, steps))
+        again = _seeded_test(factory, shrink, seed_value)
+        if not _with_database(again, handoff):
+            raise
+        try:
+            again()
+        except Exception as shrunk:
+            raise shrunk from None
+        finally:
+            if user is not None:  # the shrunk example replaces the found one there
+                for key, values in list(handoff.data.items()):
+                    for value in values:
+                        user.save(key, value)
+                    if values and not key.endswith(b".secondary"):
+                        user.delete(key, choices)
+        raise found from None
 
 
 def machines_for(variant: str, profile: str) -> list[MachineConfig]:
@@ -188,7 +321,8 @@ def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> 
     Hypothesis' shrinker works on the choice sequence, where a step that changes nothing (a
     ``set_limit`` to the limit already set) is cheap to keep and its simplest form: repeated
     ``set_limit(cache_ram=1)`` lines survived it. Here each step (its line and the invariant check
-    after it) is deleted in turn, last first, and the deletion is kept when the program still fails
+    after it) is deleted in turn, last first, then each two neighbouring steps (a request and the
+    ``finish`` that completes it go together), and a deletion is kept when the program still fails
     on property ``name`` the same way (a crash stays a crash); passes repeat until none deletes a
     step or ``budget`` seconds are spent. Synthetic machines only (a program runs in a few
     milliseconds and holds no native context)."""
@@ -218,12 +352,13 @@ def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> 
     changed = True
     while changed and time.perf_counter() < deadline:
         changed = False
-        for i in range(len(steps) - 1, -1, -1):
-            if time.perf_counter() >= deadline:
-                break
-            if i < len(steps) and same(steps[:i] + steps[i + 1 :]):
-                del steps[i]
-                changed = True
+        for width in (1, 2):  # a step, then two neighbours (a request and the finish it needs)
+            for i in range(len(steps) - width, -1, -1):
+                if time.perf_counter() >= deadline:
+                    break
+                if i + width <= len(steps) and same(steps[:i] + steps[i + width :]):
+                    del steps[i : i + width]
+                    changed = True
     return "\n".join(head + [x for st in steps for x in st] + tail)
 
 

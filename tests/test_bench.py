@@ -12,8 +12,8 @@ from typing import Any
 import pytest
 
 from harness.cli import main
-from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE
-from harness.measure.bench import CASES, compare, figure
+from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from harness.measure.bench import CASES, case_names, compare, figure
 
 
 def _quick(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -43,6 +43,9 @@ def test_quick_bench_writes_valid_json_and_markdown(tmp_path: Path, capsys: pyte
         assert min(master["peak_bytes"]) > max(shared["peak_bytes"]), layer
         assert master["checkpoint_bytes"] == shared["checkpoint_bytes"] > 0, layer
     assert not any(f["inputs"].get("layer") == "server" for f in saves.values())
+    # the payload grows by the number of checkpoints: the state S stays, as the PR's claim is stated
+    one, four = saves["llama shared save 1 MiB"]["inputs"], saves["llama shared save 4 MiB"]["inputs"]
+    assert one["state_bytes"] == four["state_bytes"] and one["n_checkpoints"] < four["n_checkpoints"]
     md = (tmp_path / "bench.md").read_text()
     assert "| sweep | wall, both semantics and modes |" in md
     assert "wall, both semantics and modes" in capsys.readouterr().out
@@ -105,3 +108,31 @@ def test_quick_targeting_sets_every_reach_label_on_against_off(tmp_path: Path) -
     # the machine was exercised: some example made checkpoints
     by = {f["inputs"]["label"]: f for f in figures}
     assert max(by["checkpoints"]["inputs"]["on"] + by["checkpoints"]["inputs"]["off"]) > 0
+
+
+def test_the_ci_case_runs_only_when_named() -> None:
+    # .ci/run takes half an hour: a plain bench leaves it out, --only ci takes it
+    assert "ci" not in case_names(None) and {"gate", "saves"} <= set(case_names(None))
+    assert case_names(["ci"]) == ["ci"]
+    with pytest.raises(UsageError, match="unknown bench case"):
+        case_names(["nope"])
+
+
+def test_merge_keeps_where_each_case_was_measured(tmp_path: Path) -> None:
+    # a case merged from a run that had merged it itself keeps its first origin
+    old = {
+        "commit": "bbbb",
+        "started": "T1",
+        "cases": {
+            "saves": {"title": "s", "figures": [], "from": "commit aaaa, started T0"},
+            "state-io": {"title": "i", "figures": []},
+        },
+    }
+    (tmp_path / "old.json").write_text(json.dumps(old))
+    out = tmp_path / "new.json"
+    rc = main(["bench", "--quick", "--only", "sweep", "--merge", str(tmp_path / "old.json"), "--json", str(out),
+               "--md", str(tmp_path / "new.md")])  # fmt: skip
+    doc = json.loads(out.read_text())
+    assert rc == EXIT_OK and "from" not in doc["cases"]["sweep"]
+    assert doc["cases"]["saves"]["from"] == "commit aaaa, started T0"
+    assert doc["cases"]["state-io"]["from"] == "commit bbbb, started T1"

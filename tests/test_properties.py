@@ -9,9 +9,11 @@ import subprocess
 import sys
 from dataclasses import replace
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from harness.backends.base import GateOptions
 from harness.backends.synthetic import KNOWN_MACHINES, SyntheticBackend
@@ -21,7 +23,7 @@ from properties.invariants import INVARIANTS, Violation
 from properties.machine import MachineConfig, TargetCrash
 from properties.mutants import MUTANTS
 from properties.mutants import config as mutant_config
-from properties.run import _program, machines_for, make_settings, run_machine
+from properties.run import _program, machines_for, make_settings, run_machine, run_seeded
 
 
 def run_gate(
@@ -75,6 +77,60 @@ def test_a_mutant_program_rebuilds_the_machine_that_killed_it() -> None:
     row = kill("draft-not-restored")
     with pytest.raises(Violation, match="draft_in_step"):
         exec(row["program"].replace("state.teardown()", ""), {})
+
+
+class _Sums(RuleBasedStateMachine):
+    """Fails once its total reaches 20; records each example's steps and whether it failed."""
+
+    examples: ClassVar[list[tuple[int, bool]]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.total = 0
+        self.steps = 0
+        self.failed = False
+
+    @rule(x=st.integers(0, 10))
+    def add(self, x: int) -> None:
+        self.steps += 1
+        self.total += x
+
+    @invariant()
+    def small(self) -> None:
+        if self.total >= 20:
+            self.failed = True
+            raise Violation("small", f"total {self.total}")
+
+    def teardown(self) -> None:
+        self.examples.append((self.steps, self.failed))
+
+
+def test_a_failure_is_shrunk_on_a_step_count_cut_to_the_steps_it_failed_at() -> None:
+    _Sums.examples.clear()
+    with pytest.raises(Violation) as e:
+        run_seeded(_Sums, make_settings("ci", None, 300), 0)
+    program = "\n".join(getattr(e.value, "__notes__", []))
+    assert program.count("state.add(") == 2 and program.count("state.add(x=10)") == 2, program  # the least
+    first = next(i for i, (_, failed) in enumerate(_Sums.examples) if failed)
+    found = _Sums.examples[first][0]
+    assert found > 2  # the failure was found on a longer program ...
+    # ... and from then on no example ran longer than it: the shrinking run's step count is its steps
+    assert max(n for n, _ in _Sums.examples[first:]) == found
+    assert max(n for n, _ in _Sums.examples[:first]) > found  # while finding, examples ran longer
+
+
+def test_the_fuzz_profile_replays_its_saved_failure_first(tmp_path: Path) -> None:
+    # hypothesis.seed turns a test's example database off: run_seeded puts the profile's back on
+    fuzz = make_settings("fuzz", str(tmp_path / "db"), 300)
+    _Sums.examples.clear()
+    with pytest.raises(Violation):
+        run_seeded(_Sums, fuzz, 0)
+    assert len(_Sums.examples) > 10 and any(list((tmp_path / "db").iterdir()))
+    _Sums.examples.clear()
+    with pytest.raises(Violation) as e:
+        run_seeded(_Sums, fuzz, 1)  # another seed: the saved (shrunk) failure is the first example
+    assert _Sums.examples[0] == (2, True)
+    assert "\n".join(getattr(e.value, "__notes__", [])).count("state.add(x=10)") == 2
 
 
 def test_gate_shared_passes_and_checks_every_property() -> None:

@@ -265,6 +265,20 @@ def test_cache_ram_zero_disables_cache_and_idle_caching() -> None:
 
 
 @pytest.mark.parametrize("sem", ["master", "shared"])
+def test_a_parent_that_fails_cancels_its_children(sem: str) -> None:
+    # the prompt does not fit the slot's context: the parent's error result makes the HTTP reader
+    # cancel the request's other tasks (server-queue.cpp:559-561, 602-617); without it the child
+    # waited for the parent for ever and the server never became idle
+    s = make_server(sem, "transformer", params=ServerParams(n_slots=2, cache_ram=-1, kv_unified=True), n_ctx=16)
+    r = s.handle_completion(tuple(range(1, 17)), n_cmpl=2, n_predict=1)
+    child = s.slots[1 - r.slot]
+    assert _state(child) is SlotState.WAIT_OTHER
+    s.run_until_idle(max_iters=10)
+    assert s.errors == [(r.slot, "request exceeds the available context size")]
+    assert not any(slot.is_processing() for slot in s.slots) and child.result == []
+
+
+@pytest.mark.parametrize("sem", ["master", "shared"])
 def test_child_gets_clone_of_parent_prompt_and_is_cleared_on_release(sem: str) -> None:
     s = make_server(sem, "hybrid", params=ServerParams(n_slots=2, cache_ram=-1, cache_ram_unit=1024))
     r = s.handle_completion(P, n_cmpl=2, n_predict=3)

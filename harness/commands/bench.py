@@ -77,7 +77,9 @@ def _markdown(doc: dict[str, object]) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.list:
         for name, case in CASES.items():
-            print(f"{name:<12} {case.title}{' (full bench only)' if case.full_only else ''}")
+            when = " (only when named: --only NAME)" if case.named_only else ""
+            when = when or (" (full bench only)" if case.full_only else "")
+            print(f"{name:<12} {case.title}{when}")
         return EXIT_OK
     old = load_json(args.compare) if args.compare else None  # a bad OLD.json fails before the run
     merged = [load_json(p) for p in args.merge or []]
@@ -88,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
         for name, entry in m["cases"].items():
             if name not in doc["cases"]:
                 origin = f"commit {m.get('commit', '?')}, started {m.get('started', '?')}"
-                doc["cases"][name] = {**entry, "from": origin}
+                doc["cases"][name] = {**entry, "from": entry.get("from", origin)}  # a merged case keeps its origin
     print(table(doc, markdown=False))
     _write(args.json, json.dumps(doc, indent=2) + "\n")
     if args.md:

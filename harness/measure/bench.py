@@ -36,6 +36,7 @@ __all__ = [
     "Case",
     "Figure",
     "Goal",
+    "case_names",
     "compare",
     "figure",
     "load_json",
@@ -138,18 +139,21 @@ class Case:
     title: str
     fn: Callable[[Budget], list[Figure]]
     full_only: bool = False  # skipped by --quick (too long for a tiny budget whatever its settings)
+    named_only: bool = False  # runs only when named (--only NAME): longer than the rest of the bench
 
 
 CASES: dict[str, Case] = {}
 
 
-def register(name: str, title: str, *, full_only: bool = False) -> Callable[[Callable[[Budget], list[Figure]]], Any]:
+def register(
+    name: str, title: str, *, full_only: bool = False, named_only: bool = False
+) -> Callable[[Callable[[Budget], list[Figure]]], Any]:
     """Decorator: register a case function under ``name`` (the ``--only`` word)."""
 
     def deco(fn: Callable[[Budget], list[Figure]]) -> Callable[[Budget], list[Figure]]:
         if name in CASES:
             raise ValueError(f"bench case {name!r} registered twice")
-        CASES[name] = Case(name, title, fn, full_only)
+        CASES[name] = Case(name, title, fn, full_only, named_only)
         return fn
 
     return deco
@@ -160,6 +164,15 @@ def _loadavg() -> list[float]:
         return [round(x, 2) for x in os.getloadavg()]
     except OSError:
         return []
+
+
+def case_names(only: Sequence[str] | None) -> list[str]:
+    """The cases a run takes: ``only`` (checked), or every case but those that run only when named."""
+    names = list(only) if only else [n for n, c in CASES.items() if not c.named_only]
+    unknown = [n for n in names if n not in CASES]
+    if unknown:
+        raise UsageError(f"unknown bench case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    return names
 
 
 def run_bench(
@@ -173,10 +186,7 @@ def run_bench(
 ) -> dict[str, Any]:
     """Run the cases (all, or ``only``) and return the JSON document; a case that fails is recorded
     with its error and the others still run."""
-    names = list(only) if only else list(CASES)
-    unknown = [n for n in names if n not in CASES]
-    if unknown:
-        raise UsageError(f"unknown bench case(s) {', '.join(unknown)}; choose from {', '.join(CASES)}")
+    names = case_names(only)
     budget = Budget(quick=quick, seed=seed, out=out, repetitions=reps)
     doc: dict[str, Any] = {
         "commit": commit,

@@ -14,6 +14,8 @@
    requests/s with the model's prediction on, and the model's share of the time.
 6. ``state-io``: libllama state get/set bytes/s against ``ctypes.memmove`` of the same bytes.
 7. ``gate``: the default gate's wall time (``python -m harness gate``, builds cached); full bench only.
+   ``ci``: ``.ci/run``'s wall time on a clean clone of HEAD with this machine's caches warm; only when
+   named (``--only ci``: half an hour).
 
 ``targeting`` (beside 3): a campaign's reach with ``hypothesis.target`` against without, same examples.
 
@@ -24,15 +26,21 @@ registry; a module per case would spread one table over eight files.
 from __future__ import annotations
 
 import ctypes
+import os
 import statistics
+import subprocess
 import sys
+import tempfile
 import time
+import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from typing import Any
+from pathlib import Path
+from typing import Any, cast
 
 from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
+from hypothesis.statistics import collector
 
 from faults.scenarios import SCENARIOS
 from faults.sweep import run_sweep
@@ -58,7 +66,6 @@ from properties.run import PROFILES, machines_for, make_settings, run_machine, r
 __all__ = ["TrivialMachine", "model_save_point", "save_layers"]
 
 MIB = 1 << 20
-SAVE_CHECKPOINTS = 4  # the llama and server layers: four checkpoints of total / 4 bytes each
 
 
 class TrivialMachine(RuleBasedStateMachine):
@@ -125,18 +132,29 @@ def exploration(b: Budget) -> list[Figure]:
     configs = machines_for("shared", "ci")[: 1 if b.quick else None]
     ratios: dict[str, list[float]] = {c.class_name: [] for c in configs}
     rates: dict[str, list[float]] = {c.class_name: [] for c in configs}
+    splits: dict[str, list[dict[str, float]]] = {c.class_name: [] for c in configs}
+    shares: list[float] = []
     trivial: list[float] = []
     for rep in range(reps):
         for cfg in configs:
-            t_cpu, _ = _timed(lambda: run_seeded(TrivialMachine, cfg_settings, b.seed))
+            t_stats: list[dict[str, Any]] = []
+            with cast(Any, collector).with_value(t_stats.append):
+                t_cpu, _ = _timed(lambda: run_seeded(TrivialMachine, cfg_settings, b.seed))
+            m_stats: list[dict[str, Any]] = []
             c0, w0 = time.process_time(), time.perf_counter()
-            result = run_machine(cfg, cfg_settings, b.seed, "")
+            with cast(Any, collector).with_value(m_stats.append):
+                result = run_machine(cfg, cfg_settings, b.seed, "")
             m_cpu, m_wall = time.process_time() - c0, time.perf_counter() - w0
             if result.failure is not None:
                 raise UsageError(f"{cfg.class_name} failed on seed {b.seed}: {result.failure.message}")
             trivial.append(n / t_cpu)
             rates[cfg.class_name].append(n / m_cpu)
             ratios[cfg.class_name].append(t_cpu / m_cpu)
+            t_split, m_split = _split(t_stats), _split(m_stats)
+            splits[cfg.class_name].append({**{f"machine_{k}": v for k, v in m_split.items()},
+                                           **{f"trivial_{k}": v for k, v in t_split.items()}})  # fmt: skip
+            # the rule bodies and checks beyond what the trivial machine's empty ones cost: this code's share
+            shares.append(max(0.0, m_split["body_s"] - t_split["body_s"]) / m_cpu)
             b.out(f"  rep {rep} {cfg.class_name:<34} ratio {t_cpu / m_cpu:.2f} ({n / m_wall:.1f} examples/s wall)")
     inputs: dict[str, Any] = {
         "profile": "ci",
@@ -153,11 +171,32 @@ def exploration(b: Budget) -> list[Figure]:
             goal=(">=", 0.80),
             **inputs,
             machine_examples_per_s=round(statistics.median(rates[name]), 2),
+            split={k: round(statistics.median(x[k] for x in splits[name]), 3) for k in splits[name][0]},
         )
         for name, r in ratios.items()
     ]
     out.append(figure("trivial machine", "examples/s", trivial, **inputs))
+    out.append(
+        figure(
+            "rule bodies and checks, share of a machine's time", "fraction", shares, better="lower", **inputs,
+            how="(machine body - trivial body) / machine CPU; body = Hypothesis' test-case runtime minus its draw time",
+        )
+    )  # fmt: skip
     return out
+
+
+def _split(stats: list[dict[str, Any]]) -> dict[str, float]:
+    """Seconds drawing (rule choice, preconditions, arguments) and in the bodies (rules, invariants, the
+    stateful loop), and the test cases that do not count toward max_examples, from Hypothesis' statistics."""
+    cases = [c for st in stats for ph, v in st.items() if ph.endswith("-phase") for c in v.get("test-cases", [])]
+    draw = sum(float(c["drawtime"]) for c in cases)
+    return {
+        "draw_s": round(draw, 3),
+        "body_s": round(sum(float(c["runtime"]) for c in cases) - draw, 3),
+        "gc_s": round(sum(float(c.get("gctime", 0.0)) for c in cases), 3),
+        "invalid": sum(c["status"] == "invalid" for c in cases),
+        "overrun": sum(c["status"] == "overrun" for c in cases),
+    }
 
 
 @register("mutants", "seconds to kill each mutant and the steps of its shrunk program")
@@ -363,23 +402,26 @@ def save_layers(
 ) -> dict[str, list[dict[str, Any]]]:
     """Rows per layer for the ``saves`` case, one per (total payload size, repetition), in that order.
 
-    ``model``: the model's ledger (:func:`model_save_point`, 1 MiB checkpoints, n = total / 1 MiB).
-    ``llama`` and ``server``: :func:`harness.measure.saves.save_curve` with four checkpoints of total / 4
-    bytes each (the sized ``mamba-d*`` model nearest that size, so the total is near the asked one;
-    each row says the bytes it got). ``server`` is left out when no llama-server of ``semantics`` is
-    built (``python -m harness build-server --semantics SEMANTICS``).
+    Every layer holds the slot's state S fixed and grows the number of its checkpoints: n = total / 1 MiB
+    checkpoints of about 1 MiB. That is the PR's claim: a save's cost must not grow with the bytes of
+    the checkpoints it shares. (Growing each checkpoint instead needs a bigger recurrent state, and S
+    is copied in both semantics: a run at commit 0ec4099 with four checkpoints of total / 4 bytes on
+    the sized ``mamba-d*`` models measured 223x from 1 to 256 MiB on the PR's libllama, all of it S.)
+
+    ``model``: the model's ledger (:func:`model_save_point`, a synthetic recurrent context).
+    ``llama`` and ``server``: :func:`harness.measure.saves.save_curve` on ``mamba-big`` (1.02 MiB
+    checkpoints), its ``counts`` axis; each row says the bytes it got. ``server`` is left out when no
+    llama-server of ``semantics`` is built (``python -m harness build-server --semantics SEMANTICS``).
     """
     rows: dict[str, list[dict[str, Any]]] = {}
     if "model" in layers:
         rows["model"] = [model_save_point(semantics, s) for s in sizes for _ in range(reps)]
-    per = [max(1, s // SAVE_CHECKPOINTS) for s in sizes]
+    counts = [max(1, s // MIB) for s in sizes]
     if "llama" in layers:
-        rows["llama"] = save_curve("llama", semantics, sizes=per, reps=reps, n_checkpoints=SAVE_CHECKPOINTS)
+        rows["llama"] = save_curve("llama", semantics, counts=counts, reps=reps, size=MIB)
     binary = cached_binary("pr" if semantics == "shared" else "master")
     if "server" in layers and binary is not None:
-        rows["server"] = save_curve(
-            "server", semantics, sizes=per, reps=reps, n_checkpoints=SAVE_CHECKPOINTS, binary=binary
-        )
+        rows["server"] = save_curve("server", semantics, counts=counts, reps=reps, size=MIB, binary=binary)
     return rows
 
 
@@ -558,3 +600,40 @@ def gate(b: Budget) -> list[Figure]:
         raise UsageError(f"the gate did not pass ({r.describe()}): {' | '.join(tail)}")
     b.out(f"  gate {r.elapsed:.1f}s")
     return [figure("default gate wall", "s", [r.elapsed], better="lower", goal=("<=", 180), seed=b.seed)]
+
+
+@register(
+    "ci",
+    "the wall time of .ci/run on a clean clone of HEAD, this machine's caches warm (about 30 minutes)",
+    full_only=True,
+    named_only=True,
+)
+def ci(b: Budget) -> list[Figure]:
+    root = Path(__file__).resolve().parents[2]
+    with tempfile.TemporaryDirectory(prefix="bench-ci-") as tmp:
+        clone = Path(tmp) / "clone"
+        got = subprocess.run(["git", "clone", "-q", str(root), str(clone)], capture_output=True, text=True)
+        if got.returncode != 0:
+            raise UsageError(f"cannot clone {root}: {got.stderr.strip()}")
+        rev = ["git", "-C", str(clone), "rev-parse", "--short=12", "HEAD"]
+        head = subprocess.run(rev, capture_output=True, text=True)
+        env = {**os.environ, "CI": "true"}
+        r = run_child(["bash", str(clone / ".ci" / "run")], env=env, timeout=90 * 60)
+        tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+        if r.crashed or r.returncode != 0:
+            raise UsageError(f".ci/run did not pass ({r.describe()}): {' | '.join(tail)}")
+        sections = [line[3:] for line in r.stdout.splitlines() if line.startswith("== ")]
+        pytest_seconds = None
+        xml = clone / "artifacts" / "pytest.xml"
+        if xml.exists():
+            top = ET.parse(xml).getroot()
+            suite = top if top.tag == "testsuite" else top.find("testsuite")
+            pytest_seconds = None if suite is None else float(suite.get("time", "nan"))
+    b.out(f"  .ci/run {r.elapsed:.0f}s (pytest {pytest_seconds}s)")
+    return [
+        figure(
+            ".ci/run wall, warm", "s", [r.elapsed], better="lower", goal=("<=", 90 * 60),
+            commit=head.stdout.strip(), sections=len(sections), pytest_seconds=pytest_seconds,
+            caches="warm: this machine's pip cache, llama-server builds and generated models",
+        )
+    ]  # fmt: skip

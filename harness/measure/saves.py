@@ -80,7 +80,7 @@ __all__ = [
 LAYERS = ("model", "llama", "server")
 BASE = [3 + (i * 7) % 250 for i in range(160)]  # the build-up's first prompt (save_peak's 600 tokens, shortened)
 GATE_BASE = [3 + (i * 7) % 250 for i in range(600)]  # save_peak's (harness/backends/llama_server.py _build_up)
-_EXT = [3 + (i * 11) % 250 for i in range(40 * 64)]
+_EXT = [3 + (i * 11) % 250 for i in range(40 * 140)]  # the build-up's extensions: up to 276 checkpoints
 
 
 def diverging(n: int) -> list[int]:
@@ -109,13 +109,15 @@ def size_model(nbytes: int) -> str:
 
 
 def _cfg(arch: str, n_checkpoints: int) -> ServerConfig:
+    # the build-up's last prompt must fit (a recurrent model's state does not grow with n_ctx)
+    n_ctx = max(4096, len(BASE) + 40 * _n_extend(n_checkpoints) + 512)
     return ServerConfig(
         arch,
         n_parallel=1,
         cache_ram_mib=1 << 16,  # 64 GiB: no eviction while measuring
         ctx_checkpoints=n_checkpoints,
         checkpoint_min_step=16,
-        n_ctx=4096,
+        n_ctx=n_ctx,
         n_batch=256,
         n_ubatch=64,
     )

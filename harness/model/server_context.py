@@ -250,6 +250,7 @@ class ServerContext:
     prompt_cache: ServerPromptCache | None = None
     events: list[Event] = field(default_factory=list)
     errors: list[tuple[int, str]] = field(default_factory=list)
+    cancels: list[int] = field(default_factory=list)  # task ids of the queued SERVER_TASK_TYPE_CANCEL tasks
     clock: int = 0
     next_task_id: int = 0
     # ServerParams.draft_recovery outcomes: "retried" (after purging idle slots), "resynced"
@@ -369,6 +370,7 @@ class ServerContext:
         """
         if not tokens:
             raise ValueError("empty prompt")
+        self._take_cancels()  # queued at the front: taken before this task
         self.next_task_id += 1
         task = Task(self.next_task_id, tuple(tokens), id_slot, n_predict, cache_prompt, -1, n_cmpl - 1, tuple(forced))
         self.events.clear()
@@ -408,13 +410,40 @@ class ServerContext:
         slot.error = None
 
     def send_error(self, slot: ServerSlot, msg: str) -> None:
+        """The error result of ``slot``'s task; the request's other tasks are cancelled.
+
+        The HTTP handler's reader stops at the first error result and cancels the request's remaining
+        tasks (server-queue.cpp:559-561 ``next`` calls ``stop``, :602-617 posts a
+        ``SERVER_TASK_TYPE_CANCEL`` per task at the front of the queue); the loop takes them before its
+        next ``update_slots``, and a cancel releases the slot running that task (server-context.cpp:
+        2435-2444; here :meth:`_take_cancels`). Without it, the children of an ``n_cmpl > 1`` parent
+        that failed would wait for it (``SLOT_STATE_WAIT_OTHER``) for ever.
+        """
         slot.error = msg
         self.errors.append((slot.id, msg))
+        task = slot.task
+        if task is None or not (task.is_parent() or task.is_child()):
+            return
+        root = task.id_parent if task.is_child() else task.id
+        for other in self.slots:
+            t = other.task
+            if other is not slot and t is not None and root in (t.id, t.id_parent):
+                self.cancels.append(t.id)
+
+    def _take_cancels(self) -> None:
+        """The queued cancels (server-context.cpp:2435-2444): release the slot still running each task."""
+        cancels, self.cancels = self.cancels, []
+        for id_task in cancels:
+            for other in self.slots:
+                if other.task is not None and other.task.id == id_task and other.is_processing():
+                    other.release()
+                    break
 
     # ---- update_slots ----------------------------------------------------------------------
 
     def update_slots(self) -> None:
         """One iteration of the server loop: prompt batches, child activation, generation."""
+        self._take_cancels()  # the queue's front: cancels posted since the last iteration
         for slot in self.slots:
             if slot.state is SlotState.STARTED:
                 self._start_prompt(slot)
