@@ -21,7 +21,8 @@ import re
 import subprocess
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -34,6 +35,7 @@ from hypothesis.database import (
     choices_to_bytes,
 )
 from hypothesis.errors import InvalidArgument
+from hypothesis.internal.conjecture import providers as _providers
 from hypothesis.stateful import RULE_MARKER, RuleBasedStateMachine, get_state_machine_test
 
 from harness.errors import PropertyFailure, UsageError
@@ -168,8 +170,42 @@ def _failing_choices(exc: BaseException) -> bytes | None:
     return found
 
 
+@contextmanager
+def _pinned_constants() -> Iterator[None]:
+    """Generate without the constants Hypothesis collects from the local modules imported so far.
+
+    Hypothesis sometimes draws a literal found in the user's own imported modules
+    (hypothesis/internal/conjecture/providers.py ``_get_local_constants``: every module of
+    ``sys.modules`` outside site-packages and the standard library). So the examples of a seed
+    depended on what the entry point had imported: ``load-first-usable`` died on seed 0 of its own
+    machine in 3.9 s under ``harness mutants`` and on the fifth machine after 35 s once the bench's
+    modules were imported too. Pinned to none, a seed gives the same examples from every entry point
+    (the gate, pytest, the bench, a replay line). A Hypothesis without that function is left as it is.
+    """
+    prov: Any = _providers  # internals: looked up, not typed
+    get = getattr(prov, "_get_local_constants", None)
+    cache: Any = getattr(getattr(prov, "CONSTANTS_CACHE", None), "cache", None)
+    if get is None or not hasattr(cache, "clear") or not hasattr(prov, "Constants"):
+        yield
+        return
+    none = prov.Constants()
+    prov._get_local_constants = lambda: none
+    cache.clear()  # permitted constants cached with the local ones
+    try:
+        yield
+    finally:
+        prov._get_local_constants = get
+        cache.clear()
+
+
 def run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
-    """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``.
+    with _pinned_constants():
+        _run_seeded(factory, cfg_settings, seed_value)
+
+
+def _run_seeded(factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int) -> None:
+    """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``
+    alone (:func:`_pinned_constants`).
 
     The example database of ``cfg_settings`` (the fuzz profile's ``.hypothesis/gate`` or ``--db``) is
     used: its failures are replayed first and a new one is saved there. (``hypothesis.seed`` turns a

@@ -4,6 +4,7 @@ pasteable program, and the CLI keeps its exit codes and JSON schema."""
 
 from __future__ import annotations
 
+import importlib
 import json
 import subprocess
 import sys
@@ -131,6 +132,30 @@ def test_the_fuzz_profile_replays_its_saved_failure_first(tmp_path: Path) -> Non
         run_seeded(_Sums, fuzz, 1)  # another seed: the saved (shrunk) failure is the first example
     assert _Sums.examples[0] == (2, True)
     assert "\n".join(getattr(e.value, "__notes__", [])).count("state.add(x=10)") == 2
+
+
+class _Draws(RuleBasedStateMachine):
+    """Never fails; records every value it draws."""
+
+    drawn: ClassVar[list[int]] = []
+
+    @rule(x=st.integers(0, 1000))
+    def add(self, x: int) -> None:
+        self.drawn.append(x)
+
+
+def test_a_seed_gives_the_same_examples_whatever_was_imported(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # Hypothesis draws literals of the imported local modules now and then: run_seeded pins them to none
+    def run() -> list[int]:
+        _Draws.drawn.clear()
+        run_seeded(_Draws, make_settings("ci", None, 50), 0)
+        return list(_Draws.drawn)
+
+    before = run()
+    (tmp_path / "many_constants.py").write_text(f"VALUES = {tuple(range(500, 1000, 7))}\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    importlib.import_module("many_constants")
+    assert run() == before and len(before) > 500
 
 
 def test_gate_shared_passes_and_checks_every_property() -> None:
