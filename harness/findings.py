@@ -145,6 +145,18 @@ _ALL = [
         "fixtures/findings/cache_load_into_pending_child_copy.py",
     ),
     Finding(
+        "swa-restore-window-short",
+        "llama",
+        "restore_equivalence",
+        "a request with no new token (the slot holds all of it) restores an SWA checkpoint with pos_max == "
+        "pos_next (only pos_max > pos_next is skipped; its recorded pos_min is the memory's, 0, not what it holds), "
+        "then [TAG_PROMPT_LOGITS] steps back one token; the checkpoint holds only the cells not masked for its "
+        "pos_max, so the re-evaluated token attends without the oldest position of its window: wrong logits and "
+        "a wrong answer on the real server, master and PR alike, no error (server-context.cpp:3277, 3331-3344, "
+        "3383-3388, the TODO at 2339-2341; src/llama-kv-cache.cpp:2094)",
+        "fixtures/findings/swa_restore_window_short.py",
+    ),
+    Finding(
         "draft-kv-exhaustion (real state)",
         "llama",
         "draft_recovery",

@@ -20,6 +20,7 @@ from harness.model.provider import (
 from harness.model.server_context import ServerParams
 from harness.targets.libllama import (
     PENDING_CP_FINDING,
+    SWA_WINDOW_FINDING,
     LlamaProvider,
     ModelLoadError,
     close_server,
@@ -315,3 +316,42 @@ def test_draft_recovery_property_fails_without_the_recovery(monkeypatch: pytest.
     monkeypatch.setattr(ServerContext, "_recover_draft", give_up)
     with pytest.raises(inv.Violation, match="draft_recovery"):
         draft_recovery_run("llama")
+
+
+def _swa_checkpoint_then_step_back(p: LlamaProvider, back: int) -> None:
+    """The server's steps of swa-restore-window-short: a checkpoint at pos_max 17 (n_tokens 18) of a
+    22-token prompt, the slot's memory holding all of it; a request for the first 17 tokens restores
+    the checkpoint, and [TAG_PROMPT_LOGITS] re-evaluates from 16 (``back`` = 2; 1 is the ordinary
+    restore of a request with a new token, which re-evaluates position 17)."""
+    toks = [3 + (i * 7) % 250 for i in range(22)]
+    assert p.decode(0, toks[:18], 0) == 0
+    ckpt = p.state_seq_get_data_ext(0, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+    assert p.decode(0, toks[18:], 18) == 0
+    assert p.state_seq_set_data_ext(0, ckpt, STATE_SEQ_FLAGS_PARTIAL_ONLY) == len(ckpt)
+    p.memory_seq_rm(0, 18 - back, -1)
+    assert p.decode(0, toks[18 - back : 18], 18 - back) == 0
+
+
+def test_an_swa_checkpoint_cut_below_its_window_is_the_known_finding() -> None:
+    with provider("gemma2", n_batch=512, n_ubatch=512) as p:
+        assert p.n_swa == 16
+        _swa_checkpoint_then_step_back(p, back=2)
+        assert p.mismatches == [] and p.layout_diffs == []
+        [m] = p.finding_diffs[SWA_WINDOW_FINDING]
+        assert m.restored_by == "set_data(flags=1)+seq_rm(p0=16)" and m.max_abs_diff > 0.1
+    with provider("gemma2", n_batch=512, n_ubatch=512) as p:  # control: resuming at pos_max is exact
+        _swa_checkpoint_then_step_back(p, back=1)
+        assert p.restore_checks == 1 and p.mismatches == [] and p.finding_diffs == {}
+
+
+def test_swa_window_reproducer_exits_1_while_present() -> None:
+    assert finding(SWA_WINDOW_FINDING).reproducer == "fixtures/findings/swa_restore_window_short.py"
+    r = subprocess.run(
+        [sys.executable, "fixtures/findings/swa_restore_window_short.py", "pr"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "checkpoint pos_max 17 restored: True" in r.stdout and "(without checkpoints it is right)" in r.stdout

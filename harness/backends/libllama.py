@@ -14,7 +14,8 @@ Every mismatch fails the gate. A difference that disappears when the very same s
 from a contiguous cell layout is not a mismatch but the known finding ``kv-layout-dependent-logits``
 (counted per model as ``layout_diffs``, reproducer in ``fixtures/findings/``). A difference in a
 sequence whose restored K/V a deferred cross-stream ``seq_cp`` overwrote is the known finding
-``cache-load-into-pending-child-copy`` (``finding_diffs``; the provider tracks that state).
+``cache-load-into-pending-child-copy``, and one of a token whose window the restored SWA cells no longer
+cover is ``swa-restore-window-short`` (``finding_diffs``; the provider tracks both states).
 
 The target is :mod:`harness.targets.libllama`.
 
@@ -37,7 +38,7 @@ from fixtures.models import ARCHS, draft_path, model_path
 from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
 from harness.errors import PropertyFailure
 from harness.findings import FINDINGS, finding
-from harness.targets.libllama import PENDING_CP_FINDING, load_model
+from harness.targets.libllama import PENDING_CP_FINDING, SWA_WINDOW_FINDING, load_model
 from properties.libllama_scenarios import FullContextResult, draft_recovery_run, full_context_run, memray_figures
 from properties.machine import MachineConfig, machine_class
 from properties.run import make_settings, run_machine
@@ -232,13 +233,12 @@ def _run_llama(
         entry.update(property="restore_equivalence", message=layout_examples[0])
     report.known.append(entry)
     # restore differences the provider attributes to a known finding by the state that makes it
-    n_cp = sum(r["finding_diffs"].get(PENDING_CP_FINDING, 0) for r in rows)
-    entry = finding(PENDING_CP_FINDING).entry(
-        "llama backend", "reproduced" if n_cp else "not-reproduced", count=n_cp
-    )
-    if PENDING_CP_FINDING in finding_examples:
-        entry.update(property="restore_equivalence", message=finding_examples[PENDING_CP_FINDING])
-    report.known.append(entry)
+    for fid in (PENDING_CP_FINDING, SWA_WINDOW_FINDING):
+        n = sum(r["finding_diffs"].get(fid, 0) for r in rows)
+        entry = finding(fid).entry("llama backend", "reproduced" if n else "not-reproduced", count=n)
+        if fid in finding_examples:
+            entry.update(property="restore_equivalence", message=finding_examples[fid])
+        report.known.append(entry)
 
 
 def _run_draft_recovery(

@@ -196,6 +196,10 @@ UNIFIED_LAYOUT_TOLERANCE = 0.01
 # by that copy (fixtures/findings/cache_load_into_pending_child_copy.py)
 PENDING_CP_FINDING = finding("cache-load-into-pending-child-copy").id
 
+# An SWA checkpoint restored and then rolled back below its pos_max lacks the oldest cells of the
+# re-evaluated token's window (fixtures/findings/swa_restore_window_short.py)
+SWA_WINDOW_FINDING = finding("swa-restore-window-short").id
+
 # component ids, as in the synthetic provider
 _KV, _SWA, _RS = "kv", "swa", "rs"
 
@@ -486,6 +490,7 @@ class LlamaProvider:
             return -1
         why = self._pending.get(seq) if self.check_restores else None
         snap = self._raw_state(self.ctx, seq) if why is not None else b""
+        short = why is not None and self._window_short(seq, why, pos0)
         ret, logits = self._decode_raw(self.ctx, seq, toks, pos0, want_logits=True)
         if ret != -1:
             # -1 is returned only by the input checks, before memory_update runs the deferred
@@ -497,8 +502,22 @@ class LlamaProvider:
             h[c] = (*h[c], (toks, len(toks)))
         self._pending.pop(seq, None)
         if why is not None:
-            self._check_restore(seq, why, logits, snap, toks, pos0)
+            self._check_restore(seq, why, logits, snap, toks, pos0, window_short=short)
         return 0
+
+    def _window_short(self, seq: int, why: str, pos0: int) -> bool:
+        """After a partial (checkpoint) restore, the SWA cells of ``seq`` start above the window of
+        the token at ``pos0``: it will attend without a position inside its window.
+
+        ``llama_state_seq_get_data`` saves only the SWA cells not masked for the sequence's pos_max
+        (src/llama-kv-cache.cpp:2094), so a checkpoint restored and then cut below its pos_max (the
+        server's [TAG_PROMPT_LOGITS] step back) holds ``[pos_max - n_swa + 1, ...]`` while the token
+        at ``pos0`` needs ``[pos0 - n_swa + 1, ...]`` (LLAMA_SWA_TYPE_STANDARD: a cell is masked when
+        ``p1 - p0 >= n_swa``). The known finding ``swa-restore-window-short``.
+        """
+        if self.n_swa <= 0 or pos0 <= 0 or not why.startswith(f"set_data(flags={STATE_SEQ_FLAGS_PARTIAL_ONLY})"):
+            return False
+        return self.memory_seq_pos_min(seq) > max(0, pos0 - self.n_swa + 1)
 
     def verify(self, seq: int, why: str = "verify", token: int = 3) -> bool:
         """Decode one probe token on ``seq`` and compare it with a fresh evaluation (a restore check).
@@ -521,7 +540,17 @@ class LlamaProvider:
         n = int(ll.llama_state_seq_get_data_ext(ctx, buf, size, seq, flags))
         return ctypes.string_at(buf, n)
 
-    def _check_restore(self, seq: int, why: str, logits: bytes, snap: bytes, toks: tuple[int, ...], pos0: int) -> None:
+    def _check_restore(
+        self,
+        seq: int,
+        why: str,
+        logits: bytes,
+        snap: bytes,
+        toks: tuple[int, ...],
+        pos0: int,
+        *,
+        window_short: bool = False,
+    ) -> None:
         """Compare with a fresh evaluation; tell a wrong state from a different KV cell layout.
 
         When the logits differ, the sequence's full state as it was right before this decode
@@ -569,6 +598,10 @@ class LlamaProvider:
             # earlier one, whose cells it kept) began: the known finding, not the provider's restore.
             # The layout test cannot tell: its snapshot was taken before the copy ran.
             self.finding_diffs.setdefault(PENDING_CP_FINDING, []).append(m)
+        elif window_short:
+            # the restored SWA cells start above this token's window (:meth:`_window_short`): the
+            # known finding, not the provider's restore; the compacted state lacks the cell too
+            self.finding_diffs.setdefault(SWA_WINDOW_FINDING, []).append(m)
         elif self._compacted_logits(snap, toks, pos0) == ref:
             self.layout_diffs.append(m)
         elif self._kv_unified and m.max_abs_diff <= UNIFIED_LAYOUT_TOLERANCE * scale:
