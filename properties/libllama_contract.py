@@ -517,6 +517,14 @@ def _maxdiff(a: bytes, b: bytes) -> tuple[float, float]:
     return max(abs(u - v) for u, v in zip(x, y, strict=True)), max(abs(v) for v in y) or 1.0
 
 
+# A unified KV whose window cache's cell reuse the reference does not follow (gemma2): a difference up
+# to this fraction of the largest logit is the layout finding. Layout rounding alone reached 1.7 % on
+# llama (tests/test_libllama_contract.py, seed 0's llama_kvu) and 1.09 % on gemma2 after a partial
+# restore that left the sequence's state byte for byte as it was (the same file, seed 0's
+# gemma2_kvu_swafull); a wrong or stale state moves logits by 10 % and more.
+WINDOW_LAYOUT_TOLERANCE = 2 * UNIFIED_LAYOUT_TOLERANCE
+
+
 # ---- the machine ---------------------------------------------------------------------------------
 
 
@@ -720,7 +728,7 @@ class ContractMachine(RuleBasedStateMachine):
                 d, scale = _maxdiff(got, ref)
                 # bit for bit where the reference follows the cell order; else a unified KV's layout
                 # rounding is bounded (gemma2's window cache, whose cell reuse the reference does not follow)
-                if self.ordered or not (self.cfg.kv_unified and d <= UNIFIED_LAYOUT_TOLERANCE * scale):
+                if self.ordered or not (self.cfg.kv_unified and d <= WINDOW_LAYOUT_TOLERANCE * scale):
                     self._violation(
                         s,
                         "next-decode-equals-fresh",
