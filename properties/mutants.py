@@ -28,7 +28,7 @@ from harness.model.memory import Payload
 from harness.model.semantics import MASTER, SHARED, Semantics
 from harness.model.server_context import ServerContext, ServerSlot
 from properties.machine import MachineConfig
-from properties.run import machines_for, make_settings, run_machine
+from properties.run import SHRINK_SECONDS, machines_for, make_settings, run_machine
 
 __all__ = ["MUTANTS", "Mutant", "config", "kill", "resolve"]
 
@@ -338,7 +338,7 @@ MUTANTS: dict[str, Mutant] = {
         # killed on the gate's recurrent machine (two entries that beat the slot, one better): its own first
         _m("load-first-usable", "load_choice", _LoadFirstUsable, kind="recurrent", machine=(("kv_unified", True),)),
         _m("evict-newest", "alloc_eviction", _EvictNewest),
-        _m("evict-one-more", "update_eviction", _EvictOneMore),
+        _m("evict-one-more", "update_eviction", _EvictOneMore, draft=True),  # killed on the draft machine
         # only the token limit is at stake: a machine with the byte limit off and little KV room (n_ctx 24:
         # three short prompts pass the token limit; at the gate's 44 the shrunk program needed 11 steps)
         _m(
@@ -349,7 +349,7 @@ MUTANTS: dict[str, Mutant] = {
             machine=(("kv_unified", True), ("cache_ram", -1), ("n_ctx", 24)),
         ),
         _m("no-min-step-thinning", "checkpoint_policy", _NoMinStepThinning),
-        _m("failed-load-keeps-slot", "restore_failure", _FailedLoadKeepsSlot),
+        _m("failed-load-keeps-slot", "restore_failure", _FailedLoadKeepsSlot, kind="iswa"),  # killed on iswa
         # killed on the gate's draft machine: its own first
         _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored, draft=True),
         _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
@@ -385,14 +385,15 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
     cfg_settings = make_settings("ci", None, max_examples)
     t0 = time.perf_counter()
     own = config(name)
-    configs = [own] + [replace(c, semantics=name, resolve=resolve) for c in machines_for("shared", "ci")]
+    gate = [replace(c, semantics=name, resolve=resolve) for c in machines_for("shared", "ci")]
+    configs = [own] + [c for c in gate if c != own]  # its own machine is often one of the gate's: once
     # a mutant that survives one seed gets two more before it counts as surviving
     for cfg, s in ((c, s) for s in (seed, seed + 1, seed + 2) for c in configs):
         replay = f"python -m harness mutants --only {name} --seed {s}"
         start = time.perf_counter() - t0
         phases: list[dict[str, Any]] = []
         with cast(Any, collector).with_value(phases.append):  # Hypothesis' phase statistics (typed None)
-            r = run_machine(cfg, cfg_settings, s, replay)
+            r = run_machine(cfg, cfg_settings, s, replay, shrink_seconds=SHRINK_SECONDS["ci"])
         if r.failure is not None:
             f = r.failure
 

@@ -14,6 +14,7 @@ from typing import Any, ClassVar
 
 import pytest
 from hypothesis import strategies as st
+from hypothesis.internal.conjecture import engine
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from harness.backends.base import GateOptions
@@ -118,6 +119,21 @@ def test_a_failure_is_shrunk_on_a_step_count_cut_to_the_steps_it_failed_at() -> 
     # ... and from then on no example ran longer than it: the shrinking run's step count is its steps
     assert max(n for n, _ in _Sums.examples[first:]) == found
     assert max(n for n, _ in _Sums.examples[:first]) > found  # while finding, examples ran longer
+
+
+def test_a_shrink_budget_stops_the_shrinker_and_keeps_a_failing_program(capsys: pytest.CaptureFixture[str]) -> None:
+    limit = engine.MAX_SHRINKING_SECONDS
+    shrunk: dict[float | None, int] = {}
+    for budget in (None, 0.0):
+        _Sums.examples.clear()
+        with pytest.raises(Violation) as e:
+            run_seeded(_Sums, make_settings("ci", None, 300), 0, shrink_seconds=budget)
+        first = next(i for i, (_, failed) in enumerate(_Sums.examples) if failed)
+        shrunk[budget] = len(_Sums.examples) - first  # examples run from the failure on
+        assert "state.add(" in "\n".join(getattr(e.value, "__notes__", []))  # a program, failing
+    assert shrunk[0.0] < shrunk[None]  # no time to shrink: the replay and the final run only
+    assert limit == engine.MAX_SHRINKING_SECONDS  # put back
+    assert "working to shrink" not in capsys.readouterr().out  # the engine's warning is not printed
 
 
 def test_the_fuzz_profile_replays_its_saved_failure_first(tmp_path: Path) -> None:
