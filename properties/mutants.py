@@ -28,7 +28,7 @@ from harness.model.memory import Payload
 from harness.model.semantics import MASTER, SHARED, Semantics
 from harness.model.server_context import ServerContext, ServerSlot
 from properties.machine import MachineConfig
-from properties.run import SHRINK_SECONDS, machines_for, make_settings, run_machine
+from properties.run import SHRINKS, machines_for, make_settings, run_machine
 
 __all__ = ["MUTANTS", "Mutant", "config", "kill", "resolve"]
 
@@ -393,7 +393,7 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
         start = time.perf_counter() - t0
         phases: list[dict[str, Any]] = []
         with cast(Any, collector).with_value(phases.append):  # Hypothesis' phase statistics (typed None)
-            r = run_machine(cfg, cfg_settings, s, replay, shrink_seconds=SHRINK_SECONDS["ci"])
+            r = run_machine(cfg, cfg_settings, s, replay, shrinks=SHRINKS["ci"])
         if r.failure is not None:
             f = r.failure
 

@@ -37,7 +37,6 @@ from hypothesis.database import (
 from hypothesis.errors import InvalidArgument
 from hypothesis.internal.conjecture import engine as _engine
 from hypothesis.internal.conjecture import providers as _providers
-from hypothesis.reporting import current_reporter, with_reporter
 from hypothesis.stateful import RULE_MARKER, RuleBasedStateMachine, get_state_machine_test
 
 from harness.errors import PropertyFailure, UsageError
@@ -45,7 +44,7 @@ from properties.machine import MachineConfig, TargetCrash, machine_class
 
 __all__ = [
     "PROFILES",
-    "SHRINK_SECONDS",
+    "SHRINKS",
     "Failure",
     "MachineResult",
     "commit",
@@ -201,35 +200,29 @@ def _pinned_constants() -> Iterator[None]:
         cache.clear()
 
 
-# Seconds Hypothesis' shrinker may spend on a synthetic machine's failure before :func:`tidy` deletes the
-# steps it does not need (bench mutants, 23 mutants: uncapped, the shrink was 11 of a median kill's 12.5
-# s; capped at 3 s the shrunk programs had the same steps, at 1 s a median of 4 and a max of 10). The
-# fuzz profile, which a user runs to get the best program, keeps a longer budget.
-SHRINK_SECONDS: dict[str, float] = {"ci": 1.0, "fuzz": 30.0}
+# How many times Hypothesis' shrinker may shrink a synthetic machine's failure (a smaller failing example
+# found) before :func:`tidy` deletes the steps it does not need. A count, not a time, so the program
+# and the failure reported for a seed do not depend on the machine's speed. Bench mutants, 23 mutants:
+# with Hypothesis' own 500 the shrink was 11 of a median kill's 12.5 s; with 15 the median kill is
+# 1.2 s and the median program 4 steps (max 9). The fuzz profile keeps Hypothesis' own limit.
+SHRINKS: dict[str, int | None] = {"ci": 15, "fuzz": None}
 
 
 @contextmanager
-def _shrink_budget(seconds: float | None) -> Iterator[None]:
-    """Stop Hypothesis' shrinker after ``seconds`` (hypothesis/internal/conjecture/engine.py
-    ``MAX_SHRINKING_SECONDS``, 300 there; read when the shrink phase starts) without its warning that
-    it stopped; None leaves Hypothesis' own limit. It keeps the smallest failing example found so far."""
+def _shrink_limit(shrinks: int | None) -> Iterator[None]:
+    """Stop Hypothesis' shrinker after ``shrinks`` shrinks (hypothesis/internal/conjecture/engine.py
+    ``MAX_SHRINKS``, 500 there, read after each one); None leaves Hypothesis' own limit. It reports the
+    smallest failing example found by then."""
     eng: Any = _engine
-    old = getattr(eng, "MAX_SHRINKING_SECONDS", None)
-    if seconds is None or not isinstance(old, int | float):
+    old = getattr(eng, "MAX_SHRINKS", None)
+    if shrinks is None or not isinstance(old, int):
         yield
         return
-    outer = current_reporter()
-
-    def quiet_about_the_budget(text: object) -> None:  # the engine's "more than five minutes" warning
-        if "working to shrink" not in str(text):
-            outer(text)
-
-    eng.MAX_SHRINKING_SECONDS = seconds
+    eng.MAX_SHRINKS = shrinks
     try:
-        with with_reporter(quiet_about_the_budget):
-            yield
+        yield
     finally:
-        eng.MAX_SHRINKING_SECONDS = old
+        eng.MAX_SHRINKS = old
 
 
 def run_seeded(
@@ -237,14 +230,14 @@ def run_seeded(
     cfg_settings: settings,
     seed_value: int,
     *,
-    shrink_seconds: float | None = None,
+    shrinks: int | None = None,
 ) -> None:
     with _pinned_constants():
-        _run_seeded(factory, cfg_settings, seed_value, shrink_seconds)
+        _run_seeded(factory, cfg_settings, seed_value, shrinks)
 
 
 def _run_seeded(
-    factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int, shrink_seconds: float | None
+    factory: Callable[[], RuleBasedStateMachine], cfg_settings: settings, seed_value: int, shrinks: int | None
 ) -> None:
     """Run a state machine as a test under ``cfg_settings``, its randomness derived from ``seed_value``
     alone (:func:`_pinned_constants`).
@@ -289,7 +282,7 @@ def _run_seeded(
         if not _with_database(again, handoff):
             raise
         try:
-            with _shrink_budget(shrink_seconds):
+            with _shrink_limit(shrinks):
                 again()
         except Exception as shrunk:
             raise shrunk from None
@@ -442,12 +435,12 @@ def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> 
 
 
 def run_machine(
-    cfg: MachineConfig, cfg_settings: settings, seed_value: int, replay: str, *, shrink_seconds: float | None = None
+    cfg: MachineConfig, cfg_settings: settings, seed_value: int, replay: str, *, shrinks: int | None = None
 ) -> MachineResult:
     """Run the machine of ``cfg`` with ``seed_value``; a failure is caught and returned with its program.
 
-    ``shrink_seconds`` caps Hypothesis' shrinker on a synthetic machine (:data:`SHRINK_SECONDS`); a
-    machine on a real target shrinks as long as Hypothesis likes (a capped shrink there left programs
+    ``shrinks`` limits Hypothesis' shrinker on a synthetic machine (:data:`SHRINKS`); a machine on a
+    real target shrinks as long as Hypothesis likes (a shrink cut short there left programs
     :func:`tidy` could not cut: 9 steps against 6). Then :func:`tidy` cuts the program of either.
     """
     cls = machine_class(cfg)
@@ -461,7 +454,7 @@ def run_machine(
     t0 = time.perf_counter()
     failure: Failure | None = None
     try:
-        run_seeded(cls, cfg_settings, seed_value, shrink_seconds=None if cfg.arch else shrink_seconds)
+        run_seeded(cls, cfg_settings, seed_value, shrinks=None if cfg.arch else shrinks)
     except PropertyFailure as e:
         program, steps = _program(cfg, getattr(e, "__notes__", []))
         kind = "crash" if isinstance(e, TargetCrash) else "violation"

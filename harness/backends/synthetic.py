@@ -17,7 +17,7 @@ from hypothesis import settings
 from harness.backends.base import Backend, GateOptions, GateReport, Out
 from harness.findings import finding
 from properties.machine import MachineConfig
-from properties.run import SHRINK_SECONDS, machines_for, make_settings, run_machine
+from properties.run import SHRINKS, machines_for, make_settings, run_machine
 
 __all__ = ["KNOWN_MACHINES", "SyntheticBackend"]
 
@@ -65,12 +65,12 @@ class SyntheticBackend(Backend):
             f"steps={cfg_settings.stateful_step_count}"
         )
         for cfg in configs:
-            r = run_machine(cfg, cfg_settings, opts.seed, replay, shrink_seconds=SHRINK_SECONDS[opts.profile])
+            r = run_machine(cfg, cfg_settings, opts.seed, replay, shrinks=SHRINKS[opts.profile])
             report.machines.append(r)
             status = "ok  " if r.failure is None else "FAIL"
             out(f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks {r.seconds:6.1f}s")
         if self.known:
-            run_known(report, opts.semantics, cfg_settings, opts.seed, replay, SHRINK_SECONDS[opts.profile])
+            run_known(report, opts.semantics, cfg_settings, opts.seed, replay, SHRINKS[opts.profile])
 
 
 def run_known(
@@ -79,12 +79,12 @@ def run_known(
     cfg_settings: settings,
     seed: int,
     replay: str,
-    shrink_seconds: float = SHRINK_SECONDS["ci"],
+    shrinks: int | None = SHRINKS["ci"],
 ) -> None:
     """One machine per known finding of the model; each must fail only where its finding says."""
     for fid, (config, expects) in KNOWN_MACHINES.items():
         kcfg = config(semantics)
-        r = run_machine(kcfg, cfg_settings, seed, replay, shrink_seconds=shrink_seconds)
+        r = run_machine(kcfg, cfg_settings, seed, replay, shrinks=shrinks)
         f = finding(fid)
         if r.failure is None:
             report.known.append(f.entry(kcfg.class_name, "not-reproduced"))

@@ -279,10 +279,13 @@ class SyntheticProvider:
             self.memory_seq_rm(seq, -1, -1)
             return 0
         by_id = {c.cid: c for c in s.comps}
-        # the restored cells must find room in the KV cache (llama_kv_cache::state_read_meta)
+        # the restored cells must find room in the KV cache (llama_kv_cache::state_read_meta); a state
+        # without KV cells (a hybrid's partial one: the recurrent part only) needs none, and is read
+        # even where this count of all sequences' cells is above n_ctx (cells a seq_cp into another
+        # stream added: per-slot KV streams each have their own room, which this count does not split)
         freed = sum(by_id[cid].cells() for cid, _, _ in parsed if cid != _RS)
         needed = sum(len(h) - lo for cid, h, lo in parsed if cid != _RS)
-        if self.kv_cells_used() - freed + needed > self.n_ctx:
+        if needed > 0 and self.kv_cells_used() - freed + needed > self.n_ctx:
             self.memory_seq_rm(seq, -1, -1)
             return 0
         for cid, hist, lo in parsed:
