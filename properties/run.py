@@ -440,8 +440,9 @@ def run_machine(
     """Run the machine of ``cfg`` with ``seed_value``; a failure is caught and returned with its program.
 
     ``shrinks`` limits Hypothesis' shrinker on a synthetic machine (:data:`SHRINKS`); a machine on a
-    real target shrinks as long as Hypothesis likes (a shrink cut short there left programs
-    :func:`tidy` could not cut: 9 steps against 6). Then :func:`tidy` cuts the program of either.
+    real target shrinks as long as Hypothesis likes (``corrupt-checkpoint-restore``: a shrink cut
+    short after 1 s left a program :func:`tidy` cut to 9 steps, a whole one 6). Then :func:`tidy`
+    cuts the program of either.
     """
     cls = machine_class(cfg)
     cls.stats_checked.clear()
