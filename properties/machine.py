@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import time
 from collections import Counter
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -452,27 +451,6 @@ class PromptCacheMachine(RuleBasedStateMachine):
 _CLASSES: dict[MachineConfig, type[PromptCacheMachine]] = {}
 
 
-def _never_enabled(config: MachineConfig) -> tuple[str, ...]:
-    """The rules whose precondition ``config`` makes false for good: with the byte limit off
-    (``cache_ram`` <= 0) ``arm_fault`` and ``set_limit`` never run."""
-    return ("arm_fault", "set_limit") if config.cache_ram <= 0 else ()
-
-
-def _not_drawn(name: str) -> Callable[..., None]:
-    """Rule ``name`` as a plain method: Hypothesis does not draw it (a rule never enabled still costs
-    draws: the rule filter and the swarm flags pick it and throw it away; bench exploration, the two
-    ``nobytes`` machines: 0.48-0.59 of the trivial machine's rate with it, 0.56-0.76 without), and a
-    pasted program may still call it."""
-    rule_fn = getattr(PromptCacheMachine, name)
-
-    def step(self: PromptCacheMachine, *args: Any, **kw: Any) -> None:
-        rule_fn(self, *args, **kw)
-
-    step.__name__ = step.__qualname__ = name
-    step.__doc__ = rule_fn.__doc__
-    return step
-
-
 def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
     """The concrete machine for ``config``, registered in this module under ``config.class_name``."""
     key = replace(config, resolve=None)
@@ -482,7 +460,6 @@ def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
             config.class_name,
             (PromptCacheMachine,),
             {
-                **{name: _not_drawn(name) for name in _never_enabled(config)},
                 "config": config,
                 "stats_checked": Counter(),
                 "stats_seconds": Counter(),

@@ -22,7 +22,7 @@ from harness.backends.synthetic import KNOWN_MACHINES, SyntheticBackend
 from harness.commands.gate import run_gate as _run_gate
 from harness.commands.mutants import kill
 from properties.invariants import INVARIANTS, Violation
-from properties.machine import MachineConfig, TargetCrash, machine_class
+from properties.machine import MachineConfig, TargetCrash
 from properties.mutants import MUTANTS
 from properties.mutants import config as mutant_config
 from properties.run import _program, machines_for, make_settings, run_machine, run_seeded
@@ -136,21 +136,6 @@ def test_a_shrink_limit_stops_the_shrinker_and_keeps_a_failing_program() -> None
         runs[shrinks] = list(_Sums.examples)
     assert len(runs[1]) < len(runs[None])  # stopped after the first smaller failing example
     assert limit == engine.MAX_SHRINKS  # put back
-
-
-def test_a_rule_the_configuration_never_enables_is_not_drawn_but_still_callable() -> None:
-    def rules(cache_ram: int) -> set[str]:
-        cfg = MachineConfig("shared", "transformer", kv_unified=True, cache_ram=cache_ram, n_ctx=44)
-        return {r.function.__name__ for r in machine_class(cfg).setup_state().rules}
-
-    assert {"arm_fault", "set_limit"} <= rules(6)
-    assert {"arm_fault", "set_limit"}.isdisjoint(rules(-1)) and {"request", "arm_restore_fault"} <= rules(-1)
-    state = machine_class(MachineConfig("shared", "transformer", kv_unified=True, cache_ram=-1, n_ctx=44))()
-    try:
-        state.arm_fault(kind="oom-transient", nth=1)  # a pasted program may still name it
-        assert state.server.host.seam.armed
-    finally:
-        state.teardown()
 
 
 def test_the_fuzz_profile_replays_its_saved_failure_first(tmp_path: Path) -> None:
