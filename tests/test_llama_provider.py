@@ -238,29 +238,22 @@ def test_the_deferred_seq_cp_excuse_covers_only_the_overwritten_sequence() -> No
         assert len(p.finding_diffs[PENDING_CP_FINDING]) == 1 and p.finding_diffs[PENDING_CP_FINDING][0].seq == 1
 
 
+def _reproducer(path: str, arg: str, timeout: float = 120) -> str:
+    """Run a finding's standalone reproducer; it must exit 1 (the bug is present). Its output."""
+    r = subprocess.run([sys.executable, path, arg], cwd=ROOT, capture_output=True, text=True, timeout=timeout)
+    assert r.returncode == 1, r.stdout + r.stderr
+    return r.stdout
+
+
 def test_pending_child_copy_reproducer_exits_1_while_present() -> None:
     assert finding(PENDING_CP_FINDING).reproducer == "fixtures/findings/cache_load_into_pending_child_copy.py"
-    r = subprocess.run(
-        [sys.executable, "fixtures/findings/cache_load_into_pending_child_copy.py", "gemma2"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "identical to cache entry" in r.stdout and "differ from a fresh evaluation" in r.stdout
+    out = _reproducer("fixtures/findings/cache_load_into_pending_child_copy.py", "gemma2")
+    assert "identical to cache entry" in out and "differ from a fresh evaluation" in out
 
 
 def test_layout_finding_reproducer_exits_1_while_present() -> None:
-    r = subprocess.run(
-        [sys.executable, "fixtures/findings/kv_layout_logits.py", "llama"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "differ" in r.stdout and "identical to the fresh evaluation" in r.stdout
+    out = _reproducer("fixtures/findings/kv_layout_logits.py", "llama")
+    assert "differ" in out and "identical to the fresh evaluation" in out
 
 
 def test_check_restore_equivalence_fails_the_invariant_with_the_mismatch_line() -> None:
@@ -346,12 +339,5 @@ def test_an_swa_checkpoint_cut_below_its_window_is_the_known_finding() -> None:
 
 def test_swa_window_reproducer_exits_1_while_present() -> None:
     assert finding(SWA_WINDOW_FINDING).reproducer == "fixtures/findings/swa_restore_window_short.py"
-    r = subprocess.run(
-        [sys.executable, "fixtures/findings/swa_restore_window_short.py", "pr"],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert r.returncode == 1, r.stdout + r.stderr
-    assert "checkpoint pos_max 17 restored: True" in r.stdout and "(without checkpoints it is right)" in r.stdout
+    out = _reproducer("fixtures/findings/swa_restore_window_short.py", "pr", timeout=300)
+    assert "checkpoint pos_max 17 restored: True" in out and "(without checkpoints it is right)" in out
