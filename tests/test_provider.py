@@ -198,3 +198,14 @@ def test_seq_cp_copies_whole_sequence() -> None:
     p.memory_seq_cp(0, 1, -1, -1)
     assert p.seq_tokens(1) == tuple(range(1, 8))
     assert p.state_seq_get_data_ext(1, FULL) == p.state_seq_get_data_ext(0, FULL)
+
+
+def test_a_partial_hybrid_restore_needs_no_kv_room() -> None:
+    # a hybrid's partial state is the recurrent part only: no KV cell to place, so it is read even
+    # where the count of all sequences' cells is above n_ctx (a seq_cp filled another stream)
+    p = SyntheticProvider(MemoryKind.HYBRID, n_seq=2, n_ctx=32)
+    assert p.decode(0, list(range(1, 18)), 0) == 0
+    part = p.state_seq_get_data_ext(0, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+    p.memory_seq_cp(0, 1, -1, -1)
+    assert p.kv_cells_used() > 32
+    assert p.state_seq_set_data_ext(0, part, STATE_SEQ_FLAGS_PARTIAL_ONLY) == len(part)
