@@ -232,9 +232,16 @@ class PromptCacheMachine(RuleBasedStateMachine):
         id_slot=st.integers(-1, 1),
         n_cmpl=st.integers(1, 2),
         n_predict=st.integers(1, 4),
+        overlap=st.booleans(),
     )
-    def request(self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int) -> None:
-        """A completion request: a prefix of a slot's or a cache entry's prompt, then new tokens."""
+    def request(
+        self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int, overlap: bool = True
+    ) -> None:
+        """A completion request: a prefix of a slot's or a cache entry's prompt, then new tokens.
+
+        ``overlap=False`` (the simplest value, where the shrinker goes) then runs every processing slot
+        to completion, as :meth:`finish`: a client that waits for its answer is one step, not two.
+        ``overlap=True`` leaves it processing, for the steps that overlap it."""
         tokens = (self._base(source)[:keep] + tuple(suffix))[-MAX_PROMPT:] or (1,)
         if tokens[0] != BOS and "no-bos" not in self.config.known:
             # llama-server's tokenizer adds BOS: prompts share their first token. Without it a
@@ -253,6 +260,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
             n_cmpl=n_cmpl,
             n_predict=n_predict,
         )
+        if not overlap:
+            self._guard("update_slots", self.server.run_until_idle)
 
     @precondition(lambda self: self._busy())
     @rule()

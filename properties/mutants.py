@@ -345,6 +345,7 @@ MUTANTS: dict[str, Mutant] = {
             "token-limit-needs-ram",
             "update_eviction",
             _TokenLimitNeedsRam,
+            also=frozenset({"limit"}),  # the entries it leaves over the token limit break the limit itself
             kind="transformer",
             machine=(("kv_unified", True), ("cache_ram", -1), ("n_ctx", 24)),
         ),

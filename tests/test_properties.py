@@ -22,7 +22,7 @@ from harness.backends.synthetic import KNOWN_MACHINES, SyntheticBackend
 from harness.commands.gate import run_gate as _run_gate
 from harness.commands.mutants import kill
 from properties.invariants import INVARIANTS, Violation
-from properties.machine import MachineConfig, TargetCrash
+from properties.machine import MachineConfig, TargetCrash, machine_class
 from properties.mutants import MUTANTS
 from properties.mutants import config as mutant_config
 from properties.run import _program, machines_for, make_settings, run_machine, run_seeded
@@ -69,6 +69,21 @@ def test_mutant_is_killed_by_its_property(name: str) -> None:
     # the kill's time splits into finding the failure and shrinking it (Hypothesis' phase statistics)
     assert row["detect_seconds"] > 0 and row["shrink_seconds"] >= 0
     assert row["detect_seconds"] + row["shrink_seconds"] <= row["seconds"] + 0.05
+
+
+def test_a_request_that_does_not_overlap_is_one_step_to_completion() -> None:
+    # overlap=False (the shrinker's simplest value) is request + finish in one step; overlap=True, and a
+    # program written before the argument existed, leave the request processing for the steps after it
+    cls = machine_class(MachineConfig("shared", "hybrid"))
+    args = {"source": 0, "keep": 0, "suffix": [5, 6, 7], "id_slot": 0, "n_cmpl": 1, "n_predict": 4}
+    waited, overlapped, old = cls(), cls(), cls()
+    waited.request(**args, overlap=False)
+    overlapped.request(**args, overlap=True)
+    old.request(**args)
+    assert not waited._busy() and overlapped._busy() and old._busy()
+    overlapped.finish()
+    assert waited.server.slots[0].prompt.tokens == overlapped.server.slots[0].prompt.tokens
+    assert len(waited.server.slots[0].prompt.tokens) > 4  # the prompt and its generated tokens
 
 
 def test_a_mutant_program_rebuilds_the_machine_that_killed_it() -> None:

@@ -79,8 +79,11 @@ class TrivialMachine(RuleBasedStateMachine):
         id_slot=st.integers(-1, 1),
         n_cmpl=st.integers(1, 2),
         n_predict=st.integers(1, 4),
+        overlap=st.booleans(),
     )
-    def request(self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int) -> None:
+    def request(
+        self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int, overlap: bool
+    ) -> None:
         pass
 
     @rule()
