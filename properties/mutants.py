@@ -329,7 +329,14 @@ MUTANTS: dict[str, Mutant] = {
         _m("evict-forgets-release", "refcount", _EvictForgetsRelease),
         _m("half-built-entry", "no_partial_entries", _HalfBuiltEntry),
         _m("load-keeps-entry", "load_transfer", _LoadKeepsEntry),
-        _m("keeps-prefixes", "no_prefix_entries", _KeepsPrefixes, also=frozenset({"alloc_eviction"})),
+        # on a transformer: no checkpoints, so the entry a prefix leaves behind is all that differs (3-4 steps)
+        _m(
+            "keeps-prefixes",
+            "no_prefix_entries",
+            _KeepsPrefixes,
+            also=frozenset({"alloc_eviction"}),
+            kind="transformer",
+        ),
         _m("no-checkpoint-cap", "checkpoint_lists", _NoCheckpointCap, also=frozenset({"checkpoint_policy"})),
         _m("no-invalidation", "checkpoint_lists", _NoInvalidation),
         _m("idle-caching-saves-busy", "busy_slot_untouched", _IdleCachingSavesBusy),
