@@ -387,6 +387,10 @@ def _failure_of(program: str) -> PropertyFailure | None:
     return None
 
 
+def _overlaps(line: str) -> bool:
+    return line.startswith("state.request(") and "overlap=True" in line
+
+
 def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> str:
     """The shrunk program without the steps its failure does not need: a last pass after Hypothesis.
 
@@ -394,9 +398,11 @@ def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> 
     ``set_limit`` to the limit already set) is cheap to keep and its simplest form: repeated
     ``set_limit(cache_ram=1)`` lines survived it. Here each step (its line and the invariant check
     after it) is deleted in turn, last first, then each two neighbouring steps (a request and the
-    ``finish`` that completes it go together), and a deletion is kept when the program still fails
-    on property ``name`` the same way (a crash stays a crash); passes repeat until none deletes a
-    step or ``budget`` seconds are spent. A synthetic machine's program runs in milliseconds; one on
+    ``finish`` that completes it go together), then each ``request(overlap=True)`` followed by
+    ``finish()`` becomes one ``request(overlap=False)``, the same server work in one step (only the
+    invariant check between the two goes). A change is kept when the program still fails on
+    property ``name`` the same way (a crash stays a crash); passes repeat until none changes a step
+    or ``budget`` seconds are spent. A synthetic machine's program runs in milliseconds; one on
     libllama makes its contexts again each time (freed with the machine), which the budget bounds."""
     lines = program.splitlines()
     try:
@@ -430,6 +436,14 @@ def tidy(program: str, name: str, crash: bool, budget: float = TIDY_SECONDS) -> 
                     break
                 if i + width <= len(steps) and same(steps[:i] + steps[i + width :]):
                     del steps[i : i + width]
+                    changed = True
+        for i in range(len(steps) - 2, -1, -1):  # a request and the finish right after it: one step
+            if time.perf_counter() >= deadline:
+                break
+            if i + 1 < len(steps) and _overlaps(steps[i][0]) and steps[i + 1][0] == "state.finish()":
+                merged = [steps[i][0].replace("overlap=True", "overlap=False"), *steps[i][1:]]
+                if same([*steps[:i], merged, *steps[i + 2 :]]):
+                    steps[i : i + 2] = [merged]
                     changed = True
     return "\n".join(head + [x for st in steps for x in st] + tail)
 

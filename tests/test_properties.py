@@ -25,7 +25,16 @@ from properties.invariants import INVARIANTS, Violation
 from properties.machine import MachineConfig, TargetCrash, machine_class
 from properties.mutants import MUTANTS
 from properties.mutants import config as mutant_config
-from properties.run import _program, machines_for, make_settings, run_machine, run_seeded
+from properties.run import (
+    _count_steps,
+    _failure_of,
+    _program,
+    machines_for,
+    make_settings,
+    run_machine,
+    run_seeded,
+    tidy,
+)
 
 
 def run_gate(
@@ -84,6 +93,42 @@ def test_a_request_that_does_not_overlap_is_one_step_to_completion() -> None:
     overlapped.finish()
     assert waited.server.slots[0].prompt.tokens == overlapped.server.slots[0].prompt.tokens
     assert len(waited.server.slots[0].prompt.tokens) > 4  # the prompt and its generated tokens
+
+
+TOKEN_LIMIT_PROGRAM = """import properties.mutants
+from properties.machine import MachineConfig, machine_class
+M = machine_class(MachineConfig(semantics='token-limit-needs-ram', kind='transformer', kv_unified=True, cache_ram=-1, \
+n_ctx=24, resolve=properties.mutants.resolve))
+state = M()
+state.state_invariants()
+state.request(id_slot=1, keep=0, n_cmpl=2, n_predict=3, overlap=True, source=0, suffix=[21])
+state.state_invariants()
+state.finish()
+state.state_invariants()
+state.request(id_slot=-1, keep=19, n_cmpl=2, n_predict=1, overlap=True, source=0, suffix=[18, 22, 4, 7, 17])
+state.state_invariants()
+state.finish()
+state.state_invariants()
+state.request(id_slot=0, keep=0, n_cmpl=1, n_predict=2, overlap=False, source=0, suffix=[9])
+state.state_invariants()
+state.request(id_slot=1, keep=31, n_cmpl=1, n_predict=4, overlap=False, source=3, suffix=[4, 18, 10])
+state.state_invariants()
+state.request(id_slot=0, keep=18, n_cmpl=1, n_predict=4, overlap=False, source=5, suffix=[1, 15, 21, 9])
+state.state_invariants()
+state.request(id_slot=0, keep=0, n_cmpl=2, n_predict=4, overlap=True, source=4, suffix=[])
+state.teardown()"""
+
+
+def test_tidy_makes_a_request_and_its_finish_one_step() -> None:
+    # seed 1's kill of token-limit-needs-ram, as tidy left it before it merged: 8 steps, two of them a
+    # request(overlap=True) and the finish after it; neither step alone can go, the pair is one step
+    assert _count_steps(TOKEN_LIMIT_PROGRAM) == 8
+    e = _failure_of(TOKEN_LIMIT_PROGRAM)
+    assert e is not None and e.name == "limit"
+    out = tidy(TOKEN_LIMIT_PROGRAM, "limit", False)
+    assert _count_steps(out) == 6 and "finish" not in out, out
+    e = _failure_of(out)
+    assert e is not None and e.name == "limit"  # still the same failure
 
 
 def test_a_mutant_program_rebuilds_the_machine_that_killed_it() -> None:
