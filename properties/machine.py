@@ -241,7 +241,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
         ``overlap=False`` (the simplest value, where the shrinker goes) then runs every processing slot
         to completion, as :meth:`finish`: a client that waits for its answer is one step, not two.
-        ``overlap=True`` leaves it processing, for the steps that overlap it."""
+        ``overlap=True`` leaves it processing, for the steps that overlap it; it is the default because
+        a program printed before this argument existed omits it and meant that."""
         tokens = (self._base(source)[:keep] + tuple(suffix))[-MAX_PROMPT:] or (1,)
         if tokens[0] != BOS and "no-bos" not in self.config.known:
             # llama-server's tokenizer adds BOS: prompts share their first token. Without it a
