@@ -452,15 +452,20 @@ class Tracer:
 
     ``findings`` collects the values the report shows (``transient_peak`` ratios for ``master``).
     ``strict_peak``: fail the ``transient_peak`` property (True), or only record figures.
+    ``wrap=False`` wraps nothing: no post-condition runs (the bench prices them that way).
     """
 
-    def __init__(self, server: ServerContext, *, strict_peak: bool = True, shadow: Shadow | None = None) -> None:
+    def __init__(
+        self, server: ServerContext, *, strict_peak: bool = True, shadow: Shadow | None = None, wrap: bool = True
+    ) -> None:
         self.server = server
         self.strict_peak = strict_peak
         self.shadow = shadow
         self.peaks: list[tuple[int, int, int]] = []  # (peak excess, bound, S) per save
         self.checked: Counter[str] = Counter()
         self.seconds: defaultdict[str, float] = defaultdict(float)
+        if not wrap:
+            return
         cache = server.prompt_cache
         if cache is not None:
             self._wrap(cache, "alloc", self._alloc)

@@ -95,6 +95,26 @@ def test_a_request_that_does_not_overlap_is_one_step_to_completion() -> None:
     assert len(waited.server.slots[0].prompt.tokens) > 4  # the prompt and its generated tokens
 
 
+def test_a_machine_with_its_checks_off_runs_the_same_model_and_no_check() -> None:
+    # the bench prices the checks with checks_on False: no state invariant, no cache or slot
+    # post-condition, and the model's own work unchanged (same tokens in the slots and the cache)
+    cls = machine_class(MachineConfig("shared", "hybrid"))
+    off = type(cls.__name__, (cls,), {"checks_on": False})
+    states = []
+    for klass, on in ((cls, True), (off, False)):
+        m = klass()
+        for keep, suffix in ((0, [3, 4, 5, 6, 7, 8]), (4, [9, 10]), (0, [11, 12, 13, 14, 15, 16, 17])):
+            m.request(source=0, keep=keep, suffix=suffix, id_slot=-1, n_cmpl=1, n_predict=2, overlap=False)
+            m.state_invariants()
+        assert bool(m.checks) is on and bool(m.tracer.checked) is on
+        assert ("handle_completion" in vars(m.server)) is on  # inv.Tracer's wrapper
+        cache = m.server.prompt_cache
+        assert cache is not None and cache.states
+        states.append(([s.prompt.tokens for s in m.server.slots], [e.prompt.tokens for e in cache.states]))
+        m.teardown()
+    assert states[0] == states[1]
+
+
 TOKEN_LIMIT_PROGRAM = """import properties.mutants
 from properties.machine import MachineConfig, machine_class
 M = machine_class(MachineConfig(semantics='token-limit-needs-ram', kind='transformer', kv_unified=True, cache_ram=-1, \

@@ -4,7 +4,8 @@
    argument strategies with empty bodies) under the same settings (the ``ci`` profile, same seed),
    interleaved: trivial, machine, trivial, machine... The figure is the ratio of the machine's rate to
    the trivial one measured right before it, in CPU seconds of this process (``time.process_time``: the
-   other processes of a loaded machine do not count; the wall-clock rate is in the inputs).
+   other processes of a loaded machine do not count; the wall-clock rate is in the inputs). Beside
+   it, the same machine with its checks off (``checks_on``): what a check costing nothing would give.
 2. ``mutants``: seconds to kill each mutant and the steps of its shrunk program (:func:`properties.mutants.kill`),
    one repetition per seed (``--seed``, ``--seed`` + 1, ...).
 3. ``sweep``: the fault sweep's trials/s and its wall time, both semantics, both modes.
@@ -35,6 +36,7 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
+from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
@@ -60,7 +62,7 @@ from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import LlamaProvider, load_model
 from harness.targets.llama_build import cached_binary
-from properties.machine import MAX_PROMPT, REACH, PromptCacheMachine
+from properties.machine import MAX_PROMPT, REACH, PromptCacheMachine, machine_class
 from properties.mutants import MUTANTS, kill
 from properties.run import PROFILES, machines_for, make_settings, run_machine, run_seeded
 
@@ -135,6 +137,7 @@ def exploration(b: Budget) -> list[Figure]:
     cfg_settings = make_settings("ci", None, n)
     configs = machines_for("shared", "ci")[: 1 if b.quick else None]
     ratios: dict[str, list[float]] = {c.class_name: [] for c in configs}
+    unchecked: dict[str, list[float]] = {c.class_name: [] for c in configs}
     rates: dict[str, list[float]] = {c.class_name: [] for c in configs}
     splits: dict[str, list[dict[str, float]]] = {c.class_name: [] for c in configs}
     shares: list[float] = []
@@ -151,15 +154,27 @@ def exploration(b: Budget) -> list[Figure]:
             m_cpu, m_wall = time.process_time() - c0, time.perf_counter() - w0
             if result.failure is not None:
                 raise UsageError(f"{cfg.class_name} failed on seed {b.seed}: {result.failure.message}")
+            # the same machine with its checks off: how much of the gap to trivial the checks are
+            off: type[PromptCacheMachine] = type(
+                cfg.class_name, (machine_class(cfg),), {"checks_on": False, "__module__": __name__}
+            )
+            try:
+                off_cpu, _ = _timed(partial(run_seeded, off, cfg_settings, b.seed))
+            except Exception as e:  # a check that no longer runs cannot fail: this is the model itself
+                raise UsageError(f"{cfg.class_name} with its checks off failed on seed {b.seed}: {e}") from e
             trivial.append(n / t_cpu)
             rates[cfg.class_name].append(n / m_cpu)
             ratios[cfg.class_name].append(t_cpu / m_cpu)
+            unchecked[cfg.class_name].append(t_cpu / off_cpu)
             t_split, m_split = _split(t_stats), _split(m_stats)
             splits[cfg.class_name].append({**{f"machine_{k}": v for k, v in m_split.items()},
                                            **{f"trivial_{k}": v for k, v in t_split.items()}})  # fmt: skip
             # the rule bodies and checks beyond what the trivial machine's empty ones cost: this code's share
             shares.append(max(0.0, m_split["body_s"] - t_split["body_s"]) / m_cpu)
-            b.out(f"  rep {rep} {cfg.class_name:<34} ratio {t_cpu / m_cpu:.2f} ({n / m_wall:.1f} examples/s wall)")
+            b.out(
+                f"  rep {rep} {cfg.class_name:<34} ratio {t_cpu / m_cpu:.2f} ({n / m_wall:.1f} examples/s wall),"
+                f" checks off {t_cpu / off_cpu:.2f}"
+            )
     inputs: dict[str, Any] = {
         "profile": "ci",
         "examples": n,
@@ -178,6 +193,17 @@ def exploration(b: Budget) -> list[Figure]:
             split={k: round(statistics.median(x[k] for x in splits[name]), 3) for k in splits[name][0]},
         )
         for name, r in ratios.items()
+    ]
+    out += [
+        figure(
+            f"{name} / trivial, checks off",
+            "ratio",
+            r,
+            **inputs,
+            how="the same run with PromptCacheMachine.checks_on False: no state invariant and no cache or slot "
+            "post-condition runs; the ratio a check costing nothing would give",
+        )
+        for name, r in unchecked.items()
     ]
     out.append(figure("trivial machine", "examples/s", trivial, **inputs))
     out.append(
