@@ -282,7 +282,7 @@ class PolicyTracer:
     exercised (``update_eviction:tokens`` ...), to show that every rule is reached.
     """
 
-    def __init__(self, server: ServerContext, *, excuse_stale: bool = True) -> None:
+    def __init__(self, server: ServerContext, *, excuse_stale: bool = True, wrap: bool = True) -> None:
         self.server = server
         self.excuse_stale = excuse_stale
         self.checked: Counter[str] = Counter()
@@ -291,6 +291,8 @@ class PolicyTracer:
         self._restores: list[_Restore] = []
         self._failed_load_prompt: Any = None
         self.synthetic = isinstance(server.ctx_tgt, SyntheticProvider)
+        if not wrap:  # no check runs (the bench prices them that way)
+            return
         cache = server.prompt_cache
         if cache is not None:
             self._wrap(cache, "load", self._load, "load_choice")

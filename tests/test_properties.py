@@ -96,8 +96,8 @@ def test_a_request_that_does_not_overlap_is_one_step_to_completion() -> None:
 
 
 def test_a_machine_with_its_checks_off_runs_the_same_model_and_no_check() -> None:
-    # the bench prices the checks with checks_on False: no state invariant, no cache or slot
-    # post-condition, and the model's own work unchanged (same tokens in the slots and the cache)
+    # the bench prices the checks with checks_on False: no state invariant, no post-condition, and
+    # the model's own work unchanged (same tokens in the slots and the cache)
     cls = machine_class(MachineConfig("shared", "hybrid"))
     off = type(cls.__name__, (cls,), {"checks_on": False})
     states = []
@@ -108,6 +108,7 @@ def test_a_machine_with_its_checks_off_runs_the_same_model_and_no_check() -> Non
             m.state_invariants()
         assert bool(m.checks) is on and bool(m.tracer.checked) is on
         assert ("handle_completion" in vars(m.server)) is on  # inv.Tracer's wrapper
+        assert ("get_available_slot" in vars(m.server)) is on and bool(m.policy.checked) is on  # PolicyTracer's
         cache = m.server.prompt_cache
         assert cache is not None and cache.states
         states.append(([s.prompt.tokens for s in m.server.slots], [e.prompt.tokens for e in cache.states]))

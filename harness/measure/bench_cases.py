@@ -160,7 +160,7 @@ def exploration(b: Budget) -> list[Figure]:
             )
             try:
                 off_cpu, _ = _timed(partial(run_seeded, off, cfg_settings, b.seed))
-            except Exception as e:  # a check that no longer runs cannot fail: this is the model itself
+            except Exception as e:  # no check runs and no crash is judged: this is the model itself
                 raise UsageError(f"{cfg.class_name} with its checks off failed on seed {b.seed}: {e}") from e
             trivial.append(n / t_cpu)
             rates[cfg.class_name].append(n / m_cpu)
@@ -200,8 +200,8 @@ def exploration(b: Budget) -> list[Figure]:
             "ratio",
             r,
             **inputs,
-            how="the same run with PromptCacheMachine.checks_on False: no state invariant and no cache or slot "
-            "post-condition runs; the ratio a check costing nothing would give",
+            how="the same run with PromptCacheMachine.checks_on False: no state invariant, no post-condition "
+            "(inv.Tracer, PolicyTracer) and no crash judged; the ratio checks costing nothing would give",
         )
         for name, r in unchecked.items()
     ]
