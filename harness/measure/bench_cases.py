@@ -62,7 +62,7 @@ from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import LlamaProvider, load_model
 from harness.targets.llama_build import cached_binary
-from properties.machine import MAX_PROMPT, REACH, PromptCacheMachine, machine_class
+from properties.machine import MAX_PROMPT, REACH, MachineConfig, PromptCacheMachine, machine_class
 from properties.mutants import MUTANTS, kill
 from properties.run import PROFILES, machines_for, make_settings, run_machine, run_seeded
 
@@ -154,14 +154,7 @@ def exploration(b: Budget) -> list[Figure]:
             m_cpu, m_wall = time.process_time() - c0, time.perf_counter() - w0
             if result.failure is not None:
                 raise UsageError(f"{cfg.class_name} failed on seed {b.seed}: {result.failure.message}")
-            # the same machine with its checks off: how much of the gap to trivial the checks are
-            off: type[PromptCacheMachine] = type(
-                cfg.class_name, (machine_class(cfg),), {"checks_on": False, "__module__": __name__}
-            )
-            try:
-                off_cpu, _ = _timed(partial(run_seeded, off, cfg_settings, b.seed))
-            except Exception as e:  # no check runs and no crash is judged: this is the model itself
-                raise UsageError(f"{cfg.class_name} with its checks off failed on seed {b.seed}: {e}") from e
+            off_cpu = _unchecked_cpu(cfg, cfg_settings, b.seed)
             trivial.append(n / t_cpu)
             rates[cfg.class_name].append(n / m_cpu)
             ratios[cfg.class_name].append(t_cpu / m_cpu)
@@ -213,6 +206,18 @@ def exploration(b: Budget) -> list[Figure]:
         )
     )  # fmt: skip
     return out
+
+
+def _unchecked_cpu(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> float:
+    """CPU seconds of the machine of ``cfg`` with its checks off (``checks_on``): the price of the checks
+    is how much faster this is than the same machine with them."""
+    off: type[PromptCacheMachine] = type(
+        cfg.class_name, (machine_class(cfg),), {"checks_on": False, "__module__": __name__}
+    )
+    try:
+        return _timed(partial(run_seeded, off, cfg_settings, seed_value))[0]
+    except Exception as e:  # no check runs and no crash is judged: this is the model itself
+        raise UsageError(f"{cfg.class_name} with its checks off failed on seed {seed_value}: {e}") from e
 
 
 def _split(stats: list[dict[str, Any]]) -> dict[str, float]:
