@@ -95,15 +95,17 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.Capture
     assert {"exploration", "mutants", "sweep", "saves", "server", "state-io", "gate"} <= set(CASES)
 
 
-def test_quick_exploration_prices_the_checks_beside_the_ratio(tmp_path: Path) -> None:
-    # each machine's ratio to the trivial machine, and the same run with its checks off beside it
+def test_quick_exploration_divides_by_hypothesis_on_the_same_programs(tmp_path: Path) -> None:
+    # the goal is on the ratio to the replayed programs; checks off and the trivial machine beside it
     out = tmp_path / "e.json"
     assert main(["bench", "--quick", "--only", "exploration", "--json", str(out), "--md", str(tmp_path / "e.md")]) == 0
     figures = {f["name"]: f for f in json.loads(out.read_text())["cases"]["exploration"]["figures"]}
-    on, off = figures["Shared_hybrid / trivial"], figures["Shared_hybrid / trivial, checks off"]
-    assert "goal" in on and "goal" not in off
-    assert on["median"] > 0 and off["median"] > 0 and "checks_on" in off["inputs"]["how"]
-    assert "Shared_hybrid / trivial, checks off" in (tmp_path / "e.md").read_text()
+    same, off = figures["Shared_hybrid / same programs"], figures["Shared_hybrid / same programs, checks off"]
+    trivial = figures["Shared_hybrid / trivial"]
+    assert "goal" in same and "goal" not in off and "goal" not in trivial
+    assert same["inputs"]["precondition_calls"] > 0 and "replayed" in same["inputs"]["how"]
+    assert same["median"] > 0 and off["median"] > 0 and "checks_on" in off["inputs"]["how"]
+    assert "Shared_hybrid / same programs, checks off" in (tmp_path / "e.md").read_text()
 
 
 def test_quick_targeting_sets_every_reach_label_on_against_off(tmp_path: Path) -> None:

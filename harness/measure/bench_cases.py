@@ -1,11 +1,13 @@
 """The bench's cases, one function each, registered in :data:`harness.measure.bench.CASES` (issue 17).
 
-1. ``exploration``: examples/s of each gate machine against :class:`TrivialMachine` (the same rules and
-   argument strategies with empty bodies) under the same settings (the ``ci`` profile, same seed),
-   interleaved: trivial, machine, trivial, machine... The figure is the ratio of the machine's rate to
-   the trivial one measured right before it, in CPU seconds of this process (``time.process_time``: the
-   other processes of a loaded machine do not count; the wall-clock rate is in the inputs). Beside
-   it, the same machine with its checks off (``checks_on``): what a check costing nothing would give.
+1. ``exploration``: examples/s of each gate machine against Hypothesis alone on the same programs
+   (:mod:`harness.measure.baselines`: the machine's rules with empty bodies, its preconditions' answers
+   replayed, so the same choices are drawn) under the same settings (the ``ci`` profile, same seed),
+   interleaved, in CPU seconds of this process (``time.process_time``: the other processes of a loaded
+   machine do not count; the wall-clock rate is in the inputs). Beside it, the same machine with its
+   checks off (``checks_on``): what a check costing nothing would give; and the machine against
+   :data:`~harness.measure.baselines.TrivialMachine`, whose programs (every rule always valid) are
+   not the machine's.
 2. ``mutants``: seconds to kill each mutant and the steps of its shrunk program (:func:`properties.mutants.kill`),
    one repetition per seed (``--seed``, ``--seed`` + 1, ...).
 3. ``sweep``: the fault sweep's trials/s and its wall time, both semantics, both modes.
@@ -40,9 +42,7 @@ from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
-from hypothesis import strategies as st
 from hypothesis.database import InMemoryExampleDatabase
-from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 from hypothesis.statistics import collector
 
 from faults.scenarios import SCENARIOS
@@ -54,6 +54,7 @@ from harness.campaign.machines import machines as campaign_machines
 from harness.campaign.runner import run_batch
 from harness.child import run_child
 from harness.errors import UsageError
+from harness.measure.baselines import PreconditionTape, TrivialMachine, empty_machine, recording
 from harness.measure.bench import Budget, Figure, figure, register
 from harness.measure.saves import LAYERS, save_curve
 from harness.model.memory import Host
@@ -62,64 +63,13 @@ from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import LlamaProvider, load_model
 from harness.targets.llama_build import cached_binary
-from properties.machine import MAX_PROMPT, REACH, MachineConfig, PromptCacheMachine, machine_class
+from properties.machine import REACH, MachineConfig, PromptCacheMachine, machine_class
 from properties.mutants import MUTANTS, kill
-from properties.run import PROFILES, machines_for, make_settings, run_machine, run_seeded
+from properties.run import PROFILES, machines_for, make_settings, run_seeded
 
-__all__ = ["TrivialMachine", "model_save_point", "save_layers"]
+__all__ = ["model_save_point", "save_layers"]
 
 MIB = 1 << 20
-
-
-class TrivialMachine(RuleBasedStateMachine):
-    """The gate machine's rules and argument strategies (:class:`properties.machine.PromptCacheMachine`)
-    with empty bodies and one empty invariant: what Hypothesis alone costs for the same programs."""
-
-    @rule(
-        source=st.integers(0, 5),
-        keep=st.integers(0, MAX_PROMPT),
-        suffix=st.lists(st.integers(1, 24), max_size=16),
-        id_slot=st.integers(-1, 1),
-        n_cmpl=st.integers(1, 2),
-        n_predict=st.integers(1, 4),
-        overlap=st.booleans(),
-    )
-    def request(
-        self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int, overlap: bool
-    ) -> None:
-        pass
-
-    @rule()
-    def step(self) -> None:
-        pass
-
-    @rule()
-    def finish(self) -> None:
-        pass
-
-    @rule(kind=st.sampled_from(["oom-transient", "oom-persistent"]), nth=st.integers(1, 8))
-    def arm_fault(self, kind: str, nth: int) -> None:
-        pass
-
-    @rule(where=st.sampled_from(["load", "restore"]), nth=st.integers(1, 2))
-    def arm_restore_fault(self, where: str, nth: int) -> None:
-        pass
-
-    @rule(cache_ram=st.integers(1, 12))
-    def set_limit(self, cache_ram: int) -> None:
-        pass
-
-    @rule()
-    def refresh_checkpoint_0(self) -> None:
-        pass
-
-    @rule()
-    def refresh_checkpoint_1(self) -> None:
-        pass
-
-    @invariant()
-    def state_invariants(self) -> None:
-        pass
 
 
 def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
@@ -129,83 +79,76 @@ def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
     return time.process_time() - c0, time.perf_counter() - w0
 
 
-@register("exploration", "examples/s of each gate machine against a trivial machine (ci profile, interleaved)")
+@register("exploration", "examples/s of each gate machine against Hypothesis alone on the same programs (ci profile)")
 def exploration(b: Budget) -> list[Figure]:
     profile = PROFILES["ci"]
     n = 5 if b.quick else profile["max_examples"]
     reps = b.reps(5)  # one pair's ratio moves by +-0.15 on this machine (the same work took 2.9-5.1 s)
     cfg_settings = make_settings("ci", None, n)
     configs = machines_for("shared", "ci")[: 1 if b.quick else None]
-    ratios: dict[str, list[float]] = {c.class_name: [] for c in configs}
-    unchecked: dict[str, list[float]] = {c.class_name: [] for c in configs}
-    rates: dict[str, list[float]] = {c.class_name: [] for c in configs}
-    splits: dict[str, list[dict[str, float]]] = {c.class_name: [] for c in configs}
-    shares: list[float] = []
-    trivial: list[float] = []
+    runs: dict[str, list[dict[str, Any]]] = {c.class_name: [] for c in configs}
     for rep in range(reps):
         for cfg in configs:
-            t_stats: list[dict[str, Any]] = []
-            with cast(Any, collector).with_value(t_stats.append):
-                t_cpu, _ = _timed(lambda: run_seeded(TrivialMachine, cfg_settings, b.seed))
-            m_stats: list[dict[str, Any]] = []
-            c0, w0 = time.process_time(), time.perf_counter()
-            with cast(Any, collector).with_value(m_stats.append):
-                result = run_machine(cfg, cfg_settings, b.seed, "")
-            m_cpu, m_wall = time.process_time() - c0, time.perf_counter() - w0
-            if result.failure is not None:
-                raise UsageError(f"{cfg.class_name} failed on seed {b.seed}: {result.failure.message}")
-            off_cpu = _unchecked_cpu(cfg, cfg_settings, b.seed)
-            trivial.append(n / t_cpu)
-            rates[cfg.class_name].append(n / m_cpu)
-            ratios[cfg.class_name].append(t_cpu / m_cpu)
-            unchecked[cfg.class_name].append(t_cpu / off_cpu)
-            t_split, m_split = _split(t_stats), _split(m_stats)
-            splits[cfg.class_name].append({**{f"machine_{k}": v for k, v in m_split.items()},
-                                           **{f"trivial_{k}": v for k, v in t_split.items()}})  # fmt: skip
-            # the rule bodies and checks beyond what the trivial machine's empty ones cost: this code's share
-            shares.append(max(0.0, m_split["body_s"] - t_split["body_s"]) / m_cpu)
+            r = _explore(cfg, cfg_settings, b.seed)
+            runs[cfg.class_name].append(r)
             b.out(
-                f"  rep {rep} {cfg.class_name:<34} ratio {t_cpu / m_cpu:.2f} ({n / m_wall:.1f} examples/s wall),"
-                f" checks off {t_cpu / off_cpu:.2f}"
+                f"  rep {rep} {cfg.class_name:<34} same programs {r['replay'] / r['machine']:.2f}"
+                f" ({n / r['machine_wall']:.1f} examples/s wall), checks off {r['replay'] / r['off']:.2f},"
+                f" trivial {r['trivial'] / r['machine']:.2f}"
             )
-    inputs: dict[str, Any] = {
-        "profile": "ci",
-        "examples": n,
-        "steps": profile["steps"],
-        "seed": b.seed,
-        "clock": "process_time",
-    }
-    out = [
-        figure(
-            f"{name} / trivial",
-            "ratio",
-            r,
-            goal=(">=", 0.80),
-            **inputs,
-            machine_examples_per_s=round(statistics.median(rates[name]), 2),
-            split={k: round(statistics.median(x[k] for x in splits[name]), 3) for k in splits[name][0]},
-        )
-        for name, r in ratios.items()
-    ]
-    out += [
-        figure(
-            f"{name} / trivial, checks off",
-            "ratio",
-            r,
-            **inputs,
-            how="the same run with PromptCacheMachine.checks_on False: no state invariant, no post-condition "
-            "(inv.Tracer, PolicyTracer) and no crash judged; the ratio checks costing nothing would give",
-        )
-        for name, r in unchecked.items()
-    ]
+    inputs: dict[str, Any] = {"profile": "ci", "examples": n, "steps": profile["steps"], "seed": b.seed}
+    inputs["clock"] = "process_time"
+    out: list[Figure] = []
+    for name, rs in runs.items():
+        split = {k: round(statistics.median(r["split"][k] for r in rs), 3) for k in rs[0]["split"]}
+        out.append(figure(
+            f"{name} / same programs", "ratio", [r["replay"] / r["machine"] for r in rs], goal=(">=", 0.80),
+            **inputs, machine_examples_per_s=round(statistics.median(n / r["machine"] for r in rs), 2),
+            precondition_calls=rs[0]["calls"], split=split,
+            how="Hypothesis alone on the machine's own programs (harness.measure.baselines: its preconditions' "
+            "answers replayed, empty bodies, the same choices) / the machine: 1 - this is the harness' share",
+        ))  # fmt: skip
+        out.append(figure(
+            f"{name} / same programs, checks off", "ratio", [r["replay"] / r["off"] for r in rs], **inputs,
+            how="the same with PromptCacheMachine.checks_on False: no state invariant, no post-condition "
+            "(inv.Tracer, PolicyTracer) and no crash judged; what checks costing nothing would give",
+        ))  # fmt: skip
+        out.append(figure(
+            f"{name} / trivial", "ratio", [r["trivial"] / r["machine"] for r in rs], **inputs,
+            how="TrivialMachine (every rule always valid: not this machine's programs) / the machine; the rule "
+            "mix a configuration's preconditions leave sets Hypothesis' own share, which no body can remove",
+        ))  # fmt: skip
+    trivial = [n / r["trivial"] for rs in runs.values() for r in rs]
     out.append(figure("trivial machine", "examples/s", trivial, **inputs))
-    out.append(
-        figure(
-            "rule bodies and checks, share of a machine's time", "fraction", shares, better="lower", **inputs,
-            how="(machine body - trivial body) / machine CPU; body = Hypothesis' test-case runtime minus its draw time",
-        )
-    )  # fmt: skip
     return out
+
+
+def _explore(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> dict[str, Any]:
+    """One repetition of ``cfg``, interleaved: the trivial machine, the machine (recording its
+    preconditions' answers), Hypothesis alone on the same programs, the machine with its checks off.
+    CPU seconds of each, and Hypothesis' statistics split of the first three."""
+    cls, tape = machine_class(cfg), PreconditionTape()
+    stats: dict[str, list[dict[str, Any]]] = {"trivial": [], "machine": [], "replay": []}
+    with cast(Any, collector).with_value(stats["trivial"].append):
+        t_cpu = _timed(partial(run_seeded, TrivialMachine, cfg_settings, seed_value))[0]
+    with cast(Any, collector).with_value(stats["machine"].append):
+        try:
+            m_cpu, m_wall = _timed(partial(run_seeded, recording(cls, tape), cfg_settings, seed_value))
+        except Exception as e:
+            raise UsageError(f"{cfg.class_name} failed on seed {seed_value}: {e}") from e
+    with cast(Any, collector).with_value(stats["replay"].append):
+        programs = empty_machine(cls, f"{cfg.class_name}_programs", tape)
+        try:
+            r_cpu = _timed(partial(run_seeded, programs, cfg_settings, seed_value))[0]
+        except Exception as e:  # Hypothesis' own "Inconsistent data generation" where the tape ran out of step
+            tape.finish()
+            raise UsageError(f"the replay of {cfg.class_name}'s programs failed: {e}") from e
+    calls = len(tape.calls)
+    tape.finish()  # the replay drew exactly the machine's choices, or the figure would compare other programs
+    split = {f"{who}_{k}": v for who, st_ in stats.items() for k, v in _split(st_).items()}
+    off = _unchecked_cpu(cfg, cfg_settings, seed_value)
+    cpu = {"trivial": t_cpu, "machine": m_cpu, "machine_wall": m_wall, "replay": r_cpu, "off": off}
+    return {**cpu, "calls": calls, "split": split}
 
 
 def _unchecked_cpu(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> float:
