@@ -109,7 +109,12 @@ def _bytes_digest(p: Payload) -> str:
 
 
 def _ckpt_digests(c: CommonPromptCheckpoint) -> tuple[str | None, ...]:
-    return tuple(None if p is None else _bytes_digest(p) for p in (c.data_tgt, c.data_dft, c.data_spec))
+    t, d, s = c.data_tgt, c.data_dft, c.data_spec  # three names, not a generator: ~20 calls a step
+    return (
+        None if t is None else _bytes_digest(t),
+        None if d is None else _bytes_digest(d),
+        None if s is None else _bytes_digest(s),
+    )
 
 
 def _holders(server: ServerContext) -> Iterator[tuple[str, CommonPromptCheckpoint]]:

@@ -70,7 +70,11 @@ class CommonPromptCheckpoint:
 
     # common.cpp:2260
     def size(self) -> int:
-        return sum(p.nbytes for p in self.payloads())
+        n = 0
+        for p in (self.data_tgt, self.data_dft, self.data_spec):
+            if p is not None:
+                n += p.nbytes
+        return n
 
     # common.cpp:2264
     def empty(self) -> bool:

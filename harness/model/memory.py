@@ -173,23 +173,25 @@ class Payload:
     immutability property catches that by comparing each holder's recorded digest with the bytes.
     """
 
-    __slots__ = ("_data", "_host", "digest", "holders", "ident", "kind", "released")
+    __slots__ = ("_data", "_host", "digest", "holders", "ident", "kind", "nbytes", "released")
 
     def __init__(self, host: Host, ident: int, nbytes: int, kind: str) -> None:
         self._host = host
         self.ident = ident
         self.kind = kind
-        self._data = bytes(nbytes)
-        self.digest = _digest(self._data)
+        self._set(bytes(nbytes))
         self.holders = 1
         self.released = False
 
     def __repr__(self) -> str:
         return f"Payload(#{self.ident} {self.kind} {self.nbytes}B holders={self.holders})"
 
-    @property
-    def nbytes(self) -> int:
-        return len(self._data)
+    def _set(self, data: bytes) -> None:
+        """The one writer of the bytes: ``nbytes`` (a plain attribute: the checks read it ~30 times a
+        step) and the digest follow them."""
+        self._data = data
+        self.nbytes = len(data)
+        self.digest = _digest(data)
 
     @property
     def data(self) -> bytes:
@@ -206,8 +208,7 @@ class Payload:
         """
         n = min(len(data), self.nbytes)
         head = bytes(memoryview(data)[:n]) if copy else data[:n]
-        self._data = head + self._data[n:] if n < self.nbytes else head
-        self.digest = _digest(self._data)
+        self._set(head + self._data[n:] if n < self.nbytes else head)
         return n
 
     def rewrite(self, data: bytes, site: str) -> None:
@@ -215,8 +216,7 @@ class Payload:
         old = self.nbytes
         if len(data) > old:
             self._host._check(site, len(data))
-        self._data = bytes(data)
-        self.digest = _digest(self._data)
+        self._set(bytes(data))
         self._host.ledger.on_resize(self, old)
         self._host.note_peak()
 
