@@ -173,6 +173,7 @@ class SyntheticProvider:
         self.seed = seed
         self.n_swa = window if kind is MemoryKind.ISWA else 0
         self._registry: dict[bytes, tuple[int, ...]] = {_hist_digest(()): ()}
+        self._cells: dict[tuple[int, int, int], bytes] = {}
         self._seqs = [self._new_seq() for _ in range(n_seq)]
         self.decode_calls = 0
         # an allocation inside libllama's state read (``llama_state_seq_set_data_ext``): the host's
@@ -257,11 +258,16 @@ class SyntheticProvider:
         return h.digest(self.rs_bytes)
 
     def _cell(self, cid: int, pos: int, tok: int) -> bytes:
-        h = hashlib.blake2b(
-            struct.pack("<qBii", self.seed, cid, pos, tok), digest_size=min(64, self.kv_bpt - 4)
-        ).digest()
-        filler = (h * (1 + (self.kv_bpt - 4) // len(h)))[: self.kv_bpt - 4]
-        return _TOKEN.pack(tok) + filler
+        """One KV cell's bytes: the token, then a filler derived from (seed, component, position, token).
+        Cached per provider (a save and the restore that checks it ask for the same cells), not per
+        process: a fault trial's allocations must not depend on the trials before it."""
+        key = (cid, pos, tok)
+        cell = self._cells.get(key)
+        if cell is None:
+            n = self.kv_bpt - 4
+            h = hashlib.blake2b(struct.pack("<qBii", self.seed, cid, pos, tok), digest_size=min(64, n)).digest()
+            cell = self._cells[key] = _TOKEN.pack(tok) + (h * (1 + n // len(h)))[:n]
+        return cell
 
     def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int:
         """Restore ``data`` into ``seq``; 0 on any mismatch, and then the sequence is cleared."""
