@@ -264,7 +264,7 @@ class SyntheticProvider:
         key = (cid, pos, tok)
         cell = self._cells.get(key)
         if cell is None:
-            if len(self._cells) >= 1 << 16:  # a long-lived provider (a soak) keeps at most ~4 MiB of them
+            if len(self._cells) >= 1 << 16:  # a long-lived provider (a soak) keeps at most ~10 MiB of them
                 self._cells.clear()
             n = self.kv_bpt - 4
             h = hashlib.blake2b(struct.pack("<qBii", self.seed, cid, pos, tok), digest_size=min(64, n)).digest()
