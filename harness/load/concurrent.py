@@ -11,7 +11,10 @@ must then predict every response's slot and ``timings.cache_n``:
 * a ``select`` by id with no launch is a request naming a busy slot: upstream still runs the cache
   update on that slot (``get_available_slot``, server-context.cpp:1532-1633) and defers the task
   (:2391); the ``save`` line gives the busy slot's length at that moment, the model's slot is
-  stepped to that length first, then the model handles the same request (and defers it too);
+  stepped to that length first, then the model handles the same request (and defers it too); which
+  of several requests waiting for that slot it is, the cache lookup logged after it says
+  (:func:`deferred_request`), and a cached prompt the server took into the busy slot ("found better
+  prompt") must be one the model takes too (else a ``cache_load`` mismatch, before any busy-slot-by-id);
 * a ``release`` of task T steps the model's slot to the end of its task; its ``n_prompt_cached``
   must equal the response's ``cache_n``.
 
@@ -26,6 +29,10 @@ Every response's tokens are also compared with a fresh single-slot server withou
 cleared while it was processing (a busy slot named by id) is the known finding ``busy-slot-by-id``
 when its output differs; any other difference is a mismatch and prints the timed request trace
 that replays it (:func:`replay`).
+
+Size: one differential in the order it runs: the trace, the walk of the server's log that feeds the
+model (each event kind reads the walk's state), the judging of every response and the runners; split,
+each part would need the others' types and the walk's helpers.
 """
 
 from __future__ import annotations
@@ -42,6 +49,7 @@ from harness.backends.llama_server import ServerConfig
 from harness.load.clients import BUSY, Req, Sent, replay_program, run_clients
 from harness.load.order import Event, parse_log, tasks
 from harness.load.outputs import Divergences, compare_output
+from harness.model.cache import f32, get_common_prefix
 from harness.model.server_context import ServerContext, ServerSlot, SlotState
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import ServerProcess
@@ -50,6 +58,7 @@ __all__ = [
     "ConcurrentResult",
     "Unmodellable",
     "concurrent_configs",
+    "deferred_request",
     "judge",
     "replay",
     "run_trace",
@@ -62,8 +71,11 @@ _COUNTS = (
     "interleavings",
     "busy_requests",
     "busy_hits",
+    "busy_loads",
+    "busy_load_disagreements",
     "busy_slot_by_id",
     "cache_n_mismatches",
+    "load_mismatches",
     "output_mismatches",
     "near_tie_flips",
     "concurrent_divergences",
@@ -171,6 +183,38 @@ def _step_to(m: ServerContext, slot: ServerSlot, n_tokens: int) -> None:
                            f"never holds that many ({slot.prompt.n_tokens()} now, {slot.state.value})")  # fmt: skip
 
 
+def deferred_request(m: ServerContext, slot: ServerSlot, waiting: Sequence[Sent], window: Sequence[Event]) -> Sent:
+    """Which of the requests waiting for busy ``slot`` a deferred selection is (its ``window`` of log lines).
+
+    Several requests can name one busy slot, and the server retries each deferred one when a slot is
+    released, so the earliest sent is not always the one selected. The cache lookup that follows the
+    selection (``server_prompt_cache::load``, server-task.cpp:1799-1810) logs the slot's own
+    ``f_keep``/``f_sim`` for the new prompt and each entry's length and common prefix with it: the
+    request is the earliest sent whose prefixes with the model's slot and with a cached prompt (or the
+    slot's, just saved) of each logged length are the logged ones. With no lookup logged, or none that
+    fits, the earliest sent.
+    """
+    by_age = sorted(waiting, key=lambda x: x.t_send)
+    logged = [(x.n, x.lcp) for x in window if x.kind == "entry"]
+    base = next((x.how for x in window if x.kind == "lookup"), None)
+    if base is None or m.prompt_cache is None:
+        return by_age[0]
+    prompts = [st.prompt.tokens for st in m.prompt_cache.states]
+    if slot.prompt.tokens and slot.prompt.tokens not in prompts:
+        prompts.append(slot.prompt.tokens)  # the save just before the lookup ("already in the cache": skipped)
+    mine = slot.prompt.tokens
+    for c in by_age:
+        new = c.req.tokens
+        lcp = get_common_prefix(mine, new)
+        f_keep = f32(lcp / len(mine)) if mine else -1.0
+        if f"f_keep = {f_keep:.3f}, f_sim = {f32(lcp / len(new)):.3f}" != base:
+            continue
+        # the save may have removed entries it contains (alloc, :1737) or evicted some: the logged ones must fit
+        if all(any(len(p) == n and get_common_prefix(p, new) == lcp for p in prompts) for n, lcp in logged):
+            return c
+    return by_age[0]
+
+
 def _finish(m: ServerContext, slot: ServerSlot) -> None:
     for _ in range(_MAX_STEPS):
         if not slot.is_processing():
@@ -203,9 +247,12 @@ class ConcurrentResult:
     requests: int = 0
     interleavings: int = 0  # launches while another task was in flight
     busy_requests: int = 0  # selections by id of a busy slot (the task deferred)
-    busy_hits: int = 0  # requests whose slot was loaded or cleared by one (the model agrees)
+    busy_hits: int = 0  # requests whose slot was loaded or cleared by one (the server's log or the model says so)
+    busy_loads: int = 0  # of the busy selections, those where the server took a cached prompt into the slot
+    busy_load_disagreements: int = 0  # the model's load differs from the server's log, after busy-slot-by-id
     busy_slot_by_id: int = 0  # of those, outputs that differ from a fresh server's (the known finding)
     cache_n_mismatches: int = 0
+    load_mismatches: int = 0  # a busy slot's load the model mispredicts (before any busy-slot-by-id)
     output_mismatches: int = 0
     near_tie_flips: int = 0
     concurrent_divergences: int = 0  # outputs unlike a fresh server's, explained by concurrent-output-divergence
@@ -223,7 +270,7 @@ class ConcurrentResult:
 
     @property
     def mismatches(self) -> int:
-        return self.cache_n_mismatches + self.output_mismatches + self.request_errors
+        return self.cache_n_mismatches + self.load_mismatches + self.output_mismatches + self.request_errors
 
     def add(self, other: ConcurrentResult) -> None:
         for k in _COUNTS:
@@ -261,6 +308,21 @@ def _match(events: list[Event], sents: Sequence[Sent]) -> dict[int, Sent]:
     return out
 
 
+def _busy_load_differs(res: ConcurrentResult, e: Event, server_load: Event | None, s: Sent) -> None:
+    """The model mispredicts busy-slot-by-id's load into slot ``e.slot``: a mismatch, unless an earlier
+    busy load already rewrote a processing slot (its wreckage is not followed)."""
+    where = f"busy load at {e.t:.3f}s: the server"
+    what = (f"{where} took a cached prompt into busy slot {e.slot} ({server_load.how}), the model kept its tokens"
+            if server_load is not None else
+            f"{where} kept busy slot {e.slot}'s tokens, the model took a cached prompt")  # fmt: skip
+    if res.busy_hits:
+        res.busy_load_disagreements += 1
+        res.notes.append(f"{what} (after busy-slot-by-id)")
+    else:
+        res.load_mismatches += 1
+        res.failures.append(f"{what}: {s.describe()}")
+
+
 def replay_order(m: ServerContext, events: list[Event], sents: Sequence[Sent], res: ConcurrentResult) -> list[Check]:
     """Feed ``m`` the order in ``events``; one :class:`Check` per released task, in release order."""
     by_task = _match(events, sents)
@@ -270,6 +332,7 @@ def replay_order(m: ServerContext, events: list[Event], sents: Sequence[Sent], r
     in_flight: set[int] = set()
     for i, e in enumerate(events):
         if e.kind == "select":
+            server_load: Event | None = None
             later = [x for x in events[i + 1 :] if x.kind in ("select", "launch", "release")]
             nxt = later[0] if later else None
             deferred = nxt is None or nxt.kind != "launch" or nxt.slot != e.slot
@@ -282,17 +345,27 @@ def replay_order(m: ServerContext, events: list[Event], sents: Sequence[Sent], r
                 waiting = [x for x in sents if x.id_slot == e.slot and x.index not in launched and x.response]
                 if not waiting:
                     raise Unmodellable(f"a deferred selection of slot {e.slot} at {e.t:.3f}s names no pending request")
-                s = min(waiting, key=lambda x: x.t_send)
                 stop = events.index(nxt) if nxt is not None else len(events)
-                saves = [x for x in events[i + 1 : stop] if x.kind == "save"]
+                window = events[i + 1 : stop]
+                saves = [x for x in window if x.kind == "save"]
+                # the server took a cached prompt into the busy slot: busy-slot-by-id rewrote it
+                server_load = next((x for x in window if x.kind == "load"), None)
+                if server_load is not None:
+                    res.busy_loads += 1
                 if saves and m.slots[e.slot].is_processing():
                     _step_to(m, m.slots[e.slot], saves[0].n)
+                s = deferred_request(m, m.slots[e.slot], waiting, window)
                 res.busy_requests += 1
             before = {sl.id: sl.prompt.tokens for sl in m.slots if sl.is_processing()}
             n_predict = len(s.generated) or s.req.n_predict
             r = m.handle_completion(s.req.tokens, id_slot=s.id_slot, n_predict=n_predict, forced=s.generated)
-            for sid, toks in before.items():
-                if m.slots[sid].prompt.tokens != toks and sid in on_slot:
+            rewritten = {sid for sid, toks in before.items() if m.slots[sid].prompt.tokens != toks}
+            if deferred and (server_load is not None) != (e.slot in rewritten):
+                _busy_load_differs(res, e, server_load, s)
+                if server_load is not None:
+                    rewritten.add(e.slot)  # the server's log is the fact what follows is judged by
+            for sid in rewritten:
+                if sid in on_slot:
                     hit = checks.setdefault(on_slot[sid], Check(sents[on_slot[sid]]))
                     if not hit.busy_hit:
                         hit.busy_hit = True
@@ -380,9 +453,10 @@ def judge(
         try:
             checks = replay_order(m, events, sents, res)
         except Unmodellable as e:
-            if res.busy_hits or res.busy_livelocks:
+            if res.busy_hits or res.busy_loads or res.busy_livelocks:
                 # busy-slot-by-id rewrote a processing slot first (mid-prompt, the prompt then goes on
-                # from the loaded tokens): what follows is that finding's wreckage, not followed further
+                # from the loaded tokens; the server's log or the model says so): what follows is that
+                # finding's wreckage, not followed further
                 res.unfollowed_after_busy_hit += 1
                 res.notes.append(f"order not followed after busy-slot-by-id: {e}")
             else:

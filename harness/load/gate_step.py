@@ -72,7 +72,8 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
                 failure = Failure("concurrent_order", "error", f"{cfg.name}: {r.unmodellable}", "", replay,
                                   f"server-concurrent-{cfg.name}", 0)  # fmt: skip
             elif r.mismatches:
-                prop = "cache_n" if r.cache_n_mismatches else ("output" if r.output_mismatches else "request_error")
+                prop = ("cache_n" if r.cache_n_mismatches else "cache_load" if r.load_mismatches
+                        else "output" if r.output_mismatches else "request_error")  # fmt: skip
                 failure = Failure(prop, "violation", f"{cfg.name}: {r.failures[0]}", r.program, replay,
                                   f"server-concurrent-{cfg.name}", r.program.count("Req("))  # fmt: skip
                 out("  the timed requests that replay it:\n    " + r.program.replace("\n", "\n    "))

@@ -4,7 +4,9 @@ Mirrors the log lines of llama.cpp 0c1e570's tools/server (``SLT_*``/``SRV_*`` m
 server-common.h:27-34): ``get_available_slot`` ("selected slot by id|LCP similarity|LRU",
 server-context.cpp:1537, 1582, 1609), ``launch_slot_with_task`` ("processing task"),
 the prompt start ("new prompt, ... task.n_tokens = N"), ``server_slot::prompt_save`` ("saving
-prompt with length N", :268), the timing print ("eval time = ... / D tokens"),
+prompt with length N", :268), ``server_prompt_cache::load`` looking at each entry ("looking for
+better prompt", "prompt with length N, lcp = L", server-task.cpp:1799, 1810) and taking one ("found better
+prompt", :1826), the timing print ("eval time = ... / D tokens"),
 ``server_slot::release`` ("stop processing: n_tokens = M"), and the cache's
 ``server_prompt_cache::update`` ("cache state: N prompts, X MiB (limits: L MiB", server-task.cpp:1894)
 and evictions ("removing oldest entry", :1753, 1873, 1887).
@@ -27,13 +29,18 @@ _PROMPT = re.compile(r"new prompt, .*task\.n_tokens = (\d+)")
 _SAVE = re.compile(r"saving prompt with length (\d+)")
 _EVAL = re.compile(r"^\s+eval time = .*/\s*(\d+) tokens")
 _RELEASE = re.compile(r"stop processing: n_tokens = (\d+)")
+_LOOKUP = re.compile(r"looking for better prompt, base (f_keep = -?[\d.]+, f_sim = [\d.]+)")
+_ENTRY = re.compile(r"^\s*- prompt with length\s+(\d+), lcp =\s+(\d+),")
+_LOAD = re.compile(r"found better prompt with (f_keep = [\d.]+, f_sim = [\d.]+)")
 STATE_LINE = re.compile(r"cache state: (\d+) prompts, ([\d.]+) MiB \(limits: ([\d.]+) MiB")
 
 
 @dataclass(frozen=True)
 class Event:
-    """``kind``: select (``how`` id/LCP/LRU), launch, prompt (``n``), save (``n``), eval (``n``),
-    release (``n``), idle-save, evict, state; ``t`` seconds since the server started."""
+    """``kind``: select (``how`` id/LCP/LRU), launch, prompt (``n``), save (``n``), lookup (``how``: the
+    slot's own f_keep and f_sim for the new prompt), entry (a cached prompt looked at: ``n`` tokens,
+    ``lcp`` shared with the new prompt), load (``how``: the f_keep and f_sim of the entry taken),
+    eval (``n``), release (``n``), idle-save, evict, state; ``t`` seconds since the server started."""
 
     kind: str
     t: float
@@ -41,6 +48,7 @@ class Event:
     task: int = -1
     n: int = 0
     how: str = ""
+    lcp: int = -1
 
 
 def _time(m: re.Match[str]) -> float:
@@ -65,6 +73,12 @@ def parse_log(text: str) -> list[Event]:
             out.append(Event("prompt", t, slot, task, int(p.group(1))))
         elif s := _SAVE.search(msg):
             out.append(Event("save", t, n=int(s.group(1))))
+        elif lk := _LOOKUP.search(msg):
+            out.append(Event("lookup", t, how=lk.group(1)))
+        elif en := _ENTRY.search(msg):
+            out.append(Event("entry", t, n=int(en.group(1)), lcp=int(en.group(2))))
+        elif ld := _LOAD.search(msg):
+            out.append(Event("load", t, how=ld.group(1)))
         elif e := _EVAL.search(msg):
             out.append(Event("eval", t, slot, task, int(e.group(1))))
         elif r := _RELEASE.search(msg):
