@@ -13,7 +13,9 @@ import pytest
 
 from harness.cli import main
 from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from harness.measure import bench_cases
 from harness.measure.bench import CASES, case_names, compare, figure
+from properties.run import machines_for, make_settings
 
 
 def _quick(tmp_path: Path, *extra: str) -> tuple[int, dict[str, Any]]:
@@ -106,6 +108,10 @@ def test_quick_exploration_divides_by_hypothesis_on_the_same_programs(tmp_path: 
     assert same["inputs"]["precondition_calls"] > 0 and "replayed" in same["inputs"]["how"]
     assert same["median"] > 0 and off["median"] > 0 and "checks_on" in off["inputs"]["how"]
     assert "Shared_hybrid / same programs, checks off" in (tmp_path / "e.md").read_text()
+    calls = figures["Shared_hybrid / same programs, calls"]  # the clock-free figure beside it: no goal
+    assert "goal" not in calls and calls["inputs"]["clock"] == "calls"
+    assert 0 < calls["inputs"]["replay_calls"] < calls["inputs"]["machine_calls"]
+    assert calls["median"] == calls["inputs"]["replay_calls"] / calls["inputs"]["machine_calls"]
 
 
 def test_quick_targeting_sets_every_reach_label_on_against_off(tmp_path: Path) -> None:
@@ -149,3 +155,10 @@ def test_merge_keeps_where_each_case_was_measured(tmp_path: Path) -> None:
     assert rc == EXIT_OK and "from" not in doc["cases"]["sweep"]
     assert doc["cases"]["saves"]["from"] == "commit aaaa, started T0"
     assert doc["cases"]["state-io"]["from"] == "commit bbbb, started T1"
+
+
+def test_the_call_ratio_is_the_same_on_every_run() -> None:
+    # what makes it the figure to compare two commits by: no clock in it
+    cfg, cfg_settings = machines_for("shared", "ci")[0], make_settings("ci", None, 5)
+    first = bench_cases._calls(cfg, cfg_settings, 0)
+    assert first == bench_cases._calls(cfg, cfg_settings, 0) and first[0] > first[1] > 0

@@ -29,8 +29,10 @@ registry; a module per case would spread one table over eight files.
 
 from __future__ import annotations
 
+import cProfile
 import ctypes
 import os
+import pstats
 import statistics
 import subprocess
 import sys
@@ -118,9 +120,34 @@ def exploration(b: Budget) -> list[Figure]:
             how="TrivialMachine (every rule always valid: not this machine's programs) / the machine; the rule "
             "mix a configuration's preconditions leave sets Hypothesis' own share, which no body can remove",
         ))  # fmt: skip
+    for cfg in configs:
+        m_calls, r_calls = _calls(cfg, cfg_settings, b.seed)
+        b.out(f"  calls {cfg.class_name:<34} same programs {r_calls / m_calls:.3f} ({r_calls} / {m_calls})")
+        out.append(figure(
+            f"{cfg.class_name} / same programs, calls", "ratio", [r_calls / m_calls], **{**inputs, "clock": "calls"},
+            machine_calls=m_calls, replay_calls=r_calls,
+            how="Python function calls (cProfile) of Hypothesis alone on the machine's own programs / of the "
+            "machine, one run: the same on every run for a seed (and any PYTHONHASHSEED), so two commits compare "
+            "without this machine's clock noise; a proxy for the goal above, not the goal (calls differ in cost)",
+        ))  # fmt: skip
     trivial = [n / r["trivial"] for rs in runs.values() for r in rs]
     out.append(figure("trivial machine", "examples/s", trivial, **inputs))
     return out
+
+
+def _calls(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> tuple[int, int]:
+    """Function calls of the machine of ``cfg`` and of Hypothesis alone on its programs (one seeded run each)."""
+    cls, tape = machine_class(cfg), PreconditionTape()
+
+    def counted(machine: type[Any]) -> int:
+        prof = cProfile.Profile()
+        prof.runcall(run_seeded, machine, cfg_settings, seed_value)
+        return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
+
+    m_calls = counted(recording(cls, tape))
+    r_calls = counted(empty_machine(cls, f"{cfg.class_name}_programs", tape))
+    tape.finish()
+    return m_calls, r_calls
 
 
 def _explore(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> dict[str, Any]:
