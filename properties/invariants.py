@@ -491,13 +491,14 @@ class Tracer:
         def alloc(prompt: Any, size_tgt: int, size_dft: int) -> Any:
             cache = server.prompt_cache
             assert cache is not None
-            before = [_view(e) for e in cache.states]
-            size_before = cache.size()
+            seam = server.host.seam
+            armed = seam.armed  # unarmed, no allocation can fail: nothing to compare the cache with
+            before = [_view(e) for e in cache.states] if armed else []
+            size_before = cache.size() if armed else 0
             limit_before = cache.limit_size
-            fired_before = server.host.seam.fired
+            fired_before = seam.fired
             res = inner(prompt, size_tgt, size_dft)
-            fired = server.host.seam.fired > fired_before
-            after = [_view(e) for e in cache.states]
+            fired = seam.fired > fired_before
             if res is not None:
                 self.checked["limit"] += 1
                 if cache.limit_size > 0 and cache.size() > cache.limit_size:
@@ -514,6 +515,7 @@ class Tracer:
                 self.checked["no_partial_entries"] += 1
                 if res is not None:
                     _fail("no_partial_entries", "alloc returned an entry although an allocation failed inside it")
+                after = [_view(e) for e in cache.states]
                 old_ids = {id(v.entry): v for v in before}
                 idx = [list(old_ids).index(id(v.entry)) if id(v.entry) in old_ids else -1 for v in after]
                 for v, i in zip(after, idx, strict=True):
@@ -535,11 +537,12 @@ class Tracer:
 
         def make(inner: Callable[..., Any]) -> Callable[..., Any]:
             def prompt_save(cache: ServerPromptCache) -> Any:
-                before = _slot_view(slot)
-                fired_before = server.host.seam.fired
+                seam = server.host.seam
+                before = _slot_view(slot) if seam.armed else None  # unarmed, no allocation can fail
+                fired_before = seam.fired
                 last_before = server.host.last_op
                 res = inner(cache)
-                if server.host.seam.fired > fired_before and _slot_view(slot) != before:
+                if seam.fired > fired_before and _slot_view(slot) != before:
                     _fail("no_partial_entries", f"slot{slot.id} changed during a save that failed to allocate")
                 op = server.host.last_op  # the save's own operation (an empty prompt opens none)
                 if op is not None and op is not last_before and op.name == "save":
