@@ -199,10 +199,10 @@ def deferred_request(m: ServerContext, slot: ServerSlot, waiting: Sequence[Sent]
     base = next((x.how for x in window if x.kind == "lookup"), None)
     if base is None or m.prompt_cache is None:
         return by_age[0]
-    prompts = [st.prompt.tokens for st in m.prompt_cache.states]
-    if slot.prompt.tokens and slot.prompt.tokens not in prompts:
-        prompts.append(slot.prompt.tokens)  # the save just before the lookup ("already in the cache": skipped)
     mine = slot.prompt.tokens
+    prompts = [st.prompt.tokens for st in m.prompt_cache.states]
+    if mine and mine not in prompts:
+        prompts.append(mine)  # the save just before the lookup ("already in the cache": skipped)
     for c in by_age:
         new = c.req.tokens
         lcp = get_common_prefix(mine, new)
@@ -210,7 +210,7 @@ def deferred_request(m: ServerContext, slot: ServerSlot, waiting: Sequence[Sent]
         if f"f_keep = {f_keep:.3f}, f_sim = {f32(lcp / len(new)):.3f}" != base:
             continue
         # the save may have removed entries it contains (alloc, :1737) or evicted some: the logged ones must fit
-        if all(any(len(p) == n and get_common_prefix(p, new) == lcp for p in prompts) for n, lcp in logged):
+        if all(any(len(p) == n and get_common_prefix(p, new) == k for p in prompts) for n, k in logged):
             return c
     return by_age[0]
 
@@ -360,7 +360,8 @@ def replay_order(m: ServerContext, events: list[Event], sents: Sequence[Sent], r
             n_predict = len(s.generated) or s.req.n_predict
             r = m.handle_completion(s.req.tokens, id_slot=s.id_slot, n_predict=n_predict, forced=s.generated)
             rewritten = {sid for sid, toks in before.items() if m.slots[sid].prompt.tokens != toks}
-            if deferred and (server_load is not None) != (e.slot in rewritten):
+            # (a deferred request the model launched is not a load question: it is unmodellable, below)
+            if deferred and r.status != "launched" and (server_load is not None) != (e.slot in rewritten):
                 _busy_load_differs(res, e, server_load, s)
                 if server_load is not None:
                     rewritten.add(e.slot)  # the server's log is the fact what follows is judged by
