@@ -29,10 +29,8 @@ registry; a module per case would spread one table over eight files.
 
 from __future__ import annotations
 
-import cProfile
 import ctypes
 import os
-import pstats
 import statistics
 import subprocess
 import sys
@@ -121,13 +119,14 @@ def exploration(b: Budget) -> list[Figure]:
             "mix a configuration's preconditions leave sets Hypothesis' own share, which no body can remove",
         ))  # fmt: skip
     for cfg in configs:
-        m_calls, r_calls = _calls(cfg, cfg_settings, b.seed)
+        m_calls, r_calls = _calls(cfg, n, b.seed)
         b.out(f"  calls {cfg.class_name:<34} same programs {r_calls / m_calls:.3f} ({r_calls} / {m_calls})")
         out.append(figure(
             f"{cfg.class_name} / same programs, calls", "ratio", [r_calls / m_calls], **{**inputs, "clock": "calls"},
             machine_calls=m_calls, replay_calls=r_calls,
             how="Python function calls (cProfile) of Hypothesis alone on the machine's own programs / of the "
-            "machine, one run: the same on every run for a seed (and any PYTHONHASHSEED), so two commits compare "
+            "machine, one run in a fresh interpreter (harness.measure.calls): the same on every run for a seed "
+            "(and any PYTHONHASHSEED), so two commits compare "
             "without this machine's clock noise; a proxy for the goal above, not the goal (calls differ in cost)",
         ))  # fmt: skip
     trivial = [n / r["trivial"] for rs in runs.values() for r in rs]
@@ -135,19 +134,16 @@ def exploration(b: Budget) -> list[Figure]:
     return out
 
 
-def _calls(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> tuple[int, int]:
-    """Function calls of the machine of ``cfg`` and of Hypothesis alone on its programs (one seeded run each)."""
-    cls, tape = machine_class(cfg), PreconditionTape()
-
-    def counted(machine: type[Any]) -> int:
-        prof = cProfile.Profile()
-        prof.runcall(run_seeded, machine, cfg_settings, seed_value)
-        return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
-
-    m_calls = counted(recording(cls, tape))
-    r_calls = counted(empty_machine(cls, f"{cfg.class_name}_programs", tape))
-    tape.finish()
-    return m_calls, r_calls
+def _calls(cfg: MachineConfig, examples: int, seed_value: int) -> tuple[int, int]:
+    """Function calls of the machine of ``cfg`` and of Hypothesis alone on its programs, counted in a
+    fresh interpreter (:mod:`harness.measure.calls`: what this process did before would change them)."""
+    argv = [sys.executable, "-m", "harness.measure.calls", cfg.class_name, str(examples), str(seed_value)]
+    r = run_child(argv, timeout=1800)
+    words = r.stdout.split()
+    if r.crashed or r.returncode != 0 or len(words) != 2:
+        tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
+        raise UsageError(f"counting the calls of {cfg.class_name} failed ({r.describe()}): {' | '.join(tail)}")
+    return int(words[0]), int(words[1])
 
 
 def _explore(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> dict[str, Any]:
