@@ -160,11 +160,16 @@ def test_merge_keeps_where_each_case_was_measured(tmp_path: Path) -> None:
 
 def test_the_call_ratio_is_the_same_on_every_run() -> None:
     # what makes it the figure to compare two commits by: no clock in it, and a fresh interpreter per count
-    # (in-process, the digest cache of properties.invariants made a second count 8 calls shorter)
+    # (in-process, the digest cache of properties.invariants made a second count 8 calls shorter). A few
+    # calls of Hypothesis' own still vary between runs (4 of 273645, in both counts alike): the ratio
+    # moves by far less than 1e-4, against +-0.05 for the CPU ratio's medians on this machine
     cfg = machines_for("shared", "ci")[0]
     first = bench_cases._calls(cfg, 5, 0)
     run_seeded(machine_class(cfg), make_settings("ci", None, 5), 0)  # this process's caches, warm: no matter
-    assert first == bench_cases._calls(cfg, 5, 0) and first[0] > first[1] > 0
+    again = bench_cases._calls(cfg, 5, 0)
+    assert first[0] > first[1] > 0
+    assert again[0] == pytest.approx(first[0], rel=1e-4) and again[1] == pytest.approx(first[1], rel=1e-4)
+    assert again[1] / again[0] == pytest.approx(first[1] / first[0], rel=1e-4)
 
 
 def test_the_call_count_names_a_machine_it_does_not_know() -> None:

@@ -125,8 +125,8 @@ def exploration(b: Budget) -> list[Figure]:
             f"{cfg.class_name} / same programs, calls", "ratio", [r_calls / m_calls], **{**inputs, "clock": "calls"},
             machine_calls=m_calls, replay_calls=r_calls,
             how="Python function calls (cProfile) of Hypothesis alone on the machine's own programs / of the "
-            "machine, one run in a fresh interpreter (harness.measure.calls): the same on every run for a seed "
-            "(and any PYTHONHASHSEED), so two commits compare "
+            "machine, one run in a fresh interpreter (harness.measure.calls): the same on every run for a seed to "
+            "within a few calls (and for any PYTHONHASHSEED), so two commits compare "
             "without this machine's clock noise; a proxy for the goal above, not the goal (calls differ in cost)",
         ))  # fmt: skip
     trivial = [n / r["trivial"] for rs in runs.values() for r in rs]
