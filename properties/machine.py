@@ -27,6 +27,7 @@ Each configuration is a concrete subclass registered in this module under a stab
 
 from __future__ import annotations
 
+import operator
 import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
@@ -228,7 +229,10 @@ class PromptCacheMachine(RuleBasedStateMachine):
         return ()
 
     def _busy(self) -> bool:
-        return any(s.is_processing() for s in self.server.slots)
+        for s in self.server.slots:  # noqa: SIM110 (not any() over a generator: two preconditions a step)
+            if s.is_processing():
+                return True
+        return False
 
     # ---- rules -----------------------------------------------------------------------------
 
@@ -287,8 +291,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
     # away whole examples: on the ci profile 331 examples ran for 100 valid ones on hybrid. Now a step
     # that would change nothing is not drawn at all where a precondition can say so (arming over a
     # fault nothing has touched yet; refreshing a slot whose newest checkpoint is current: one rule
-    # per slot), and a set_limit that leaves the limit and the entries as they were is a no-op the
-    # invariants skip (its drawn value is unknown to a precondition). Hypothesis' shrinker keeps such
+    # per slot), and the state invariants skip a set_limit that evicts nothing (they read no limit; its
+    # drawn value is unknown to a precondition). Hypothesis' shrinker keeps no-op
     # steps (``set_limit(cache_ram=1)`` is the simplest step there is), so a printed program goes
     # through :func:`properties.run.tidy`, which deletes every step its failure does not need.
     # 100 valid examples now take 110-120 (331 on hybrid with rejections).
@@ -325,11 +329,13 @@ class PromptCacheMachine(RuleBasedStateMachine):
         """Change --cache-ram (KiB here) and let update() enforce it, as the bad_alloc recovery does."""
         cache = self.server.prompt_cache
         assert cache is not None
-        before = (cache.limit_size, [id(e) for e in cache.states])
+        before = list(cache.states)  # held, not their id()s: an evicted entry's id() can be reused
         cache.limit_size = cache_ram * 1024
         self._guard("update", cache.update)
-        if (cache.limit_size, [id(e) for e in cache.states]) == before:
-            self.unchanged = True  # same limit and update() evicted nothing: no invariant can change
+        if not self.crashed and len(cache.states) == len(before) and all(map(operator.is_, cache.states, before)):
+            # update() evicted nothing: it only pops entries, and no state invariant reads the limits
+            # (``limit`` is the post-condition of update() itself, which ran): none can change
+            self.unchanged = True
 
     def _refreshable(self, slot: int) -> bool:
         if slot >= self.params.n_slots or self.crashed:
