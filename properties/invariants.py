@@ -117,17 +117,27 @@ def _ckpt_digests(c: CommonPromptCheckpoint) -> tuple[str | None, ...]:
     )
 
 
-def _holders(server: ServerContext) -> Iterator[tuple[str, CommonPromptCheckpoint]]:
-    """Every checkpoint alive, named by who holds it."""
+Holder = tuple[str, int, int]  # ("cache", entry, index) | ("slot", slot id, index) | ("spec", slot id, -1)
+
+
+def _holders(server: ServerContext) -> Iterator[tuple[Holder, CommonPromptCheckpoint]]:
+    """Every checkpoint alive, with who holds it (:func:`_where` names it: only a failure needs the name)."""
     cache = server.prompt_cache
     if cache is not None:
         for i, e in enumerate(cache.states):
-            for j, c in enumerate(e.prompt.checkpoints):
-                yield f"cache[{i}].ckpt[{j}]", c
+            for j, c in enumerate(e.prompt.checkpoints.as_list()):
+                yield ("cache", i, j), c
     for s in server.slots:
-        for j, c in enumerate(s.prompt.checkpoints):
-            yield f"slot{s.id}.ckpt[{j}]", c
-        yield f"slot{s.id}.spec_ckpt", s.spec_ckpt
+        for j, c in enumerate(s.prompt.checkpoints.as_list()):
+            yield ("slot", s.id, j), c
+        yield ("spec", s.id, -1), s.spec_ckpt
+
+
+def _where(h: Holder) -> str:
+    kind, a, b = h
+    if kind == "spec":
+        return f"slot{a}.spec_ckpt"
+    return f"cache[{a}].ckpt[{b}]" if kind == "cache" else f"slot{a}.ckpt[{b}]"
 
 
 def _references(server: ServerContext) -> tuple[Counter[int], dict[int, Payload]]:
@@ -135,9 +145,10 @@ def _references(server: ServerContext) -> tuple[Counter[int], dict[int, Payload]
     refs: Counter[int] = Counter()
     objs: dict[int, Payload] = {}
     for _, c in _holders(server):
-        for p in c.payloads():
-            refs[p.ident] += 1
-            objs[p.ident] = p
+        for p in (c.data_tgt, c.data_dft, c.data_spec):  # CommonPromptCheckpoint.payloads(), without its list
+            if p is not None:
+                refs[p.ident] += 1
+                objs[p.ident] = p
     if server.prompt_cache is not None:
         for e in server.prompt_cache.states:
             for q in (e.data.main, e.data.drft):
@@ -165,15 +176,20 @@ def check_accounting(server: ServerContext) -> None:
     expect_tokens = 0
     unique: dict[int, int] = {}
     for i, e in enumerate(cache.states):
-        entry = sum(p.nbytes for p in (e.data.main, e.data.drft) if p is not None)
-        for c in e.prompt.checkpoints:
-            entry += sum(p.nbytes for p in (c.data_tgt, c.data_dft, c.data_spec) if p is not None)
+        entry = 0
+        for p in (e.data.main, e.data.drft):  # ServerPromptCacheState.payloads(), in one walk
+            if p is not None:
+                entry += p.nbytes
+                unique[p.ident] = p.nbytes
+        for c in e.prompt.checkpoints.as_list():
+            for p in (c.data_tgt, c.data_dft, c.data_spec):
+                if p is not None:
+                    entry += p.nbytes
+                    unique[p.ident] = p.nbytes
         if e.size() != entry:
             _fail("accounting", f"cache[{i}].size() = {e.size()}, its payloads hold {entry} bytes")
         expect_size += entry
         expect_tokens += len(e.prompt.tokens)
-        for p in e.payloads():
-            unique[p.ident] = p.nbytes
     if cache.size() != expect_size:
         _fail("accounting", f"size() = {cache.size()}, sum over entries = {expect_size}")
     if cache.n_tokens() != expect_tokens:
@@ -207,10 +223,11 @@ def check_refcount(server: ServerContext) -> None:
 
 
 def _check_list(
-    where: str, cps: CheckpointList, cap: int, excuse_swa_resume: bool, resumes: dict[int, int] | None = None
+    where: Holder, cps: CheckpointList, cap: int, excuse_swa_resume: bool, resumes: dict[int, int] | None = None
 ) -> None:
+    """One list; ``where`` is ("cache", entry, -1) or ("slot", id, -1), named only on a failure."""
     prev: CommonPromptCheckpoint | None = None
-    for c in cps:
+    for c in cps.as_list():
         if prev is not None and c.n_tokens <= prev.n_tokens:
             # known upstream finding "swa-checkpoint-order": a checkpoint with pos_max == pos_next
             # survives the invalidation (it erases only pos_max > pos_next), so (a) after an SWA
@@ -222,10 +239,15 @@ def _check_list(
                 resumes is not None and resumes.get(c.id_task) == prev.pos_max and c.n_tokens == prev.pos_max - 1
             )
             if not (excuse_swa_resume and quirk):
-                _fail("checkpoint_lists", f"{where}: n_tokens not ascending ({prev.n_tokens} then {c.n_tokens})")
+                order = f"n_tokens not ascending ({prev.n_tokens} then {c.n_tokens})"
+                _fail("checkpoint_lists", f"{_list_name(where)}: {order}")
         prev = c
     if cap > 0 and len(cps) > cap:
-        _fail("checkpoint_lists", f"{where}: {len(cps)} checkpoints > n_ctx_checkpoints = {cap}")
+        _fail("checkpoint_lists", f"{_list_name(where)}: {len(cps)} checkpoints > n_ctx_checkpoints = {cap}")
+
+
+def _list_name(h: Holder) -> str:
+    return f"cache[{h[1]}]" if h[0] == "cache" else f"slot{h[1]}"
 
 
 def check_checkpoint_lists(server: ServerContext, *, excuse_swa_resume: bool = False) -> None:
@@ -240,9 +262,9 @@ def check_checkpoint_lists(server: ServerContext, *, excuse_swa_resume: bool = F
     resumes = getattr(server, "prompt_logits_resumes", None)
     if server.prompt_cache is not None:
         for i, e in enumerate(server.prompt_cache.states):
-            _check_list(f"cache[{i}]", e.prompt.checkpoints, cap, excuse_swa_resume, resumes)
+            _check_list(("cache", i, -1), e.prompt.checkpoints, cap, excuse_swa_resume, resumes)
     for s in server.slots:
-        _check_list(f"slot{s.id}", s.prompt.checkpoints, cap, excuse_swa_resume, resumes)
+        _check_list(("slot", s.id, -1), s.prompt.checkpoints, cap, excuse_swa_resume, resumes)
 
 
 def _stale_prefix_explains(ctx: Any, seq: int, tokens: tuple[int, ...], stale: list[tuple[int, ...]]) -> bool:
@@ -314,7 +336,7 @@ def check_draft_recovery(server: ServerContext) -> None:
 class Shadow:
     """What each live checkpoint's payload bytes were when last seen, for ``immutability``."""
 
-    seen: dict[int, tuple[CommonPromptCheckpoint, tuple[str | None, ...], str]] = field(default_factory=dict)
+    seen: dict[int, tuple[CommonPromptCheckpoint, tuple[str | None, ...], Holder]] = field(default_factory=dict)
 
     def expect_update(self, ckpt: CommonPromptCheckpoint) -> None:
         """The owner rewrote this checkpoint on purpose: its new bytes become the expectation."""
@@ -327,19 +349,18 @@ class Shadow:
         that rewrites its checkpoint in place would silently change the cache entry's snapshot,
         and a later restore from the cache would resume from the wrong state.
         """
-        alive: dict[int, tuple[CommonPromptCheckpoint, str]] = {}
-        for where, c in _holders(server):
-            if where.endswith("spec_ckpt"):
+        seen = self.seen
+        now_seen: dict[int, tuple[CommonPromptCheckpoint, tuple[str | None, ...], Holder]] = {}
+        for h, c in _holders(server):
+            if h[0] == "spec":
                 continue  # the owner updates spec_ckpt in place by design; it is never shared
-            alive[id(c)] = (c, where)
-        for key, (c, where) in alive.items():
             now = _ckpt_digests(c)
-            prev = self.seen.get(key)
+            key = id(c)
+            prev = seen.get(key)
             if prev is not None and prev[0] is c and prev[1] != now:
-                _fail("immutability", f"{where} ({c}) changed bytes while held (was {prev[1]}, now {now})")
-            self.seen[key] = (c, now, where)
-        for key in [k for k in self.seen if k not in alive]:
-            del self.seen[key]
+                _fail("immutability", f"{_where(h)} ({c}) changed bytes while held (was {prev[1]}, now {now})")
+            now_seen[key] = (c, now, h)
+        self.seen = now_seen  # the checkpoints no longer held are forgotten
 
 
 def check_state(server: ServerContext, shadow: Shadow | None = None) -> None:

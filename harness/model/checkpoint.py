@@ -216,7 +216,12 @@ class CheckpointList:
         self._items: list[CommonPromptCheckpoint] = items if items is not None else []
 
     def __iter__(self) -> Iterator[CommonPromptCheckpoint]:
-        return iter(list(self._items))
+        return iter(list(self._items))  # a copy: the loops that erase while they walk stay correct
+
+    def as_list(self) -> list[CommonPromptCheckpoint]:
+        """The list itself, front first, not a copy: for readers that change nothing while they walk it
+        (the state invariants, after every step)."""
+        return self._items
 
     def __reversed__(self) -> Iterator[CommonPromptCheckpoint]:
         return iter(list(reversed(self._items)))
