@@ -93,7 +93,10 @@ def _fail(name: str, message: str) -> None:
 
 def _f32(x: float) -> float:
     """IEEE binary32 rounding (a C++ ``float``); float division rounded once from double is exact."""
-    return float(struct.unpack("<f", struct.pack("<f", x))[0])
+    return float(_F32.unpack(_F32.pack(x))[0])
+
+
+_F32 = struct.Struct("<f")
 
 
 def _lcp(a: Tokens, b: Tokens) -> int:
@@ -238,13 +241,17 @@ def _short(t: Tokens) -> str:
 
 
 def _payload_bytes(obj: Any) -> int:
-    return sum(p.nbytes for p in obj if p is not None)
+    n = 0
+    for p in obj:
+        if p is not None:
+            n += p.nbytes
+    return n
 
 
 def _entry_bytes(e: Any) -> int:
     """``server_prompt_cache_state::size()`` (S-T.h:601) summed from the payloads themselves."""
     n = _payload_bytes((e.data.main, e.data.drft))
-    for c in e.prompt.checkpoints:
+    for c in e.prompt.checkpoints.as_list():
         n += _payload_bytes((c.data_tgt, c.data_dft, c.data_spec))
     return n
 

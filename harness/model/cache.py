@@ -42,7 +42,10 @@ Tokens = tuple[int, ...]
 
 def f32(x: float) -> float:
     """Round to IEEE binary32, as a C++ ``float`` holds it."""
-    return float(struct.unpack("<f", struct.pack("<f", x))[0])
+    return float(_F32.unpack(_F32.pack(x))[0])
+
+
+_F32 = struct.Struct("<f")
 
 
 def get_common_prefix(a: Tokens, b: Tokens) -> int:
@@ -133,7 +136,7 @@ class ServerPromptCacheState:
     # server-task.h:601
     def size(self) -> int:
         res = self.data.size()
-        for ckpt in self.prompt.checkpoints:
+        for ckpt in self.prompt.checkpoints.as_list():
             res += ckpt.size()
         return res
 

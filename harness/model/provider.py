@@ -174,7 +174,12 @@ class SyntheticProvider:
         self.n_swa = window if kind is MemoryKind.ISWA else 0
         self._registry: dict[bytes, tuple[int, ...]] = {_hist_digest(()): ()}
         self._cells: dict[tuple[int, int, int], bytes] = {}
+        self._blocks: dict[bytes, bytes] = {}
         self._seqs = [self._new_seq() for _ in range(n_seq)]
+        # the components a state read or write selects, per STATE_SEQ_FLAGS_PARTIAL_ONLY: fixed by the kind
+        all_ids = [c.cid for c in self._seqs[0].comps] if self._seqs else []
+        partial = self._partial_ids()
+        self._ids = (all_ids, [c for c in all_ids if c in partial])
         self.decode_calls = 0
         # an allocation inside libllama's state read (``llama_state_seq_set_data_ext``): the host's
         # seam may make it fail with BadAlloc, which libllama catches and reports as 0 bytes read
@@ -207,11 +212,7 @@ class SyntheticProvider:
         return [c for c in self._seq(seq).comps if c.cid in ids]
 
     def _comp_ids(self, flags: int) -> list[int]:
-        all_ids = [c.cid for c in self._seqs[0].comps] if self._seqs else []
-        if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY:
-            partial = self._partial_ids()
-            return [c for c in all_ids if c in partial]
-        return all_ids
+        return self._ids[1] if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else self._ids[0]
 
     def _seq(self, seq: int) -> _Seq:
         if not 0 <= seq < self.n_seq:
@@ -254,8 +255,14 @@ class SyntheticProvider:
         return data
 
     def _rs_block(self, digest: bytes) -> bytes:
-        h = hashlib.shake_256(b"rs" + self.seed.to_bytes(8, "little") + digest)
-        return h.digest(self.rs_bytes)
+        """The recurrent block of the history with ``digest``; cached per provider, as :meth:`_cell`."""
+        block = self._blocks.get(digest)
+        if block is None:
+            if len(self._blocks) >= 1 << 10:  # at most ~1 MiB of them at the default rs_bytes
+                self._blocks.clear()
+            h = hashlib.shake_256(b"rs" + self.seed.to_bytes(8, "little") + digest)
+            block = self._blocks[digest] = h.digest(self.rs_bytes)
+        return block
 
     def _cell(self, cid: int, pos: int, tok: int) -> bytes:
         """One KV cell's bytes: the token, then a filler derived from (seed, component, position, token).

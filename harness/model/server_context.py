@@ -553,12 +553,12 @@ class ServerContext:
         do_checkpoint = self._do_checkpoint_base()
         n_start = slot.prompt.n_tokens()
         batch: list[int] = []
-        while slot.prompt.n_tokens() + len(batch) < n_task and len(batch) < p.n_batch:
+        # the checkpoint stops: n_task == n_now + min(n_batch, off) for off in (4 + n_ubatch, 4)
+        stops = (n_task - min(p.n_batch, 4 + p.n_ubatch), n_task - min(p.n_batch, 4)) if do_checkpoint else ()
+        while n_start + len(batch) < n_task and len(batch) < p.n_batch:  # the prompt is not touched here
             batch.append(input_tokens[n_start + len(batch)])
-            if do_checkpoint:
-                n_now = n_start + len(batch)
-                if any(n_task == n_now + min(p.n_batch, off) for off in (4 + p.n_ubatch, 4)):
-                    break
+            if n_start + len(batch) in stops:
+                break
         n_tokens_cur = len(batch)
         n_after = n_start + n_tokens_cur
         near_prompt_end = n_task < n_after + p.n_ubatch
