@@ -430,10 +430,11 @@ def _short(t: Any) -> str:
     return repr(t) if len(t) <= 8 else f"({len(t)} tokens ending {t[-4:]})"
 
 
-# one call in _SAMPLE of each wrapped operation is timed, counted over every instance (a machine
-# makes a new server per example, and most operations run a few times in one): timing every call
-# cost 3% of a machine's CPU (two frames and four clock reads around each of ~36k operations on np3)
-_SAMPLE = 4
+# one wrapping in TIMING_SAMPLE of each operation (per class, method and label, over every instance: a
+# machine makes a new server per example) is timed, and its seconds count TIMING_SAMPLE times. The others
+# are the bare post-condition: timing every call cost 3% of a machine's CPU (two more frames and
+# four clock reads around each of ~36k operations on np3, and a third closure per wrapping)
+TIMING_SAMPLE = 4
 _TICKS: dict[tuple[str, str, str], list[int]] = {}
 
 
@@ -447,10 +448,15 @@ def wrap_timed(
     """Replace ``obj.name`` by ``make(original)``; the time spent outside the original is charged
     to ``seconds[label]``, the post-condition that the wrapper checks (the tracers' one wrapping).
 
-    Every call runs the post-condition; one in :data:`_SAMPLE` (per class, method and label, over
-    all instances) is timed, and counts :data:`_SAMPLE` times: ``seconds`` is an estimate.
+    The post-condition always runs; one wrapping in :data:`TIMING_SAMPLE` of each operation is timed, and
+    counts :data:`TIMING_SAMPLE` times: ``seconds`` is an estimate.
     """
     original = getattr(obj, name)
+    tick = _TICKS.setdefault((type(obj).__qualname__, name, label), [0])
+    tick[0] += 1
+    if tick[0] % TIMING_SAMPLE:
+        setattr(obj, name, make(original))
+        return
     inner_time = [0.0]
 
     def timed_inner(*a: Any, **kw: Any) -> Any:
@@ -460,19 +466,15 @@ def wrap_timed(
         finally:
             inner_time[0] += time.perf_counter() - t0
 
-    plain, timed = make(original), make(timed_inner)
-    tick = _TICKS.setdefault((type(obj).__qualname__, name, label), [0])
+    wrapped = make(timed_inner)
 
     def outer(*a: Any, **kw: Any) -> Any:
-        tick[0] += 1
-        if tick[0] % _SAMPLE:
-            return plain(*a, **kw)
         t0 = time.perf_counter()
         before = inner_time[0]
         try:
-            return timed(*a, **kw)
+            return wrapped(*a, **kw)
         finally:
-            seconds[label] += _SAMPLE * ((time.perf_counter() - t0) - (inner_time[0] - before))
+            seconds[label] += TIMING_SAMPLE * ((time.perf_counter() - t0) - (inner_time[0] - before))
 
     setattr(obj, name, outer)
 
