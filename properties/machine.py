@@ -100,9 +100,6 @@ class MachineConfig:
 
 
 _UNITS: dict[str, int] = {}
-# state-invariant runs over every machine: one in inv.TIMING_SAMPLE is timed (clock reads and a Counter
-# update per check and step were ~1% of a machine's CPU)
-_STEPS = [0]
 
 
 def _llama_unit(arch: str) -> int:
@@ -400,17 +397,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             return
         if self.observe_reach:
             self._observe()
-        server = self.server
-        _STEPS[0] += 1
-        if _STEPS[0] % inv.TIMING_SAMPLE:
-            for _, check in self.checks:
-                check(server)
-        else:  # one step in TIMING_SAMPLE (over all machines) is timed, and counts that many times
-            seconds, clock = type(self).stats_seconds, time.perf_counter
-            for name, check in self.checks:
-                t0 = clock()
-                check(server)
-                seconds[name] += inv.TIMING_SAMPLE * (clock() - t0)  # type: ignore[assignment]
+        inv.run_checks(self.checks, self.server, type(self).stats_seconds)
         self.steps_checked += 1
 
     def _observe(self) -> None:
