@@ -673,7 +673,6 @@ class Tracer:
             assert cache is not None
             before = [_view(e) for e in cache.states]
             slot_tokens = prompt.tokens
-            moved = {id(v.entry): list(v.entry.prompt.checkpoints) for v in before}  # held: see EntryView
             res = inner(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
             self.checked["load_transfer"] += 1
             after = [_view(e) for e in cache.states]
@@ -687,7 +686,7 @@ class Tracer:
             e = gone[0]
             if prompt.tokens != e.tokens:
                 _fail("load_transfer", "the slot did not receive the chosen entry's tokens")
-            if [id(c) for c in prompt.checkpoints] != [id(c) for c in moved[id(e.entry)]]:
+            if [id(c) for c in prompt.checkpoints] != [id(c) for c, _ in e.ckpts]:  # e.ckpts: held, see EntryView
                 _fail("load_transfer", "the slot's checkpoints are not the entry's (copied, not moved)")
             lcp_slot = get_common_prefix(slot_tokens, tokens_new)
             lcp = get_common_prefix(e.tokens, tokens_new)
