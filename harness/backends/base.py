@@ -69,8 +69,8 @@ class GateReport:
         return not self.failures
 
     def properties(self) -> list[dict[str, Any]]:
-        """Per property: status, examples checked, seconds spent checking (for a post-condition an
-        estimate: one call in four of each wrapped operation is timed, ``properties.invariants.wrap_timed``)."""
+        """Per property: status, examples checked, seconds spent checking: an estimate, as one wrapping
+        in four of each operation and one step in four are timed (``properties.invariants.TIMING_SAMPLE``)."""
         out = []
         failed = {f.property for f in self.failures}
         for name in INVARIANTS:
