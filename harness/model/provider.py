@@ -105,7 +105,6 @@ class StateProvider(Protocol):
 _MAGIC = b"SYNS"
 _HEADER = struct.Struct("<4sBBBB")  # magic, kind, flags, n_components, pad
 _COMP = struct.Struct("<BII16s")  # component id, n (history length), lo (first kept cell), digest
-_TOKEN = struct.Struct("<i")
 
 
 @dataclass
@@ -173,7 +172,7 @@ class SyntheticProvider:
         self.seed = seed
         self.n_swa = window if kind is MemoryKind.ISWA else 0
         self._registry: dict[bytes, tuple[int, ...]] = {_hist_digest(()): ()}
-        self._cells: dict[tuple[int, int, int], bytes] = {}
+        self._fill: dict[int, bytes] = {}  # component id -> the fillers of positions 0.. (:meth:`_fillers`)
         self._blocks: dict[bytes, bytes] = {}
         self._seqs = [self._new_seq() for _ in range(n_seq)]
         # the components a state read or write selects, per STATE_SEQ_FLAGS_PARTIAL_ONLY: fixed by the kind
@@ -225,7 +224,12 @@ class SyntheticProvider:
         return SeqRmType.PART
 
     def kv_cells_used(self) -> int:
-        return sum(c.cells() for s in self._seqs for c in s.comps if not c.is_rs)
+        n = 0
+        for s in self._seqs:  # loops, not a generator of cells(): a decode and a restore each ask
+            for c in s.comps:
+                if not c.is_rs:
+                    n += len(c.hist) - c.lo
+        return n
 
     # ---- state bytes ----------------------------------------------------------------------
 
@@ -241,21 +245,23 @@ class SyntheticProvider:
         comps = self._selected(seq, flags)
         out = [_HEADER.pack(_MAGIC, _KIND_IDS[self.kind], flags & 0xFF, len(comps), 0)]
         for c in comps:
-            d = _hist_digest(c.hist)
-            self._registry[d] = c.hist
-            out.append(_COMP.pack(c.cid, len(c.hist), c.lo if not c.is_rs else 0, d))
+            hist = c.hist
+            d = _hist_digest(hist)
+            self._registry[d] = hist
             if c.is_rs:
-                if c.hist:
+                out.append(_COMP.pack(c.cid, len(hist), 0, d))
+                if hist:
                     out.append(self._rs_block(d))
             else:
-                for pos in range(c.lo, len(c.hist)):
-                    out.append(self._cell(c.cid, pos, c.hist[pos]))
+                out.append(_COMP.pack(c.cid, len(hist), c.lo, d))
+                out.append(_tokens(hist[c.lo :]))
+                out.append(self._fillers(c.cid, c.lo, len(hist)))
         data = b"".join(out)
         assert len(data) == self.state_seq_get_size_ext(seq, flags)
         return data
 
     def _rs_block(self, digest: bytes) -> bytes:
-        """The recurrent block of the history with ``digest``; cached per provider, as :meth:`_cell`."""
+        """The recurrent block of the history with ``digest``; cached per provider, as :meth:`_fillers`."""
         block = self._blocks.get(digest)
         if block is None:
             if len(self._blocks) >= 1 << 10:  # at most ~1 MiB of them at the default rs_bytes
@@ -264,19 +270,23 @@ class SyntheticProvider:
             block = self._blocks[digest] = h.digest(self.rs_bytes)
         return block
 
-    def _cell(self, cid: int, pos: int, tok: int) -> bytes:
-        """One KV cell's bytes: the token, then a filler derived from (seed, component, position, token).
-        Cached per provider (a save and the restore that checks it ask for the same cells), not per
-        process: a fault trial's allocations must not depend on the trials before it."""
-        key = (cid, pos, tok)
-        cell = self._cells.get(key)
-        if cell is None:
-            if len(self._cells) >= 1 << 16:  # a long-lived provider (a soak) keeps at most ~10 MiB of them
-                self._cells.clear()
-            n = self.kv_bpt - 4
-            h = hashlib.blake2b(struct.pack("<qBii", self.seed, cid, pos, tok), digest_size=min(64, n)).digest()
-            cell = self._cells[key] = _TOKEN.pack(tok) + (h * (1 + n // len(h)))[:n]
-        return cell
+    def _fillers(self, cid: int, lo: int, hi: int) -> bytes:
+        """The fillers of KV cells ``lo..hi-1`` of component ``cid``: ``kv_bpt - 4`` bytes per position,
+        derived from (seed, component, position) by one SHAKE-256 stream per component.
+
+        A KV component's state is its cells' tokens (int32 each), then their fillers: a pack and a
+        slice, not a loop over cells. Kept per provider (a save and the restore that checks it ask
+        for the same positions), not per process: a fault trial's allocations must not depend on the
+        trials before it. The stream is a prefix of itself at any length, so it grows by doubling
+        without changing the bytes already handed out.
+        """
+        n = self.kv_bpt - 4
+        run = self._fill.get(cid, b"")
+        if len(run) < hi * n:
+            cap = max(64, hi, 2 * len(run) // n)
+            run = hashlib.shake_256(b"kv" + self.seed.to_bytes(8, "little") + bytes((cid,))).digest(cap * n)
+            self._fill[cid] = run
+        return run[lo * n : hi * n]
 
     def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int:
         """Restore ``data`` into ``seq``; 0 on any mismatch, and then the sequence is cleared."""
@@ -337,10 +347,15 @@ class SyntheticProvider:
             else:
                 if lo > nh:
                     return None
-                for pos in range(lo, nh):
-                    if data[off : off + self.kv_bpt] != self._cell(cid, pos, hist[pos]):
-                        return None
-                    off += self.kv_bpt
+                toks = _tokens(hist[lo:])
+                end = off + len(toks)
+                if data[off:end] != toks:
+                    return None
+                fill = self._fillers(cid, lo, nh)
+                off, end = end, end + len(fill)
+                if data[off:end] != fill:
+                    return None
+                off = end
                 out.append((cid, hist, lo))
         if off != len(data):
             return None
@@ -388,7 +403,7 @@ class SyntheticProvider:
         s = self._seq(seq)
         if any(len(c.hist) != pos0 for c in s.comps):
             return -1
-        toks = tuple(int(t) for t in tokens)
+        toks = tuple(map(int, tokens))
         new = []
         for c in s.comps:
             h = c.hist + toks
@@ -417,6 +432,11 @@ _KIND_IDS = {
     MemoryKind.HYBRID: 3,
     MemoryKind.ISWA: 4,
 }
+
+
+def _tokens(toks: tuple[int, ...]) -> bytes:
+    """KV cells' tokens as state bytes: int32, little-endian."""
+    return struct.pack(f"<{len(toks)}i", *toks)
 
 
 def _hist_digest(hist: tuple[int, ...]) -> bytes:
