@@ -26,8 +26,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from fractions import Fraction
-from typing import Any
+from typing import Any, NamedTuple
 
 from harness.errors import PropertyFailure
 from harness.model.cache import ServerPromptCache, ServerPromptCacheState, get_common_prefix
@@ -86,35 +85,32 @@ def _fail(name: str, message: str) -> None:
     raise Violation(name, message)
 
 
-# id(bytes object) -> (that object, its digest). ``bytes`` are immutable and the object is held here,
-# so its id() cannot be reused while the entry lives: a hit is exactly the digest of the same bytes,
-# computed from the bytes themselves, never the payload's own (sealed) digest. Bounded: cleared
-# when full.
-_DIGESTS: dict[int, tuple[bytes, str]] = {}
-_DIGESTS_MAX = 4096
+Bytes3 = tuple[bytes | None, bytes | None, bytes | None]
 
 
-def _bytes_digest(p: Payload) -> str:
-    data = p.data
-    if type(data) is not bytes:  # a mutable buffer can change under the same id(): always hash it
-        return hashlib.blake2b(data, digest_size=12).hexdigest()
-    hit = _DIGESTS.get(id(data))
-    if hit is not None and hit[0] is data:
-        return hit[1]
-    d = hashlib.blake2b(data, digest_size=12).hexdigest()
-    if len(_DIGESTS) >= _DIGESTS_MAX:
-        _DIGESTS.clear()
-    _DIGESTS[id(data)] = (data, d)
-    return d
+def _ckpt_bytes(c: CommonPromptCheckpoint) -> Bytes3:
+    """A checkpoint's payload bytes (target, draft, spec): the ``bytes`` objects themselves.
 
-
-def _ckpt_digests(c: CommonPromptCheckpoint) -> tuple[str | None, ...]:
+    ``bytes`` are immutable, so bytes rewritten are a new object, and two of these compare by
+    content (an object compared with itself is equal at once): no digest is needed to see a change.
+    A payload that holds a mutable buffer is snapshotted, as it could change under the same object.
+    ``Payload.data`` raises on a released payload (use after free).
+    """
     t, d, s = c.data_tgt, c.data_dft, c.data_spec  # three names, not a generator: ~20 calls a step
     return (
-        None if t is None else _bytes_digest(t),
-        None if d is None else _bytes_digest(d),
-        None if s is None else _bytes_digest(s),
+        None if t is None else _snap(t.data),
+        None if d is None else _snap(d.data),
+        None if s is None else _snap(s.data),
     )
+
+
+def _snap(data: bytes) -> bytes:
+    return data if type(data) is bytes else bytes(data)
+
+
+def _digests(b: Bytes3) -> tuple[str | None, ...]:
+    """The bytes named in a failure message: a short digest each."""
+    return tuple(None if x is None else hashlib.blake2b(x, digest_size=12).hexdigest() for x in b)
 
 
 Holder = tuple[str, int, int]  # ("cache", entry, index) | ("slot", slot id, index) | ("spec", slot id, -1)
@@ -336,7 +332,7 @@ def check_draft_recovery(server: ServerContext) -> None:
 class Shadow:
     """What each live checkpoint's payload bytes were when last seen, for ``immutability``."""
 
-    seen: dict[int, tuple[CommonPromptCheckpoint, tuple[str | None, ...], Holder]] = field(default_factory=dict)
+    seen: dict[int, tuple[CommonPromptCheckpoint, Bytes3, Holder]] = field(default_factory=dict)
 
     def expect_update(self, ckpt: CommonPromptCheckpoint) -> None:
         """The owner rewrote this checkpoint on purpose: its new bytes become the expectation."""
@@ -350,15 +346,16 @@ class Shadow:
         and a later restore from the cache would resume from the wrong state.
         """
         seen = self.seen
-        now_seen: dict[int, tuple[CommonPromptCheckpoint, tuple[str | None, ...], Holder]] = {}
+        now_seen: dict[int, tuple[CommonPromptCheckpoint, Bytes3, Holder]] = {}
         for h, c in _holders(server):
             if h[0] == "spec":
                 continue  # the owner updates spec_ckpt in place by design; it is never shared
-            now = _ckpt_digests(c)
+            now = _ckpt_bytes(c)
             key = id(c)
             prev = seen.get(key)
             if prev is not None and prev[0] is c and prev[1] != now:
-                _fail("immutability", f"{_where(h)} ({c}) changed bytes while held (was {prev[1]}, now {now})")
+                was, got = _digests(prev[1]), _digests(now)
+                _fail("immutability", f"{_where(h)} ({c}) changed bytes while held (was {was}, now {got})")
             now_seen[key] = (c, now, h)
         self.seen = now_seen  # the checkpoints no longer held are forgotten
 
@@ -393,35 +390,36 @@ def clear_all(server: ServerContext) -> None:
 # ---- operation post-conditions ------------------------------------------------------------
 
 
-@dataclass(frozen=True)
-class EntryView:
-    """An entry as it was: identity, tokens, checkpoints (held, compared by identity) and digests, data identities.
+class EntryView(NamedTuple):
+    """An entry as it was: identity, tokens, checkpoints (held, compared by identity) with their bytes
+    (:func:`_ckpt_bytes`), data identities. Compared field by field, as a tuple.
 
     The checkpoint objects themselves are kept, not their id(): a checkpoint freed meanwhile could
     hand its id() to a new one, and the views would compare equal although the list changed.
     """
 
-    entry: ServerPromptCacheState
+    entry: ServerPromptCacheState  # compared by identity (a dataclass with eq=False)
     tokens: tuple[int, ...]
-    ckpts: tuple[tuple[CommonPromptCheckpoint, tuple[str | None, ...]], ...]
+    ckpts: tuple[tuple[CommonPromptCheckpoint, Bytes3], ...]
     data: tuple[int | None, int | None]
 
 
 def _view(e: ServerPromptCacheState) -> EntryView:
+    main, drft = e.data.main, e.data.drft
     return EntryView(
         e,
         e.prompt.tokens,
-        tuple((c, _ckpt_digests(c)) for c in e.prompt.checkpoints),
-        tuple(None if p is None else p.ident for p in (e.data.main, e.data.drft)),  # type: ignore[arg-type]
+        tuple([(c, _ckpt_bytes(c)) for c in e.prompt.checkpoints.as_list()]),
+        (None if main is None else main.ident, None if drft is None else drft.ident),
     )
 
 
-SlotView = tuple[tuple[int, ...], tuple[tuple[CommonPromptCheckpoint, tuple[str | None, ...]], ...]]
+SlotView = tuple[tuple[int, ...], tuple[tuple[CommonPromptCheckpoint, Bytes3], ...]]
 
 
 def _slot_view(s: ServerSlot) -> SlotView:
     """A slot as it was; its checkpoints held (compared by identity), as in :class:`EntryView`."""
-    return s.prompt.tokens, tuple((c, _ckpt_digests(c)) for c in s.prompt.checkpoints)
+    return s.prompt.tokens, tuple([(c, _ckpt_bytes(c)) for c in s.prompt.checkpoints.as_list()])
 
 
 def _short(t: Any) -> str:
@@ -690,11 +688,12 @@ class Tracer:
                 _fail("load_transfer", "the slot's checkpoints are not the entry's (copied, not moved)")
             lcp_slot = get_common_prefix(slot_tokens, tokens_new)
             lcp = get_common_prefix(e.tokens, tokens_new)
-            f_keep = Fraction(lcp, len(e.tokens))
-            f_keep_slot = Fraction(lcp_slot, len(slot_tokens)) if slot_tokens else Fraction(-1)
-            if f_keep < Fraction(1, 4):
-                _fail("load_transfer", f"chosen entry has f_keep = {float(f_keep):.3f} < 0.25")
-            if not (f_keep > f_keep_slot and Fraction(lcp, len(tokens_new)) > Fraction(lcp_slot, len(tokens_new))):
+            # exact rationals, cross-multiplied: f_keep = lcp / |entry|, f_keep_slot = lcp_slot / |slot| (-1
+            # for an empty slot), f_sim = lcp / |new| (the same denominator for entry and slot)
+            n_e, n_s = len(e.tokens), len(slot_tokens)
+            if 4 * lcp < n_e:
+                _fail("load_transfer", f"chosen entry has f_keep = {lcp / n_e:.3f} < 0.25")
+            if not ((not slot_tokens or lcp * n_s > lcp_slot * n_e) and lcp > lcp_slot):
                 _fail("load_transfer", "chosen entry does not beat the slot on both f_keep and f_sim")
             return res
 

@@ -3,8 +3,8 @@
 ``python -m harness.measure.calls CLASS EXAMPLES SEED`` prints two numbers: the Python function calls
 (:mod:`cProfile`) of the gate machine ``CLASS`` under the ci profile, and of Hypothesis alone on the
 same programs (:func:`harness.measure.baselines.empty_machine`, its preconditions' answers replayed).
-A count depends on what the process did before it (module-level caches such as the payload digests
-of ``properties.invariants`` turn a hash into a lookup), so the bench runs this module as a child
+A count depends on what the process did before it (module-level counters such as the timing sample
+of ``properties.invariants`` decide which wrappings are timed), so the bench runs this module as a child
 (:func:`harness.child.run_child`): a fresh process makes the pair the same on every run for a seed,
 to within a few calls of Hypothesis' own that vary from run to run (4 in 273645 at 5 examples).
 """
