@@ -13,7 +13,8 @@ Two kinds of checks:
   one live server *instance* (so a mutant subclass cannot skip the check) and calls them.
 
 Every check computes its expectation independently of the code under test: sizes are summed from
-payload bytes, digests are taken from the bytes themselves, ratios are exact fractions.
+payload bytes, bytes are compared as themselves (never a payload's own digest), ratios are exact
+(integers cross-multiplied).
 
 Size: the registry of every property the gate checks, one short function each, sharing the tracer that records
 what they compare.

@@ -8,7 +8,7 @@ What this module promises:
   ``std::bad_alloc``; in persistent mode every call from the Nth on fails. A zero-byte request
   never reaches the seam, as ``std::vector::resize(0)`` never calls ``operator new``.
 * **Payloads observed exactly.** A :class:`Payload` is one heap buffer: an identity, its bytes,
-  a digest of those bytes taken when it was sealed, and a holder count. ``acquire``/``release``
+  a digest of those bytes (made when asked), and a holder count. ``acquire``/``release``
   mirror a ``shared_ptr`` (PR semantics) or the single owner of a ``std::vector`` (master). The
   payload is freed when the last holder releases it, and the :class:`Ledger` shows it at once.
 * **A ledger of bytes.** Physical live bytes are the bytes of payloads alive now. The ledger keeps
@@ -167,13 +167,13 @@ class Payload:
     """One heap buffer: ``std::vector<uint8_t>`` (master) or its shared immutable storage (PR).
 
     A payload is created with zero-filled bytes by :meth:`Host.alloc_payload`; the producer writes
-    it once with :meth:`fill`, which seals its digest. After that the bytes may change only through
-    :meth:`rewrite`, which models master's in-place ``resize`` + ``get_data`` into a vector that has
-    a single owner. Whoever rewrites a payload that others hold breaks snapshot immutability: the
-    immutability property catches that by comparing each holder's recorded digest with the bytes.
+    it once with :meth:`fill`. After that the bytes may change only through :meth:`rewrite`, which
+    models master's in-place ``resize`` + ``get_data`` into a vector that has a single owner. Whoever
+    rewrites a payload that others hold breaks snapshot immutability: the immutability property
+    catches that by comparing the bytes each holder saw last with the bytes now.
     """
 
-    __slots__ = ("_data", "_host", "digest", "holders", "ident", "kind", "nbytes", "released")
+    __slots__ = ("_data", "_host", "holders", "ident", "kind", "nbytes", "released")
 
     def __init__(self, host: Host, ident: int, nbytes: int, kind: str) -> None:
         self._host = host
@@ -187,11 +187,15 @@ class Payload:
         return f"Payload(#{self.ident} {self.kind} {self.nbytes}B holders={self.holders})"
 
     def _set(self, data: bytes) -> None:
-        """The one writer of the bytes: ``nbytes`` (a plain attribute: the checks read it ~30 times a
-        step) and the digest follow them."""
+        """The one writer of the bytes; ``nbytes`` (a plain attribute: the checks read it ~30 times a
+        step) follows them."""
         self._data = data
         self.nbytes = len(data)
-        self.digest = _digest(data)
+
+    @property
+    def digest(self) -> str:
+        """A short digest of the bytes now (for people and tests: no check reads it per step)."""
+        return _digest(self._data)
 
     @property
     def data(self) -> bytes:

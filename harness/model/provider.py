@@ -116,6 +116,10 @@ class _Comp:
     window: int = 0  # >0: sliding-window KV that keeps only the last ``window`` cells
     hist: tuple[int, ...] = ()
     lo: int = 0  # first position whose cell is kept (KV only)
+    # _hist_digest(digested), kept for the history object it was made from (a tuple: the same object is
+    # the same history); a state read asks for it, a full and a partial read of one history alike
+    digest: bytes = b""
+    digested: tuple[int, ...] | None = None
 
     def pos_min(self) -> int:
         if self.is_rs:
@@ -246,7 +250,9 @@ class SyntheticProvider:
         out = [_HEADER.pack(_MAGIC, _KIND_IDS[self.kind], flags & 0xFF, len(comps), 0)]
         for c in comps:
             hist = c.hist
-            d = _hist_digest(hist)
+            if c.digested is not hist:
+                c.digest, c.digested = _hist_digest(hist), hist
+            d = c.digest
             self._registry[d] = hist
             if c.is_rs:
                 out.append(_COMP.pack(c.cid, len(hist), 0, d))
@@ -266,8 +272,8 @@ class SyntheticProvider:
         if block is None:
             if len(self._blocks) >= 1 << 10:  # at most ~1 MiB of them at the default rs_bytes
                 self._blocks.clear()
-            h = hashlib.shake_256(b"rs" + self.seed.to_bytes(8, "little") + digest)
-            block = self._blocks[digest] = h.digest(self.rs_bytes)
+            h = hashlib.blake2b(b"rs" + self.seed.to_bytes(8, "little") + digest).digest()  # 64 bytes, repeated
+            block = self._blocks[digest] = (h * (self.rs_bytes // len(h) + 1))[: self.rs_bytes]
         return block
 
     def _fillers(self, cid: int, lo: int, hi: int) -> bytes:

@@ -552,13 +552,15 @@ class ServerContext:
         n_task = len(input_tokens)
         do_checkpoint = self._do_checkpoint_base()
         n_start = slot.prompt.n_tokens()
-        batch: list[int] = []
-        # the checkpoint stops: n_task == n_now + min(n_batch, off) for off in (4 + n_ubatch, 4)
-        stops = (n_task - min(p.n_batch, 4 + p.n_ubatch), n_task - min(p.n_batch, 4)) if do_checkpoint else ()
-        while n_start + len(batch) < n_task and len(batch) < p.n_batch:  # the prompt is not touched here
-            batch.append(input_tokens[n_start + len(batch)])
-            if n_start + len(batch) in stops:
-                break
+        # the batch: up to n_batch tokens, ending early at the first checkpoint stop it reaches, where
+        # n_task == n_now + min(n_batch, off) for off in (4 + n_ubatch, 4) (the prompt is not touched here)
+        end = min(n_task, n_start + p.n_batch)
+        if do_checkpoint:
+            for stop in sorted((n_task - min(p.n_batch, 4 + p.n_ubatch), n_task - min(p.n_batch, 4))):
+                if n_start < stop <= end:
+                    end = stop
+                    break
+        batch = list(input_tokens[n_start:end])
         n_tokens_cur = len(batch)
         n_after = n_start + n_tokens_cur
         near_prompt_end = n_task < n_after + p.n_ubatch
