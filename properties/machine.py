@@ -342,9 +342,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
         if slot >= self.params.n_slots or self.crashed:
             return False
         s = self.server.slots[slot]
-        if s.is_processing() or s.prompt.checkpoints.empty() or self.server.ctx_tgt.memory_seq_pos_min(s.id) < 0:
-            return False
         cps = s.prompt.checkpoints
+        if s.is_processing() or cps.empty():
+            return False
         c = cps.back()
         if len(cps) > 1 and cps[len(cps) - 2].n_tokens >= s.prompt.n_tokens():
             # moving the newest checkpoint to n_tokens at or below an older one would make a list
@@ -352,7 +352,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
             # after the swa-checkpoint-order quirk the newest one can sit below an older one
             return False
         # already captured at this position for these tokens: a refresh would write the same state
-        return (c.n_tokens, c.made_for) != (s.prompt.n_tokens(), s.prompt.tokens)
+        if (c.n_tokens, c.made_for) == (s.prompt.n_tokens(), s.prompt.tokens):
+            return False
+        return self.server.ctx_tgt.memory_seq_pos_min(s.id) >= 0  # the costliest test last
 
     # one rule per slot, each with its own precondition: a drawn slot with nothing to refresh is
     # neither a rejected example nor a printed step that names one slot and refreshes another

@@ -406,15 +406,19 @@ class SyntheticProvider:
     def decode(self, seq: int, tokens: Sequence[int], pos0: int) -> int:
         """Append ``tokens`` at positions ``pos0..``: 0 ok, 1 KV full, -1 positions out of order."""
         self.decode_calls += 1
-        s = self._seq(seq)
-        if any(len(c.hist) != pos0 for c in s.comps):
-            return -1
+        comps = self._seq(seq).comps
+        for c in comps:
+            if len(c.hist) != pos0:
+                return -1
         toks = tuple(map(int, tokens))
         new = []
-        for c in s.comps:
+        delta = 0  # KV cells this decode adds (an SWA window may drop as many as it adds)
+        for c in comps:
             h = c.hist + toks
-            new.append((c, h, max(c.lo, len(h) - c.window) if c.window else c.lo))
-        delta = sum((len(h) - lo) - c.cells() for c, h, lo in new if not c.is_rs)
+            lo = max(c.lo, len(h) - c.window) if c.window else c.lo
+            new.append((c, h, lo))
+            if not c.is_rs:
+                delta += (len(h) - lo) - (len(c.hist) - c.lo)
         if self.kv_cells_used() + delta > self.n_ctx:
             return 1
         for c, h, lo in new:
