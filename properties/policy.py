@@ -93,7 +93,7 @@ def _fail(name: str, message: str) -> None:
 
 def _f32(x: float) -> float:
     """IEEE binary32 rounding (a C++ ``float``); float division rounded once from double is exact."""
-    return float(_F32.unpack(_F32.pack(x))[0])
+    return _F32.unpack(_F32.pack(x))[0]  # type: ignore[no-any-return]
 
 
 _F32 = struct.Struct("<f")
@@ -148,6 +148,14 @@ def expected_update(
     ``limit_tokens_cur = limit_size > 0 ? max(limit_tokens, (size_t)(limit_size / spt)) : limit_tokens``
     (:1883), computed once; token pass (:1885-1891): pop the front while ``n_tokens() > cur``.
     """
+    return _update_passes(entries, limit_size, limit_tokens, alive)[0]
+
+
+def _update_passes(
+    entries: Sequence[tuple[int, int]], limit_size: int, limit_tokens: int, alive: Sequence[int] | None = None
+) -> tuple[list[int], int]:
+    """:func:`expected_update`'s survivors, and how many entries its byte pass alone pops (the branch
+    the check exercised, without a second computation)."""
     keep = list(range(len(entries))) if alive is None else list(alive)
     size = sum(entries[i][1] for i in keep)  # size() and n_tokens() of the kept entries, kept current
     n_tokens = sum(entries[i][0] for i in keep)
@@ -157,6 +165,7 @@ def expected_update(
             size -= entries[keep[first]][1]
             n_tokens -= entries[keep[first]][0]
             first += 1
+    by_bytes = first
     spt = max(1.0, _f32(_f32(float(size)) / _f32(float(max(1, n_tokens)))))
     cur = max(limit_tokens, int(_f32(_f32(float(limit_size)) / spt))) if limit_size > 0 else limit_tokens
     if limit_tokens > 0:
@@ -164,7 +173,7 @@ def expected_update(
             size -= entries[keep[first]][1]
             n_tokens -= entries[keep[first]][0]
             first += 1
-    return keep[first:]
+    return keep[first:], by_bytes
 
 
 @dataclass(frozen=True)
@@ -529,14 +538,13 @@ class PolicyTracer:
             assert cache is not None
             before = list(cache.states)
             sizes = [(len(e.prompt.tokens), _entry_bytes(e)) for e in before]
-            keep = expected_update(sizes, cache.limit_size, cache.limit_tokens)
+            keep, n_by_bytes = _update_passes(sizes, cache.limit_size, cache.limit_tokens)
             res = inner()
             after = list(cache.states)
             self.checked["update_eviction"] += 1
-            by_bytes = expected_update(sizes, cache.limit_size, 0) if cache.limit_size > 0 else list(range(len(sizes)))
-            if len(by_bytes) < len(before):
+            if n_by_bytes > 0:
                 self.branches["update_eviction:bytes"] += 1
-            if len(keep) < len(by_bytes):
+            if len(keep) < len(before) - n_by_bytes:
                 self.branches["update_eviction:tokens" + ("" if cache.limit_size > 0 else "-only")] += 1
             want = [before[i] for i in keep]
             if after != want:

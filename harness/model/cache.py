@@ -42,7 +42,7 @@ Tokens = tuple[int, ...]
 
 def f32(x: float) -> float:
     """Round to IEEE binary32, as a C++ ``float`` holds it."""
-    return float(_F32.unpack(_F32.pack(x))[0])
+    return _F32.unpack(_F32.pack(x))[0]  # type: ignore[no-any-return]
 
 
 _F32 = struct.Struct("<f")

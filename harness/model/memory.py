@@ -253,8 +253,13 @@ class Host:
 
     def _check(self, site: str, nbytes: int) -> None:
         scope = self.seam.scope
-        if scope is None or any(op.name == scope for op in self._ops):
-            self.seam.check(site, nbytes)
+        if scope is not None:  # a scoped arm counts only allocations inside an operation of that name
+            for op in self._ops:
+                if op.name == scope:
+                    break
+            else:
+                return
+        self.seam.check(site, nbytes)
 
     def scoped_check(self, site: str, nbytes: int, scopes: tuple[str, ...]) -> None:
         """An allocation inside libllama (a state read), visible only to a seam armed for one of ``scopes``.
