@@ -288,15 +288,14 @@ class PromptCacheMachine(RuleBasedStateMachine):
         """Run every processing slot to completion."""
         self._guard("update_slots", self.server.run_until_idle)
 
-    # No-op steps. Rejecting them (``hypothesis.reject``) kept them out of printed programs but threw
-    # away whole examples: on the ci profile 331 examples ran for 100 valid ones on hybrid. Now a step
-    # that would change nothing is not drawn at all where a precondition can say so (arming over a
-    # fault nothing has touched yet; refreshing a slot whose newest checkpoint is current: one rule
-    # per slot), and the state invariants skip a set_limit that evicts nothing (they read no limit; its
-    # drawn value is unknown to a precondition). Hypothesis' shrinker keeps no-op
-    # steps (``set_limit(cache_ram=1)`` is the simplest step there is), so a printed program goes
-    # through :func:`properties.run.tidy`, which deletes every step its failure does not need.
-    # 100 valid examples now take 110-120 (331 on hybrid with rejections).
+    # No-op steps. Rejecting them (``hypothesis.reject``) kept them out of printed programs but threw away
+    # whole examples: on the ci profile 331 examples ran for 100 valid ones on hybrid. Now a step that
+    # would change nothing is not drawn where a precondition can say so (arming over a fault nothing has
+    # touched yet; refreshing a slot whose newest checkpoint is current: one rule per slot), and the state
+    # invariants skip a set_limit that evicts nothing (they read no limit; its drawn value is unknown to a
+    # precondition). Hypothesis' shrinker keeps no-op steps (``set_limit(cache_ram=1)`` is the simplest
+    # step there is), so a printed program goes through :func:`properties.run.tidy`, which deletes every
+    # step its failure does not need. 100 valid examples take 110-120 (331 on hybrid with rejections).
 
     def _fault_pending(self) -> bool:
         """A fault is armed and no allocation was counted since: arming another one now would make a
@@ -309,9 +308,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
     def arm_fault(self, kind: str, nth: int) -> None:
         """Fail the nth allocation of the next prompt save (and, if persistent, every later one).
 
-        Not with the byte limit off: the recovery sets one (S-T.cpp:1770) and the machine would no
-        longer be the token-limit-only configuration it stands for. Not over a fault that is still
-        untouched (:meth:`_fault_pending`): a precondition, not a rejection, so no example is lost.
+        Not with the byte limit off: the recovery sets one (S-T.cpp:1770), and the machine stands for the
+        token-limit-only configuration. Not over an untouched fault (:meth:`_fault_pending`): a precondition.
         """
         self.server.host.seam.arm(nth, persistent=kind == "oom-persistent", scope="save")
         self.unchanged = True  # the seam only: no state invariant reads it
@@ -469,6 +467,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
         stats["state_bytes"] = max(stats["state_bytes"], getattr(tgt, "max_state_bytes", 0))
         stats["partial_bytes"] = max(stats["partial_bytes"], getattr(tgt, "max_partial_bytes", 0))
         close_server(self.server)
+        inv.release(self.server, self.tracer, self.policy)  # freed by reference counting, not a full collection
+        del self.server, self.tracer, self.policy, self.shadow, self.checks  # Hypothesis' cycles hold the machine
 
 
 _CLASSES: dict[MachineConfig, type[PromptCacheMachine]] = {}

@@ -55,7 +55,7 @@ from typing import Any
 from harness.errors import GgmlAbort
 from harness.model.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, SyntheticProvider
 from harness.model.server_context import ServerContext
-from properties.invariants import INVARIANTS, Violation, wrap_timed
+from properties.invariants import INVARIANTS, Violation, unwrap, wrap_timed
 
 __all__ = [
     "POLICY",
@@ -307,6 +307,7 @@ class PolicyTracer:
         self._restores: list[_Restore] = []
         self._failed_load_prompt: Any = None
         self.synthetic = isinstance(server.ctx_tgt, SyntheticProvider)
+        self.wrapped: list[tuple[Any, str]] = []  # (instance, method name) replaced by a wrapper
         if not wrap:  # no check runs (the bench prices them that way)
             return
         cache = server.prompt_cache
@@ -323,6 +324,11 @@ class PolicyTracer:
 
     def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], label: str) -> None:
         wrap_timed(obj, name, make, self.seconds, label)
+        self.wrapped.append((obj, name))
+
+    def unwrap(self) -> None:
+        """Give the instances their own methods back (:func:`properties.invariants.release`)."""
+        unwrap(self.wrapped)
 
     # ---- restores as libllama sees them ------------------------------------------------------
 
