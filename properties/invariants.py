@@ -23,6 +23,7 @@ what they compare.
 from __future__ import annotations
 
 import hashlib
+import itertools
 import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
@@ -602,12 +603,17 @@ class Tracer:
                     _fail("limit", f"after alloc size() = {cache.size()} > limit_size = {cache.limit_size}")
                 self.checked["no_prefix_entries"] += 1
                 toks = [e.prompt.tokens for e in cache.states]
-                for i, a in enumerate(toks):
-                    for j, b in enumerate(toks):
-                        if i != j and len(a) <= len(b) and b[: len(a)] == a:
-                            _fail(
-                                "no_prefix_entries", f"entry {i} ({_short(a)}) is a prefix of entry {j} ({_short(b)})"
-                            )
+                # in sorted order everything between a and a longer b that starts with a starts with a too:
+                # a prefix pair exists iff two neighbours are one; then the pair is named by index
+                srt = sorted(toks)
+                if any(b[: len(a)] == a for a, b in itertools.pairwise(srt)):
+                    for i, a in enumerate(toks):
+                        for j, b in enumerate(toks):
+                            if i != j and len(a) <= len(b) and b[: len(a)] == a:
+                                _fail(
+                                    "no_prefix_entries",
+                                    f"entry {i} ({_short(a)}) is a prefix of entry {j} ({_short(b)})",
+                                )
             if fired:
                 self.checked["no_partial_entries"] += 1
                 if res is not None:

@@ -50,7 +50,7 @@ import struct
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 from harness.errors import GgmlAbort
 from harness.model.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, SyntheticProvider
@@ -211,8 +211,7 @@ def expected_alloc(
     return AllocPlan("insert", keep, expected_update(sizes, reduced, limit_tokens, keep), reduced)
 
 
-@dataclass(frozen=True)
-class CkptView:
+class CkptView(NamedTuple):
     """A checkpoint as create_checkpoint's rules see it."""
 
     ident: int
@@ -577,7 +576,7 @@ class PolicyTracer:
             # the id() of a freed one; compared by id() alone, a correct list then looked like an old
             # checkpoint kept in place of the new one ("kept n_tokens [] of [1, 2]"), depending on
             # the allocator's history, i.e. on which tests ran before.
-            olds = list(slot.prompt.checkpoints)
+            olds = list(slot.prompt.checkpoints.as_list())
             before = [CkptView(id(c), c.n_tokens, c.id_task) for c in olds]
             n_after = slot.prompt.n_tokens()
             n_start = n_after - n_tokens_cur
@@ -587,7 +586,7 @@ class PolicyTracer:
             keep = expected_checkpoints(before, slot.task.id, p.n_ctx_checkpoints, p.checkpoint_min_step, n_new)
             res = inner(slot, n_tokens_cur, pos_min, pos_max)
             self.checked["checkpoint_policy"] += 1
-            after = list(slot.prompt.checkpoints)
+            after = list(slot.prompt.checkpoints.as_list())
             if len(after) > p.n_ctx_checkpoints > 0:
                 _fail(
                     "checkpoint_lists",
