@@ -149,21 +149,25 @@ def _where(h: Holder) -> str:
     return f"cache[{a}].ckpt[{b}]" if kind == "cache" else f"slot{a}.ckpt[{b}]"
 
 
-def _references(server: ServerContext) -> tuple[Counter[int], dict[int, Payload]]:
-    """How many holders reference each payload (by identity), and the payloads themselves."""
-    refs: Counter[int] = Counter()
+def _references(server: ServerContext) -> tuple[dict[int, int], dict[int, Payload]]:
+    """How many holders reference each payload (by identity), and the payloads themselves.
+
+    Plain dicts, not a Counter: its ``__missing__`` is a Python call per new payload, every step."""
+    refs: dict[int, int] = {}
     objs: dict[int, Payload] = {}
     for _, c in _holders(server):
         for p in (c.data_tgt, c.data_dft, c.data_spec):  # CommonPromptCheckpoint.payloads(), without its list
             if p is not None:
-                refs[p.ident] += 1
-                objs[p.ident] = p
+                k = p.ident
+                refs[k] = refs.get(k, 0) + 1
+                objs[k] = p
     if server.prompt_cache is not None:
         for e in server.prompt_cache.states:
             for q in (e.data.main, e.data.drft):
                 if q is not None:
-                    refs[q.ident] += 1
-                    objs[q.ident] = q
+                    k = q.ident
+                    refs[k] = refs.get(k, 0) + 1
+                    objs[k] = q
     return refs, objs
 
 
@@ -223,10 +227,14 @@ def check_refcount(server: ServerContext) -> None:
             _fail("refcount", f"payload #{ident} is referenced {n}x but was released (use after free)")
         if p.holders != n:
             _fail("refcount", f"payload #{ident} has holders={p.holders}, referenced {n}x")
-    leaked = [p for i, p in ledger.live.items() if i not in refs]
+    leaked = []
+    live = 0
+    for i, p in ledger.live.items():  # one pass for both
+        live += p.nbytes
+        if i not in refs:
+            leaked.append(p)
     if leaked:
         _fail("refcount", f"{len(leaked)} payload(s) alive with no holder: {leaked[:3]}")
-    live = sum(p.nbytes for p in ledger.live.values())
     if live != ledger.live_bytes:
         _fail("refcount", f"ledger live_bytes = {ledger.live_bytes}, live payloads hold {live}")
 
