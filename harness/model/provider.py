@@ -212,7 +212,7 @@ class SyntheticProvider:
         return {_SWA}
 
     def _selected(self, seq: int, flags: int) -> list[_Comp]:
-        ids = self._comp_ids(flags)
+        ids = self._ids[1] if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else self._ids[0]  # _comp_ids, inline
         return [c for c in self._seq(seq).comps if c.cid in ids]
 
     def _comp_ids(self, flags: int) -> list[int]:
@@ -432,10 +432,12 @@ class SyntheticProvider:
         return [c.hist for c in self._seq(seq).comps]
 
     def seq_tokens(self, seq: int) -> tuple[int, ...] | None:
-        hists = {c.hist for c in self._seq(seq).comps}
-        if len(hists) != 1:
-            return None
-        return next(iter(hists))
+        comps = self._seq(seq).comps
+        first = comps[0].hist
+        for c in comps:  # compared, not put in a set: a set hashes every history in full
+            if c.hist != first:
+                return None
+        return first
 
 
 _KIND_IDS = {
