@@ -97,6 +97,7 @@ def _f32(x: float) -> float:
 
 
 _F32 = struct.Struct("<f")
+_F32_EXACT = 1 << 24  # every integer below it is exact in binary32 (a 24-bit significand)
 
 
 def _lcp(a: Tokens, b: Tokens) -> int:
@@ -166,8 +167,15 @@ def _update_passes(
             n_tokens -= entries[keep[first]][0]
             first += 1
     by_bytes = first
-    spt = max(1.0, _f32(_f32(float(size)) / _f32(float(max(1, n_tokens)))))
-    cur = max(limit_tokens, int(_f32(_f32(float(limit_size)) / spt))) if limit_size > 0 else limit_tokens
+    # f32 of an integer below 2**24 is its float (exact in binary32): two roundings a pass, not four
+    n_div = max(1, n_tokens)
+    f_size = float(size) if size < _F32_EXACT else _f32(float(size))
+    spt = max(1.0, _f32(f_size / (float(n_div) if n_div < _F32_EXACT else _f32(float(n_div)))))
+    if limit_size > 0:
+        f_limit = float(limit_size) if limit_size < _F32_EXACT else _f32(float(limit_size))
+        cur = max(limit_tokens, int(_f32(f_limit / spt)))
+    else:
+        cur = limit_tokens
     if limit_tokens > 0:
         while first < len(keep) and n_tokens > cur:
             size -= entries[keep[first]][1]

@@ -46,6 +46,7 @@ def f32(x: float) -> float:
 
 
 _F32 = struct.Struct("<f")
+_F32_EXACT = 1 << 24  # every integer below it is exact in binary32 (a 24-bit significand)
 
 
 def get_common_prefix(a: Tokens, b: Tokens) -> int:
@@ -370,10 +371,15 @@ class ServerPromptCache:
                 self._pop_front()
 
         # average size per token (float arithmetic, as upstream)
-        size_per_token = max(1.0, f32(f32(float(self.size())) / f32(float(max(1, self.n_tokens())))))
+        # (an integer below 2**24 is exact in binary32: f32 of its float is the float itself, not rounded)
+        size, n_tok, limit = self.size(), max(1, self.n_tokens()), self.limit_size
+        f_size = float(size) if size < _F32_EXACT else f32(float(size))
+        f_n = float(n_tok) if n_tok < _F32_EXACT else f32(float(n_tok))
+        size_per_token = max(1.0, f32(f_size / f_n))
         # dynamically increase the token limit if it can fit in the memory limit
-        if self.limit_size > 0:
-            limit_tokens_cur = max(self.limit_tokens, int(f32(f32(float(self.limit_size)) / size_per_token)))
+        if limit > 0:
+            f_limit = float(limit) if limit < _F32_EXACT else f32(float(limit))
+            limit_tokens_cur = max(self.limit_tokens, int(f32(f_limit / size_per_token)))
         else:
             limit_tokens_cur = self.limit_tokens
 

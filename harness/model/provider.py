@@ -250,6 +250,7 @@ class SyntheticProvider:
     def state_seq_get_data_ext(self, seq: int, flags: int) -> bytes:
         comps = self._selected(seq, flags)
         out = [_HEADER.pack(_MAGIC, self._kind_id, flags & 0xFF, len(comps), 0)]
+        size = _HEADER.size  # state_seq_get_size_ext's sum over the same components, inline
         for c in comps:
             hist = c.hist
             if c.digested is not hist:
@@ -260,12 +261,14 @@ class SyntheticProvider:
                 out.append(_COMP.pack(c.cid, len(hist), 0, d))
                 if hist:
                     out.append(self._rs_block(d))
+                size += _COMP.size + (self.rs_bytes if hist else 0)
             else:
                 out.append(_COMP.pack(c.cid, len(hist), c.lo, d))
                 out.append(_tokens(hist[c.lo :]))
                 out.append(self._fillers(c.cid, c.lo, len(hist)))
+                size += _COMP.size + (len(hist) - c.lo) * self.kv_bpt
         data = b"".join(out)
-        assert len(data) == self.state_seq_get_size_ext(seq, flags)
+        assert len(data) == size, "the state's bytes disagree with state_seq_get_size_ext"
         return data
 
     def _rs_block(self, digest: bytes) -> bytes:
