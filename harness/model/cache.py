@@ -206,7 +206,7 @@ class ServerPromptCache:
     def n_tokens(self) -> int:
         res = 0
         for state in self.states:
-            res += state.prompt.n_tokens()
+            res += len(state.prompt.tokens)  # prompt.n_tokens(), inline: ~30k calls a gate run on np3
         return res
 
     # server-task.cpp:1711

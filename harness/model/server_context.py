@@ -468,8 +468,12 @@ class ServerContext:
                 self._generate(slot)
 
     def run_until_idle(self, max_iters: int = 10_000) -> None:
+        idle = SlotState.IDLE
         for _ in range(max_iters):
-            if not any(s.is_processing() for s in self.slots):
+            for s in self.slots:  # any slot processing (is_processing(), inline: not a generator per iteration)
+                if s.state is not idle:
+                    break
+            else:
                 return
             self.update_slots()
         raise RuntimeError("server did not become idle")
