@@ -28,6 +28,7 @@ import time
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, NamedTuple
 
 from harness.errors import PropertyFailure
@@ -460,12 +461,18 @@ _TICKS: dict[tuple[str, str, str], list[int]] = {}
 def wrap_timed(
     obj: Any,
     name: str,
-    make: Callable[[Callable[..., Any]], Callable[..., Any]],
+    post: Callable[..., Any],
+    bound: tuple[Any, ...],
     seconds: dict[str, float],
     label: str,
 ) -> None:
-    """Replace ``obj.name`` by ``make(original)``; the time spent outside the original is charged
+    """Replace ``obj.name`` by ``partial(post, *bound, original)``: the post-condition, called with the
+    original method and then the operation's arguments. The time spent outside the original is charged
     to ``seconds[label]``, the post-condition that the wrapper checks (the tracers' one wrapping).
+
+    A ``functools.partial`` of the tracer's own function, not a closure made per wrapping: an example
+    wraps ~16 methods, and each closure with its cells was five objects the collector tracks and
+    promotes while the example runs; a partial is two.
 
     The post-condition always runs; one wrapping in :data:`TIMING_SAMPLE` of each operation is timed, and
     counts :data:`TIMING_SAMPLE` times: ``seconds`` is an estimate.
@@ -474,7 +481,7 @@ def wrap_timed(
     tick = _TICKS.setdefault((type(obj).__qualname__, name, label), [0])
     tick[0] += 1
     if tick[0] % TIMING_SAMPLE:
-        setattr(obj, name, make(original))
+        setattr(obj, name, partial(post, *bound, original))
         return
     inner_time = [0.0]
 
@@ -485,7 +492,7 @@ def wrap_timed(
         finally:
             inner_time[0] += time.perf_counter() - t0
 
-    wrapped = make(timed_inner)
+    wrapped = partial(post, *bound, timed_inner)
 
     def outer(*a: Any, **kw: Any) -> Any:
         t0 = time.perf_counter()
@@ -573,17 +580,19 @@ class Tracer:
         if not wrap:
             return
         cache = server.prompt_cache
+        cls = type(self)
         if cache is not None:
-            self._wrap(cache, "alloc", self._alloc)
-            self._wrap(cache, "load", self._load)
-            self._wrap(cache, "update", self._update)
+            self._wrap(cache, "alloc", cls._alloc)
+            self._wrap(cache, "load", cls._load)
+            self._wrap(cache, "update", cls._update)
         for s in server.slots:
-            self._wrap(s, "prompt_save", self._save(s))
-        self._wrap(server, "_start_prompt", self._start_prompt)
-        self._wrap(server, "handle_completion", self._handle)
+            self._wrap(s, "prompt_save", cls._save, s)
+        self._wrap(server, "_start_prompt", cls._start_prompt)
+        self._wrap(server, "handle_completion", cls._handle)
 
-    def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]]) -> None:
-        wrap_timed(obj, name, make, self.seconds, _WRAPPED_CHECK[name])
+    def _wrap(self, obj: Any, name: str, post: Callable[..., Any], *extra: Any) -> None:
+        """``obj.name`` becomes ``post(self, *extra, original, *args)`` (:func:`wrap_timed`)."""
+        wrap_timed(obj, name, post, (self, *extra), self.seconds, _WRAPPED_CHECK[name])
         self.wrapped.append((obj, name))
 
     def unwrap(self) -> None:
@@ -591,78 +600,67 @@ class Tracer:
         unwrap(self.wrapped)
 
     # limit + no_prefix_entries + no_partial_entries
-    def _alloc(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _alloc(self, inner: Callable[..., Any], prompt: Any, size_tgt: int, size_dft: int) -> Any:
         server = self.server
-
-        def alloc(prompt: Any, size_tgt: int, size_dft: int) -> Any:
-            cache = server.prompt_cache
-            assert cache is not None
-            seam = server.host.seam
-            armed = seam.armed  # unarmed, no allocation can fail: nothing to compare the cache with
-            before = [_view(e) for e in cache.states] if armed else []
-            size_before = cache.size() if armed else 0
-            limit_before = cache.limit_size
-            fired_before = seam.fired
-            res = inner(prompt, size_tgt, size_dft)
-            fired = seam.fired > fired_before
+        cache = server.prompt_cache
+        assert cache is not None
+        seam = server.host.seam
+        armed = seam.armed  # unarmed, no allocation can fail: nothing to compare the cache with
+        before = [_view(e) for e in cache.states] if armed else []
+        size_before = cache.size() if armed else 0
+        limit_before = cache.limit_size
+        fired_before = seam.fired
+        res = inner(prompt, size_tgt, size_dft)
+        fired = seam.fired > fired_before
+        if res is not None:
+            self.checked["limit"] += 1
+            if cache.limit_size > 0 and cache.size() > cache.limit_size:
+                _fail("limit", f"after alloc size() = {cache.size()} > limit_size = {cache.limit_size}")
+            self.checked["no_prefix_entries"] += 1
+            toks = [e.prompt.tokens for e in cache.states]
+            # in sorted order everything between a and a longer b that starts with a starts with a too:
+            # a prefix pair exists iff two neighbours are one; then the pair is named by index
+            srt = sorted(toks)
+            if any(b[: len(a)] == a for a, b in itertools.pairwise(srt)):
+                for i, a in enumerate(toks):
+                    for j, b in enumerate(toks):
+                        if i != j and len(a) <= len(b) and b[: len(a)] == a:
+                            _fail(
+                                "no_prefix_entries",
+                                f"entry {i} ({_short(a)}) is a prefix of entry {j} ({_short(b)})",
+                            )
+        if fired:
+            self.checked["no_partial_entries"] += 1
             if res is not None:
-                self.checked["limit"] += 1
-                if cache.limit_size > 0 and cache.size() > cache.limit_size:
-                    _fail("limit", f"after alloc size() = {cache.size()} > limit_size = {cache.limit_size}")
-                self.checked["no_prefix_entries"] += 1
-                toks = [e.prompt.tokens for e in cache.states]
-                # in sorted order everything between a and a longer b that starts with a starts with a too:
-                # a prefix pair exists iff two neighbours are one; then the pair is named by index
-                srt = sorted(toks)
-                if any(b[: len(a)] == a for a, b in itertools.pairwise(srt)):
-                    for i, a in enumerate(toks):
-                        for j, b in enumerate(toks):
-                            if i != j and len(a) <= len(b) and b[: len(a)] == a:
-                                _fail(
-                                    "no_prefix_entries",
-                                    f"entry {i} ({_short(a)}) is a prefix of entry {j} ({_short(b)})",
-                                )
-            if fired:
-                self.checked["no_partial_entries"] += 1
-                if res is not None:
-                    _fail("no_partial_entries", "alloc returned an entry although an allocation failed inside it")
-                after = [_view(e) for e in cache.states]
-                old_ids = {id(v.entry): v for v in before}
-                idx = [list(old_ids).index(id(v.entry)) if id(v.entry) in old_ids else -1 for v in after]
-                for v, i in zip(after, idx, strict=True):
-                    if i < 0:
-                        _fail("no_partial_entries", f"a new entry ({_short(v.tokens)}) survived a failed allocation")
-                    if old_ids[id(v.entry)] != v:
-                        _fail("no_partial_entries", f"entry {_short(v.tokens)} changed during a failed allocation")
-                if idx != sorted(idx):
-                    _fail("no_partial_entries", "entries were reordered by a failed allocation")
-                cap = max(1, int(0.4 * size_before))
-                if cache.limit_size != limit_before and cache.limit_size > cap:
-                    _fail("no_partial_entries", f"limit_size became {cache.limit_size}, above max(1, 0.4*size) = {cap}")
-            return res
+                _fail("no_partial_entries", "alloc returned an entry although an allocation failed inside it")
+            after = [_view(e) for e in cache.states]
+            old_ids = {id(v.entry): v for v in before}
+            idx = [list(old_ids).index(id(v.entry)) if id(v.entry) in old_ids else -1 for v in after]
+            for v, i in zip(after, idx, strict=True):
+                if i < 0:
+                    _fail("no_partial_entries", f"a new entry ({_short(v.tokens)}) survived a failed allocation")
+                if old_ids[id(v.entry)] != v:
+                    _fail("no_partial_entries", f"entry {_short(v.tokens)} changed during a failed allocation")
+            if idx != sorted(idx):
+                _fail("no_partial_entries", "entries were reordered by a failed allocation")
+            cap = max(1, int(0.4 * size_before))
+            if cache.limit_size != limit_before and cache.limit_size > cap:
+                _fail("no_partial_entries", f"limit_size became {cache.limit_size}, above max(1, 0.4*size) = {cap}")
+        return res
 
-        return alloc
-
-    def _save(self, slot: ServerSlot) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    def _save(self, slot: ServerSlot, inner: Callable[..., Any], cache: ServerPromptCache) -> Any:
         server = self.server
-
-        def make(inner: Callable[..., Any]) -> Callable[..., Any]:
-            def prompt_save(cache: ServerPromptCache) -> Any:
-                seam = server.host.seam
-                before = _slot_view(slot) if seam.armed else None  # unarmed, no allocation can fail
-                fired_before = seam.fired
-                last_before = server.host.last_op
-                res = inner(cache)
-                if seam.fired > fired_before and _slot_view(slot) != before:
-                    _fail("no_partial_entries", f"slot{slot.id} changed during a save that failed to allocate")
-                op = server.host.last_op  # the save's own operation (an empty prompt opens none)
-                if op is not None and op is not last_before and op.name == "save":
-                    self._check_peak(op)
-                return res
-
-            return prompt_save
-
-        return make
+        seam = server.host.seam
+        before = _slot_view(slot) if seam.armed else None  # unarmed, no allocation can fail
+        fired_before = seam.fired
+        last_before = server.host.last_op
+        res = inner(cache)
+        if seam.fired > fired_before and _slot_view(slot) != before:
+            _fail("no_partial_entries", f"slot{slot.id} changed during a save that failed to allocate")
+        op = server.host.last_op  # the save's own operation (an empty prompt opens none)
+        if op is not None and op is not last_before and op.name == "save":
+            self._check_peak(op)
+        return res
 
     def _check_peak(self, op: OperationStats) -> None:
         """``transient_peak``: bound = S + value-owned spec bytes; metadata within its own bound."""
@@ -687,101 +685,97 @@ class Tracer:
             _fail("transient_peak", f"save allocated {op.meta_bytes} metadata bytes > bound {meta_bound}")
 
     # limit (bytes and tokens) after update
-    def _update(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _update(
+        self,
+        inner: Callable[..., Any],
+    ) -> Any:
         server = self.server
-
-        def update() -> Any:
-            cache = server.prompt_cache
-            assert cache is not None
-            # the token limit as update() computes it on entry, after its byte-limit pass
-            sizes = [(e.size(), len(e.prompt.tokens)) for e in cache.states]
-            total_b, total_n, first = sum(b for b, _ in sizes), sum(n for _, n in sizes), 0
-            if cache.limit_size > 0:
-                while first < len(sizes) and total_b > cache.limit_size:
-                    total_b -= sizes[first][0]
-                    total_n -= sizes[first][1]
-                    first += 1
-            # size per token = max(1, B / max(1, N)) exactly; limit_size / spt in integers (floor, as int())
-            n_div = max(1, total_n)
-            if cache.limit_size > 0:
-                per = cache.limit_size if total_b <= n_div else cache.limit_size * n_div // total_b
-                limit_cur = max(cache.limit_tokens, per)
-            else:
-                limit_cur = cache.limit_tokens
-            res = inner()
-            self.checked["limit"] += 1
-            if cache.limit_size > 0 and cache.size() > cache.limit_size:
-                _fail("limit", f"after update size() = {cache.size()} > limit_size = {cache.limit_size}")
-            # upstream computes in float: allow one token per 2**22 of rounding
-            if cache.limit_tokens > 0 and cache.n_tokens() > limit_cur + 1 + limit_cur // (1 << 22):
-                _fail("limit", f"after update n_tokens() = {cache.n_tokens()} > token limit {limit_cur}")
-            return res
-
-        return update
+        cache = server.prompt_cache
+        assert cache is not None
+        # the token limit as update() computes it on entry, after its byte-limit pass
+        sizes = [(e.size(), len(e.prompt.tokens)) for e in cache.states]
+        total_b, total_n, first = sum(b for b, _ in sizes), sum(n for _, n in sizes), 0
+        if cache.limit_size > 0:
+            while first < len(sizes) and total_b > cache.limit_size:
+                total_b -= sizes[first][0]
+                total_n -= sizes[first][1]
+                first += 1
+        # size per token = max(1, B / max(1, N)) exactly; limit_size / spt in integers (floor, as int())
+        n_div = max(1, total_n)
+        if cache.limit_size > 0:
+            per = cache.limit_size if total_b <= n_div else cache.limit_size * n_div // total_b
+            limit_cur = max(cache.limit_tokens, per)
+        else:
+            limit_cur = cache.limit_tokens
+        res = inner()
+        self.checked["limit"] += 1
+        if cache.limit_size > 0 and cache.size() > cache.limit_size:
+            _fail("limit", f"after update size() = {cache.size()} > limit_size = {cache.limit_size}")
+        # upstream computes in float: allow one token per 2**22 of rounding
+        if cache.limit_tokens > 0 and cache.n_tokens() > limit_cur + 1 + limit_cur // (1 << 22):
+            _fail("limit", f"after update n_tokens() = {cache.n_tokens()} > token limit {limit_cur}")
+        return res
 
     # load_transfer
-    def _load(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _load(
+        self,
+        inner: Callable[..., Any],
+        prompt: Any,
+        tokens_new: tuple[int, ...],
+        ctx_tgt: Any,
+        ctx_dft: Any,
+        id_slot: int,
+    ) -> Any:
         server = self.server
-
-        def load(prompt: Any, tokens_new: tuple[int, ...], ctx_tgt: Any, ctx_dft: Any, id_slot: int) -> Any:
-            cache = server.prompt_cache
-            assert cache is not None
-            before = [_view(e) for e in cache.states]
-            slot_tokens = prompt.tokens
-            res = inner(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
-            self.checked["load_transfer"] += 1
-            after = [_view(e) for e in cache.states]
-            if after == before:
-                return res
-            if not res:
-                _fail("load_transfer", "load failed and left the cache changed (an entry lost part of its state)")
-            gone = [v for v in before if all(v.entry is not a.entry for a in after)]
-            if len(gone) != 1 or [v for v in before if v not in gone] != after:
-                _fail("load_transfer", f"load removed {len(gone)} entries or changed the others")
-            e = gone[0]
-            if prompt.tokens != e.tokens:
-                _fail("load_transfer", "the slot did not receive the chosen entry's tokens")
-            if [id(c) for c in prompt.checkpoints] != [id(c) for c, _ in e.ckpts]:  # e.ckpts: held, see EntryView
-                _fail("load_transfer", "the slot's checkpoints are not the entry's (copied, not moved)")
-            lcp_slot = get_common_prefix(slot_tokens, tokens_new)
-            lcp = get_common_prefix(e.tokens, tokens_new)
-            # exact rationals, cross-multiplied: f_keep = lcp / |entry|, f_keep_slot = lcp_slot / |slot| (-1
-            # for an empty slot), f_sim = lcp / |new| (the same denominator for entry and slot)
-            n_e, n_s = len(e.tokens), len(slot_tokens)
-            if 4 * lcp < n_e:
-                _fail("load_transfer", f"chosen entry has f_keep = {lcp / n_e:.3f} < 0.25")
-            if not ((not slot_tokens or lcp * n_s > lcp_slot * n_e) and lcp > lcp_slot):
-                _fail("load_transfer", "chosen entry does not beat the slot on both f_keep and f_sim")
+        cache = server.prompt_cache
+        assert cache is not None
+        before = [_view(e) for e in cache.states]
+        slot_tokens = prompt.tokens
+        res = inner(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
+        self.checked["load_transfer"] += 1
+        after = [_view(e) for e in cache.states]
+        if after == before:
             return res
-
-        return load
+        if not res:
+            _fail("load_transfer", "load failed and left the cache changed (an entry lost part of its state)")
+        gone = [v for v in before if all(v.entry is not a.entry for a in after)]
+        if len(gone) != 1 or [v for v in before if v not in gone] != after:
+            _fail("load_transfer", f"load removed {len(gone)} entries or changed the others")
+        e = gone[0]
+        if prompt.tokens != e.tokens:
+            _fail("load_transfer", "the slot did not receive the chosen entry's tokens")
+        if [id(c) for c in prompt.checkpoints] != [id(c) for c, _ in e.ckpts]:  # e.ckpts: held, see EntryView
+            _fail("load_transfer", "the slot's checkpoints are not the entry's (copied, not moved)")
+        lcp_slot = get_common_prefix(slot_tokens, tokens_new)
+        lcp = get_common_prefix(e.tokens, tokens_new)
+        # exact rationals, cross-multiplied: f_keep = lcp / |entry|, f_keep_slot = lcp_slot / |slot| (-1
+        # for an empty slot), f_sim = lcp / |new| (the same denominator for entry and slot)
+        n_e, n_s = len(e.tokens), len(slot_tokens)
+        if 4 * lcp < n_e:
+            _fail("load_transfer", f"chosen entry has f_keep = {lcp / n_e:.3f} < 0.25")
+        if not ((not slot_tokens or lcp * n_s > lcp_slot * n_e) and lcp > lcp_slot):
+            _fail("load_transfer", "chosen entry does not beat the slot on both f_keep and f_sim")
+        return res
 
     # checkpoint_lists: invalidation against the resume position
-    def _start_prompt(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        def start(slot: ServerSlot) -> Any:
-            res = inner(slot)
-            if slot.is_processing():
-                self.checked["checkpoint_lists"] += 1
-                for c in slot.prompt.checkpoints:
-                    if c.pos_max > slot.pos_next:
-                        _fail(
-                            "checkpoint_lists",
-                            f"slot{slot.id}: checkpoint pos_max {c.pos_max} > resume position {slot.pos_next}",
-                        )
-            return res
-
-        return start
+    def _start_prompt(self, inner: Callable[..., Any], slot: ServerSlot) -> Any:
+        res = inner(slot)
+        if slot.is_processing():
+            self.checked["checkpoint_lists"] += 1
+            for c in slot.prompt.checkpoints:
+                if c.pos_max > slot.pos_next:
+                    _fail(
+                        "checkpoint_lists",
+                        f"slot{slot.id}: checkpoint pos_max {c.pos_max} > resume position {slot.pos_next}",
+                    )
+        return res
 
     # busy_slot_untouched
-    def _handle(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _handle(self, inner: Callable[..., Any], *a: Any, **kw: Any) -> Any:
         server = self.server
-
-        def handle(*a: Any, **kw: Any) -> Any:
-            res = inner(*a, **kw)
-            self.checked["busy_slot_untouched"] += 1
-            for ev in server.events:
-                if ev.slot_processing:
-                    _fail("busy_slot_untouched", f"prompt_{ev.op} ran on slot{ev.slot} while it was processing")
-            return res
-
-        return handle
+        res = inner(*a, **kw)
+        self.checked["busy_slot_untouched"] += 1
+        for ev in server.events:
+            if ev.slot_processing:
+                _fail("busy_slot_untouched", f"prompt_{ev.op} ran on slot{ev.slot} while it was processing")
+        return res

@@ -318,19 +318,21 @@ class PolicyTracer:
         if not wrap:  # no check runs (the bench prices them that way)
             return
         cache = server.prompt_cache
+        cls = type(self)
         if cache is not None:
-            self._wrap(cache, "load", self._load, "load_choice")
-            self._wrap(cache, "alloc", self._alloc, "alloc_eviction")
-            self._wrap(cache, "update", self._update, "update_eviction")
-        self._wrap(server, "create_checkpoint", self._create_checkpoint, "checkpoint_policy")
-        self._wrap(server, "_start_prompt", self._start_prompt, "restore_failure")
-        self._wrap(server, "get_available_slot", self._get_available_slot, "restore_failure")
+            self._wrap(cache, "load", cls._load, "load_choice")
+            self._wrap(cache, "alloc", cls._alloc, "alloc_eviction")
+            self._wrap(cache, "update", cls._update, "update_eviction")
+        self._wrap(server, "create_checkpoint", cls._create_checkpoint, "checkpoint_policy")
+        self._wrap(server, "_start_prompt", cls._start_prompt, "restore_failure")
+        self._wrap(server, "get_available_slot", cls._get_available_slot, "restore_failure")
         for ctx in (server.ctx_tgt, server.ctx_dft):
             if ctx is not None:
-                self._wrap(ctx, "state_seq_set_data_ext", self._set_data(ctx), "restore_bytes")
+                self._wrap(ctx, "state_seq_set_data_ext", cls._set_data, "restore_bytes", ctx)
 
-    def _wrap(self, obj: Any, name: str, make: Callable[[Callable[..., Any]], Callable[..., Any]], label: str) -> None:
-        wrap_timed(obj, name, make, self.seconds, label)
+    def _wrap(self, obj: Any, name: str, post: Callable[..., Any], label: str, *extra: Any) -> None:
+        """``obj.name`` becomes ``post(self, *extra, original, *args)`` (:func:`wrap_timed`)."""
+        wrap_timed(obj, name, post, (self, *extra), self.seconds, label)
         self.wrapped.append((obj, name))
 
     def unwrap(self) -> None:
@@ -339,18 +341,12 @@ class PolicyTracer:
 
     # ---- restores as libllama sees them ------------------------------------------------------
 
-    def _set_data(self, ctx: Any) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-        def make(inner: Callable[..., Any]) -> Callable[..., Any]:
-            def set_data(seq: int, data: bytes, flags: int) -> int:
-                n = int(inner(seq, data, flags))
-                ok = n == len(data)
-                state = ctx.state_seq_get_data_ext(seq, flags) if ok and self.synthetic else None
-                self._restores.append(_Restore(ctx.name, seq, flags, ok, state))
-                return n
-
-            return set_data
-
-        return make
+    def _set_data(self, ctx: Any, inner: Callable[..., Any], seq: int, data: bytes, flags: int) -> int:
+        n = int(inner(seq, data, flags))
+        ok = n == len(data)
+        state = ctx.state_seq_get_data_ext(seq, flags) if ok and self.synthetic else None
+        self._restores.append(_Restore(ctx.name, seq, flags, ok, state))
+        return n
 
     def _check_bytes(
         self,
@@ -409,226 +405,213 @@ class PolicyTracer:
 
     # ---- load ------------------------------------------------------------------------------
 
-    def _load(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _load(
+        self, inner: Callable[..., Any], prompt: Any, tokens_new: Tokens, ctx_tgt: Any, ctx_dft: Any, id_slot: int
+    ) -> Any:
         server = self.server
-
-        def load(prompt: Any, tokens_new: Tokens, ctx_tgt: Any, ctx_dft: Any, id_slot: int) -> Any:
-            cache = server.prompt_cache
-            assert cache is not None
-            before = list(cache.states)
-            toks = [e.prompt.tokens for e in before]
-            slot_tokens = prompt.tokens
-            pick = expected_load_choice(slot_tokens, tokens_new, toks)
-            saved: tuple[bytes, bytes | None] | None = None
-            if pick is not None:
-                e = before[pick]
-                main, drft = e.data.main, e.data.drft
-                saved = (main.data if main is not None else b"", drft.data if drft is not None else None)
-            self._restores.clear()
-            res = inner(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
-            after = list(cache.states)
-            self.checked["load_choice"] += 1
-            if pick is None:
-                self.branches["load_choice:none"] += 1
-                if after != before or prompt.tokens != slot_tokens or res is not True:
-                    _fail(
-                        "load_choice",
-                        "no entry beats the slot on f_keep and f_sim (S-T.cpp:1817), yet the load moved one or failed",
-                    )
-                return res
-            if not res:
-                # restore_failure: the entry whose restore failed stays, and so does every other
-                self.checked["restore_failure"] += 1
-                self.branches["restore_failure:load"] += 1
-                if after != before:
-                    _fail(
-                        "restore_failure",
-                        "a failed load changed the cache's entries (S-T.cpp:1832-1836 returns before erasing)",
-                    )
-                self._failed_load_prompt = prompt
-                return res
-            self.branches["load_choice:entry"] += 1
-            want = [e for i, e in enumerate(before) if i != pick]
-            if after != want or prompt.tokens != toks[pick]:
-                got = next((i for i, e in enumerate(before) if e not in after), None)
+        cache = server.prompt_cache
+        assert cache is not None
+        before = list(cache.states)
+        toks = [e.prompt.tokens for e in before]
+        slot_tokens = prompt.tokens
+        pick = expected_load_choice(slot_tokens, tokens_new, toks)
+        saved: tuple[bytes, bytes | None] | None = None
+        if pick is not None:
+            e = before[pick]
+            main, drft = e.data.main, e.data.drft
+            saved = (main.data if main is not None else b"", drft.data if drft is not None else None)
+        self._restores.clear()
+        res = inner(prompt, tokens_new, ctx_tgt, ctx_dft, id_slot)
+        after = list(cache.states)
+        self.checked["load_choice"] += 1
+        if pick is None:
+            self.branches["load_choice:none"] += 1
+            if after != before or prompt.tokens != slot_tokens or res is not True:
                 _fail(
                     "load_choice",
-                    f"load took entry {got} of {len(before)}; upstream's scan (S-T.cpp:1803-1823) "
-                    f"picks entry {pick} ({len(toks[pick])} tokens)",
+                    "no entry beats the slot on f_keep and f_sim (S-T.cpp:1817), yet the load moved one or failed",
                 )
-            assert saved is not None
-            # the memory now: nothing runs between the restore and the end of load
-            for ctx, data in ((ctx_tgt, saved[0]), (ctx_dft, saved[1])):
-                if ctx is None or data is None or not self.synthetic:
-                    continue
-                now = ctx.state_seq_get_data_ext(id_slot, STATE_SEQ_FLAGS_NONE)
-                self._check_bytes("cache load", ctx, id_slot, now, prompt.tokens, data, STATE_SEQ_FLAGS_NONE)
             return res
+        if not res:
+            # restore_failure: the entry whose restore failed stays, and so does every other
+            self.checked["restore_failure"] += 1
+            self.branches["restore_failure:load"] += 1
+            if after != before:
+                _fail(
+                    "restore_failure",
+                    "a failed load changed the cache's entries (S-T.cpp:1832-1836 returns before erasing)",
+                )
+            self._failed_load_prompt = prompt
+            return res
+        self.branches["load_choice:entry"] += 1
+        want = [e for i, e in enumerate(before) if i != pick]
+        if after != want or prompt.tokens != toks[pick]:
+            got = next((i for i, e in enumerate(before) if e not in after), None)
+            _fail(
+                "load_choice",
+                f"load took entry {got} of {len(before)}; upstream's scan (S-T.cpp:1803-1823) "
+                f"picks entry {pick} ({len(toks[pick])} tokens)",
+            )
+        assert saved is not None
+        # the memory now: nothing runs between the restore and the end of load
+        for ctx, data in ((ctx_tgt, saved[0]), (ctx_dft, saved[1])):
+            if ctx is None or data is None or not self.synthetic:
+                continue
+            now = ctx.state_seq_get_data_ext(id_slot, STATE_SEQ_FLAGS_NONE)
+            self._check_bytes("cache load", ctx, id_slot, now, prompt.tokens, data, STATE_SEQ_FLAGS_NONE)
+        return res
 
-        return load
-
-    def _get_available_slot(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _get_available_slot(self, inner: Callable[..., Any], task: Any) -> Any:
         server = self.server
-
-        def get_available_slot(task: Any) -> Any:
-            self._failed_load_prompt = None
-            ret = inner(task)
-            failed, self._failed_load_prompt = self._failed_load_prompt, None
-            if failed is not None and ret is not None and ret.prompt is failed:
-                # S-C.cpp:1630-1632: if (!prompt_load(...)) prompt_clear(): seq_rm all, tokens and checkpoints
-                self.checked["restore_failure"] += 1
-                left = server.ctx_tgt.seq_tokens(ret.id)
-                if ret.prompt.tokens or len(ret.prompt.checkpoints) or left != ():
-                    _fail(
-                        "restore_failure",
-                        f"slot{ret.id} after a failed cache load holds {len(ret.prompt.tokens)} "
-                        f"tokens, {len(ret.prompt.checkpoints)} checkpoints, memory of "
-                        f"{None if left is None else len(left)} tokens; upstream clears it (S-C.cpp:1630-1632)",
-                    )
-            return ret
-
-        return get_available_slot
+        self._failed_load_prompt = None
+        ret = inner(task)
+        failed, self._failed_load_prompt = self._failed_load_prompt, None
+        if failed is not None and ret is not None and ret.prompt is failed:
+            # S-C.cpp:1630-1632: if (!prompt_load(...)) prompt_clear(): seq_rm all, tokens and checkpoints
+            self.checked["restore_failure"] += 1
+            left = server.ctx_tgt.seq_tokens(ret.id)
+            if ret.prompt.tokens or len(ret.prompt.checkpoints) or left != ():
+                _fail(
+                    "restore_failure",
+                    f"slot{ret.id} after a failed cache load holds {len(ret.prompt.tokens)} "
+                    f"tokens, {len(ret.prompt.checkpoints)} checkpoints, memory of "
+                    f"{None if left is None else len(left)} tokens; upstream clears it (S-C.cpp:1630-1632)",
+                )
+        return ret
 
     # ---- alloc / update --------------------------------------------------------------------
 
-    def _alloc(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _alloc(self, inner: Callable[..., Any], prompt: Any, size_tgt: int, size_dft: int) -> Any:
         server = self.server
-
-        def alloc(prompt: Any, size_tgt: int, size_dft: int) -> Any:
-            cache = server.prompt_cache
-            assert cache is not None
-            before = list(cache.states)
-            entries = [(e.prompt.tokens, _entry_bytes(e)) for e in before]
-            need = size_tgt + size_dft
-            for c in prompt.checkpoints:
-                need += _payload_bytes((c.data_tgt, c.data_dft, c.data_spec))
-            plan = expected_alloc(entries, prompt.tokens, need, cache.limit_size, cache.limit_tokens)
-            fired = server.host.seam.fired
-            res = inner(prompt, size_tgt, size_dft)
-            after = list(cache.states)
-            self.checked["alloc_eviction"] += 1
-            if plan.outcome != "insert":
-                self.branches["alloc_eviction:" + plan.outcome] += 1
-                if res is not None or after != before:
-                    _fail(
-                        "alloc_eviction",
-                        f"{plan.outcome} prompt: upstream returns before touching the cache (S-T.cpp:1713-1735)",
-                    )
-                return res
-            if server.host.seam.fired > fired and res is None:
-                self.branches["alloc_eviction:recovered"] += 1
-                want = [before[i] for i in plan.recovered]
-                if after != want or cache.limit_size != plan.recovered_limit:
-                    _fail(
-                        "alloc_eviction",
-                        f"after a failed allocation {len(after)} entries remain, limit "
-                        f"{cache.limit_size}; upstream keeps {len(want)} with limit {plan.recovered_limit} "
-                        "(S-T.cpp:1767-1776)",
-                    )
-                return res
-            if res is None:
-                _fail("alloc_eviction", "alloc returned no entry although it fits and no allocation failed")
-            n_evicted = len(before) - len(plan.survivors)
-            self.branches["alloc_eviction:evicted" if n_evicted else "alloc_eviction:kept"] += 1
-            want = [before[i] for i in plan.survivors]
-            if after[:-1] != want or after[-1] in before or after[-1].prompt.tokens != prompt.tokens:
-                kept = [before.index(e) for e in after if e in before]
+        cache = server.prompt_cache
+        assert cache is not None
+        before = list(cache.states)
+        entries = [(e.prompt.tokens, _entry_bytes(e)) for e in before]
+        need = size_tgt + size_dft
+        for c in prompt.checkpoints:
+            need += _payload_bytes((c.data_tgt, c.data_dft, c.data_spec))
+        plan = expected_alloc(entries, prompt.tokens, need, cache.limit_size, cache.limit_tokens)
+        fired = server.host.seam.fired
+        res = inner(prompt, size_tgt, size_dft)
+        after = list(cache.states)
+        self.checked["alloc_eviction"] += 1
+        if plan.outcome != "insert":
+            self.branches["alloc_eviction:" + plan.outcome] += 1
+            if res is not None or after != before:
                 _fail(
                     "alloc_eviction",
-                    f"alloc kept entries {kept} of {len(before)} and appended "
-                    f"{'a new entry' if after and after[-1] not in before else 'nothing'}; upstream keeps "
-                    f"{plan.survivors} then appends (S-T.cpp:1737-1758, 1779)",
+                    f"{plan.outcome} prompt: upstream returns before touching the cache (S-T.cpp:1713-1735)",
                 )
             return res
-
-        return alloc
-
-    def _update(self, inner: Callable[..., Any]) -> Callable[..., Any]:
-        server = self.server
-
-        def update() -> Any:
-            cache = server.prompt_cache
-            assert cache is not None
-            before = list(cache.states)
-            sizes = [(len(e.prompt.tokens), _entry_bytes(e)) for e in before]
-            keep, n_by_bytes = _update_passes(sizes, cache.limit_size, cache.limit_tokens)
-            res = inner()
-            after = list(cache.states)
-            self.checked["update_eviction"] += 1
-            if n_by_bytes > 0:
-                self.branches["update_eviction:bytes"] += 1
-            if len(keep) < len(before) - n_by_bytes:
-                self.branches["update_eviction:tokens" + ("" if cache.limit_size > 0 else "-only")] += 1
-            want = [before[i] for i in keep]
-            if after != want:
-                kept = [before.index(e) if e in before else -1 for e in after]
+        if server.host.seam.fired > fired and res is None:
+            self.branches["alloc_eviction:recovered"] += 1
+            want = [before[i] for i in plan.recovered]
+            if after != want or cache.limit_size != plan.recovered_limit:
                 _fail(
-                    "update_eviction",
-                    f"update kept entries {kept} of {len(before)}; upstream keeps {keep} "
-                    f"(limit_size {cache.limit_size}, limit_tokens {cache.limit_tokens}; S-T.cpp:1870-1892)",
+                    "alloc_eviction",
+                    f"after a failed allocation {len(after)} entries remain, limit "
+                    f"{cache.limit_size}; upstream keeps {len(want)} with limit {plan.recovered_limit} "
+                    "(S-T.cpp:1767-1776)",
                 )
             return res
+        if res is None:
+            _fail("alloc_eviction", "alloc returned no entry although it fits and no allocation failed")
+        n_evicted = len(before) - len(plan.survivors)
+        self.branches["alloc_eviction:evicted" if n_evicted else "alloc_eviction:kept"] += 1
+        want = [before[i] for i in plan.survivors]
+        if after[:-1] != want or after[-1] in before or after[-1].prompt.tokens != prompt.tokens:
+            kept = [before.index(e) for e in after if e in before]
+            _fail(
+                "alloc_eviction",
+                f"alloc kept entries {kept} of {len(before)} and appended "
+                f"{'a new entry' if after and after[-1] not in before else 'nothing'}; upstream keeps "
+                f"{plan.survivors} then appends (S-T.cpp:1737-1758, 1779)",
+            )
+        return res
 
-        return update
+    def _update(
+        self,
+        inner: Callable[..., Any],
+    ) -> Any:
+        server = self.server
+        cache = server.prompt_cache
+        assert cache is not None
+        before = list(cache.states)
+        sizes = [(len(e.prompt.tokens), _entry_bytes(e)) for e in before]
+        keep, n_by_bytes = _update_passes(sizes, cache.limit_size, cache.limit_tokens)
+        res = inner()
+        after = list(cache.states)
+        self.checked["update_eviction"] += 1
+        if n_by_bytes > 0:
+            self.branches["update_eviction:bytes"] += 1
+        if len(keep) < len(before) - n_by_bytes:
+            self.branches["update_eviction:tokens" + ("" if cache.limit_size > 0 else "-only")] += 1
+        want = [before[i] for i in keep]
+        if after != want:
+            kept = [before.index(e) if e in before else -1 for e in after]
+            _fail(
+                "update_eviction",
+                f"update kept entries {kept} of {len(before)}; upstream keeps {keep} "
+                f"(limit_size {cache.limit_size}, limit_tokens {cache.limit_tokens}; S-T.cpp:1870-1892)",
+            )
+        return res
 
     # ---- checkpoints -----------------------------------------------------------------------
 
-    def _create_checkpoint(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _create_checkpoint(
+        self, inner: Callable[..., Any], slot: Any, n_tokens_cur: int, pos_min: int, pos_max: int
+    ) -> Any:
         server = self.server
-
-        def create_checkpoint(slot: Any, n_tokens_cur: int, pos_min: int, pos_max: int) -> Any:
-            p = server.params
-            assert slot.task is not None
-            # The old checkpoints are held (``olds``) until the check is done: create_checkpoint frees
-            # the ones it erases before it allocates the new one, and CPython may give the new object
-            # the id() of a freed one; compared by id() alone, a correct list then looked like an old
-            # checkpoint kept in place of the new one ("kept n_tokens [] of [1, 2]"), depending on
-            # the allocator's history, i.e. on which tests ran before.
-            olds = list(slot.prompt.checkpoints.as_list())
-            before = [CkptView(id(c), c.n_tokens, c.id_task) for c in olds]
-            n_after = slot.prompt.n_tokens()
-            n_start = n_after - n_tokens_cur
-            n_new = n_after - n_tokens_cur
-            n_task = len(slot.task.tokens)
-            near_end = n_task < n_after + p.n_ubatch  # S-C.cpp:3567
-            keep = expected_checkpoints(before, slot.task.id, p.n_ctx_checkpoints, p.checkpoint_min_step, n_new)
-            res = inner(slot, n_tokens_cur, pos_min, pos_max)
-            self.checked["checkpoint_policy"] += 1
-            after = list(slot.prompt.checkpoints.as_list())
-            if len(after) > p.n_ctx_checkpoints > 0:
-                _fail(
-                    "checkpoint_lists",
-                    f"slot{slot.id}: {len(after)} checkpoints > n_ctx_checkpoints = {p.n_ctx_checkpoints}",
-                )
-            # the creation gate (text prompts: no user-message spans, no mtmd)
-            if not (n_after == n_task or near_end):
-                _fail("checkpoint_policy", f"checkpoint at {n_new} mid-prompt, not near its end (S-C.cpp:3585-3590)")
-            if before and not (near_end or n_start > before[-1].n_tokens + p.checkpoint_min_step):
-                _fail(
-                    "checkpoint_policy",
-                    f"checkpoint at {n_new} within min-step of {before[-1].n_tokens} (S-C.cpp:3605-3609)",
-                )
-            thinned = len(before) - len(keep) - sum(1 for c in before if c.n_tokens == n_new)
-            self.branches["checkpoint_policy:thinned" if thinned > 0 else "checkpoint_policy:appended"] += 1
-            if any(c.n_tokens == n_new for c in before):
-                self.branches["checkpoint_policy:superseded"] += 1
-            new = after[-1] if after else None
-            if [id(c) for c in after[:-1]] != keep or new is None or any(new is c for c in olds):
-                _fail(
-                    "checkpoint_policy",
-                    f"slot{slot.id}: kept n_tokens "
-                    f"{[c.n_tokens for c in after[:-1]]} of {[c.n_tokens for c in before]}; upstream keeps "
-                    f"{[c.n_tokens for c in before if c.ident in keep]} then appends {n_new} (S-C.cpp:2290-2345)",
-                )
-            assert new is not None
-            if (new.n_tokens, new.id_task, new.pos_min, new.pos_max) != (n_new, slot.task.id, pos_min, pos_max):
-                _fail(
-                    "checkpoint_policy",
-                    f"new checkpoint {new} is not (n_tokens={n_new}, task={slot.task.id}, pos=[{pos_min},{pos_max}])",
-                )
-            return res
-
-        return create_checkpoint
+        p = server.params
+        assert slot.task is not None
+        # The old checkpoints are held (``olds``) until the check is done: create_checkpoint frees
+        # the ones it erases before it allocates the new one, and CPython may give the new object
+        # the id() of a freed one; compared by id() alone, a correct list then looked like an old
+        # checkpoint kept in place of the new one ("kept n_tokens [] of [1, 2]"), depending on
+        # the allocator's history, i.e. on which tests ran before.
+        olds = list(slot.prompt.checkpoints.as_list())
+        before = [CkptView(id(c), c.n_tokens, c.id_task) for c in olds]
+        n_after = slot.prompt.n_tokens()
+        n_start = n_after - n_tokens_cur
+        n_new = n_after - n_tokens_cur
+        n_task = len(slot.task.tokens)
+        near_end = n_task < n_after + p.n_ubatch  # S-C.cpp:3567
+        keep = expected_checkpoints(before, slot.task.id, p.n_ctx_checkpoints, p.checkpoint_min_step, n_new)
+        res = inner(slot, n_tokens_cur, pos_min, pos_max)
+        self.checked["checkpoint_policy"] += 1
+        after = list(slot.prompt.checkpoints.as_list())
+        if len(after) > p.n_ctx_checkpoints > 0:
+            _fail(
+                "checkpoint_lists",
+                f"slot{slot.id}: {len(after)} checkpoints > n_ctx_checkpoints = {p.n_ctx_checkpoints}",
+            )
+        # the creation gate (text prompts: no user-message spans, no mtmd)
+        if not (n_after == n_task or near_end):
+            _fail("checkpoint_policy", f"checkpoint at {n_new} mid-prompt, not near its end (S-C.cpp:3585-3590)")
+        if before and not (near_end or n_start > before[-1].n_tokens + p.checkpoint_min_step):
+            _fail(
+                "checkpoint_policy",
+                f"checkpoint at {n_new} within min-step of {before[-1].n_tokens} (S-C.cpp:3605-3609)",
+            )
+        thinned = len(before) - len(keep) - sum(1 for c in before if c.n_tokens == n_new)
+        self.branches["checkpoint_policy:thinned" if thinned > 0 else "checkpoint_policy:appended"] += 1
+        if any(c.n_tokens == n_new for c in before):
+            self.branches["checkpoint_policy:superseded"] += 1
+        new = after[-1] if after else None
+        if [id(c) for c in after[:-1]] != keep or new is None or any(new is c for c in olds):
+            _fail(
+                "checkpoint_policy",
+                f"slot{slot.id}: kept n_tokens "
+                f"{[c.n_tokens for c in after[:-1]]} of {[c.n_tokens for c in before]}; upstream keeps "
+                f"{[c.n_tokens for c in before if c.ident in keep]} then appends {n_new} (S-C.cpp:2290-2345)",
+            )
+        assert new is not None
+        if (new.n_tokens, new.id_task, new.pos_min, new.pos_max) != (n_new, slot.task.id, pos_min, pos_max):
+            _fail(
+                "checkpoint_policy",
+                f"new checkpoint {new} is not (n_tokens={n_new}, task={slot.task.id}, pos=[{pos_min},{pos_max}])",
+            )
+        return res
 
     def _expected_restore(self, slot: Any) -> Any:
         """The checkpoint _start_prompt restores (S-C.cpp:3284-3353), or None (no search or none found)."""
@@ -650,58 +633,54 @@ class PolicyTracer:
                 return c
         return None
 
-    def _start_prompt(self, inner: Callable[..., Any]) -> Callable[..., Any]:
+    def _start_prompt(self, inner: Callable[..., Any], slot: Any) -> Any:
         server = self.server
-
-        def start(slot: Any) -> Any:
-            ckpt = self._expected_restore(slot)
-            tokens = slot.prompt.tokens
-            saved = None
-            n_ckpt = 0
-            if ckpt is not None:
-                saved = (
-                    ckpt.data_tgt.data if ckpt.data_tgt is not None else None,
-                    ckpt.data_dft.data if ckpt.data_dft is not None else None,
-                )
-                n_ckpt = ckpt.n_tokens
-            self._restores.clear()
-            try:
-                res = inner(slot)
-            except GgmlAbort as e:
-                if any(not r.ok and r.seq == slot.id for r in self._restores) and ckpt is not None:
-                    self.checked["restore_failure"] += 1
-                    self.branches["restore_failure:checkpoint-abort"] += 1
-                    raise ExpectedAbort(str(e)) from e
-                raise
-            if ckpt is None:
-                return res
-            failed = [r for r in self._restores if not r.ok and r.seq == slot.id]
-            if failed:
+        ckpt = self._expected_restore(slot)
+        tokens = slot.prompt.tokens
+        saved = None
+        n_ckpt = 0
+        if ckpt is not None:
+            saved = (
+                ckpt.data_tgt.data if ckpt.data_tgt is not None else None,
+                ckpt.data_dft.data if ckpt.data_dft is not None else None,
+            )
+            n_ckpt = ckpt.n_tokens
+        self._restores.clear()
+        try:
+            res = inner(slot)
+        except GgmlAbort as e:
+            if any(not r.ok and r.seq == slot.id for r in self._restores) and ckpt is not None:
                 self.checked["restore_failure"] += 1
-                _fail(
-                    "restore_failure",
-                    f"slot{slot.id}: the checkpoint restore failed ({failed[0].ctx}) and the "
-                    "server went on; upstream aborts (common.cpp:2335-2338, 2353-2356)",
-                )
-            assert saved is not None
-            for ctx, data in ((server.ctx_tgt, saved[0]), (server.ctx_dft, saved[1])):
-                if ctx is None or data is None:
-                    continue
-                got = [
-                    r
-                    for r in self._restores
-                    if r.ctx == ctx.name and r.seq == slot.id and r.flags == STATE_SEQ_FLAGS_PARTIAL_ONLY
-                ]
-                self._check_bytes(
-                    "checkpoint restore",
-                    ctx,
-                    slot.id,
-                    (got[-1].state or b"") if got else b"",
-                    tokens,
-                    data,
-                    STATE_SEQ_FLAGS_PARTIAL_ONLY,
-                    resume=min(slot.prompt.n_tokens(), n_ckpt),
-                )
+                self.branches["restore_failure:checkpoint-abort"] += 1
+                raise ExpectedAbort(str(e)) from e
+            raise
+        if ckpt is None:
             return res
-
-        return start
+        failed = [r for r in self._restores if not r.ok and r.seq == slot.id]
+        if failed:
+            self.checked["restore_failure"] += 1
+            _fail(
+                "restore_failure",
+                f"slot{slot.id}: the checkpoint restore failed ({failed[0].ctx}) and the "
+                "server went on; upstream aborts (common.cpp:2335-2338, 2353-2356)",
+            )
+        assert saved is not None
+        for ctx, data in ((server.ctx_tgt, saved[0]), (server.ctx_dft, saved[1])):
+            if ctx is None or data is None:
+                continue
+            got = [
+                r
+                for r in self._restores
+                if r.ctx == ctx.name and r.seq == slot.id and r.flags == STATE_SEQ_FLAGS_PARTIAL_ONLY
+            ]
+            self._check_bytes(
+                "checkpoint restore",
+                ctx,
+                slot.id,
+                (got[-1].state or b"") if got else b"",
+                tokens,
+                data,
+                STATE_SEQ_FLAGS_PARTIAL_ONLY,
+                resume=min(slot.prompt.n_tokens(), n_ckpt),
+            )
+        return res
