@@ -514,15 +514,15 @@ def unwrap(wrapped: Sequence[tuple[Any, str]]) -> None:
 def release(server: ServerContext, *tracers: Any) -> None:
     """After an example: cut the reference cycles of ``server`` so that reference counting frees it.
 
-    The wrappers (closures over the server, set on its own objects) and the slots' back-references
-    make the whole server a cycle, which only a collection of the generation it reached frees: ~340
-    objects an example that live through a few collections reach the oldest generation, adding a
-    full collection (~70 ms on the bench's heap) every ~100 examples. The server is not usable after.
+    The wrappers (partials of the tracers, which hold the server, set on the server's own objects) and
+    the slots' back-references make the whole server a cycle, which only a collection of the generation
+    it reached frees: ~340 objects an example that live through a few collections reach the oldest
+    generation, adding a full collection (~70 ms on the bench's heap) every ~100 examples. The server is
+    not usable after.
     """
     for t in tracers:
         t.unwrap()
     server.slots.clear()  # ServerSlot.server points back at the server
-    server.events.clear()
 
 
 _STEPS = [0]  # run_checks calls over every machine
