@@ -113,6 +113,11 @@ def test_quick_exploration_divides_by_hypothesis_on_the_same_programs(tmp_path: 
     assert "goal" not in calls and calls["inputs"]["clock"] == "calls"
     assert 0 < calls["inputs"]["replay_calls"] < calls["inputs"]["machine_calls"]
     assert calls["median"] == calls["inputs"]["replay_calls"] / calls["inputs"]["machine_calls"]
+    fastest = figures["Shared_hybrid / same programs, fastest runs"]  # another estimator beside the goal's
+    assert "goal" not in fastest
+    arms = fastest["inputs"]["replay_cpu"], fastest["inputs"]["machine_cpu"]
+    assert len(arms[0]) == len(arms[1]) == same["repetitions"]
+    assert fastest["median"] == pytest.approx(min(arms[0]) / min(arms[1]), rel=1e-2)
 
 
 def test_quick_targeting_sets_every_reach_label_on_against_off(tmp_path: Path) -> None:
