@@ -132,10 +132,10 @@ def _holders(server: ServerContext) -> list[tuple[Holder, CommonPromptCheckpoint
     cache = server.prompt_cache
     if cache is not None:
         for i, e in enumerate(cache.states):
-            for j, c in enumerate(e.prompt.checkpoints.as_list()):
+            for j, c in enumerate(e.prompt.checkpoints.items):
                 out.append((("cache", i, j), c))
     for s in server.slots:
-        for j, c in enumerate(s.prompt.checkpoints.as_list()):
+        for j, c in enumerate(s.prompt.checkpoints.items):
             out.append((("slot", s.id, j), c))
         out.append((("spec", s.id, -1), s.spec_ckpt))
     if _WALK[0] is server:
@@ -195,7 +195,7 @@ def check_accounting(server: ServerContext) -> None:
             if p is not None:
                 entry += p.nbytes
                 unique[p.ident] = p.nbytes
-        for c in e.prompt.checkpoints.as_list():
+        for c in e.prompt.checkpoints.items:
             for p in (c.data_tgt, c.data_dft, c.data_spec):
                 if p is not None:
                     entry += p.nbytes
@@ -245,7 +245,7 @@ def _check_list(
 ) -> None:
     """One list; ``where`` is ("cache", entry, -1) or ("slot", id, -1), named only on a failure."""
     prev: CommonPromptCheckpoint | None = None
-    for c in cps.as_list():
+    for c in cps.items:
         if prev is not None and c.n_tokens <= prev.n_tokens:
             # known upstream finding "swa-checkpoint-order": a checkpoint with pos_max == pos_next
             # survives the invalidation (it erases only pos_max > pos_next), so (a) after an SWA
@@ -431,7 +431,7 @@ def _view(e: ServerPromptCacheState) -> EntryView:
     return EntryView(
         e,
         e.prompt.tokens,
-        tuple([(c, _ckpt_bytes(c)) for c in e.prompt.checkpoints.as_list()]),
+        tuple([(c, _ckpt_bytes(c)) for c in e.prompt.checkpoints.items]),
         (None if main is None else main.ident, None if drft is None else drft.ident),
     )
 
@@ -441,7 +441,7 @@ SlotView = tuple[tuple[int, ...], tuple[tuple[CommonPromptCheckpoint, Bytes3], .
 
 def _slot_view(s: ServerSlot) -> SlotView:
     """A slot as it was; its checkpoints held (compared by identity), as in :class:`EntryView`."""
-    return s.prompt.tokens, tuple([(c, _ckpt_bytes(c)) for c in s.prompt.checkpoints.as_list()])
+    return s.prompt.tokens, tuple([(c, _ckpt_bytes(c)) for c in s.prompt.checkpoints.items])
 
 
 def _short(t: Any) -> str:

@@ -340,7 +340,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
         if slot >= self.params.n_slots or self.crashed:
             return False
         s = self.server.slots[slot]
-        cps = s.prompt.checkpoints.as_list()
+        cps = s.prompt.checkpoints.items
         if s.state is not IDLE or not cps:  # is_processing(), inline, as in _busy
             return False
         c = cps[-1]

@@ -267,7 +267,7 @@ def _payload_bytes(obj: Any) -> int:
 def _entry_bytes(e: Any) -> int:
     """``server_prompt_cache_state::size()`` (S-T.h:601) summed from the payloads themselves."""
     n = _payload_bytes((e.data.main, e.data.drft))
-    for c in e.prompt.checkpoints.as_list():
+    for c in e.prompt.checkpoints.items:
         n += _payload_bytes((c.data_tgt, c.data_dft, c.data_spec))
     return n
 
@@ -569,7 +569,7 @@ class PolicyTracer:
         # the id() of a freed one; compared by id() alone, a correct list then looked like an old
         # checkpoint kept in place of the new one ("kept n_tokens [] of [1, 2]"), depending on
         # the allocator's history, i.e. on which tests ran before.
-        olds = list(slot.prompt.checkpoints.as_list())
+        olds = list(slot.prompt.checkpoints.items)
         before = [CkptView(id(c), c.n_tokens, c.id_task) for c in olds]
         n_after = slot.prompt.n_tokens()
         n_start = n_after - n_tokens_cur
@@ -579,7 +579,7 @@ class PolicyTracer:
         keep = expected_checkpoints(before, slot.task.id, p.n_ctx_checkpoints, p.checkpoint_min_step, n_new)
         res = inner(slot, n_tokens_cur, pos_min, pos_max)
         self.checked["checkpoint_policy"] += 1
-        after = list(slot.prompt.checkpoints.as_list())
+        after = list(slot.prompt.checkpoints.items)
         if len(after) > p.n_ctx_checkpoints > 0:
             _fail(
                 "checkpoint_lists",

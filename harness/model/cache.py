@@ -137,7 +137,7 @@ class ServerPromptCacheState:
     # server-task.h:601
     def size(self) -> int:
         res = self.data.size()
-        for ckpt in self.prompt.checkpoints.as_list():
+        for ckpt in self.prompt.checkpoints.items:
             res += ckpt.size()
         return res
 
