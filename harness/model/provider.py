@@ -140,6 +140,18 @@ class _Seq:
     comps: list[_Comp] = field(default_factory=list)
 
 
+class _Seqs(dict[int, _Seq]):
+    """A provider's sequences by seq_id: a lookup is the dict's own (no Python call: ~80k a gate run),
+    and an id out of range, negative included, is an IndexError that says so."""
+
+    def __init__(self, name: str, n_seq: int, seqs: dict[int, _Seq]) -> None:
+        super().__init__(seqs)
+        self.name, self.n_seq = name, n_seq
+
+    def __missing__(self, seq: int) -> _Seq:
+        raise IndexError(f"{self.name}: seq_id {seq} out of range (n_seq = {self.n_seq})")
+
+
 # component ids
 _KV, _SWA, _RS = 1, 2, 3
 
@@ -179,7 +191,7 @@ class SyntheticProvider:
         self._registry: dict[bytes, tuple[int, ...]] = {_hist_digest(()): ()}
         self._fill: dict[int, bytes] = {}  # component id -> the fillers of positions 0.. (:meth:`_fillers`)
         self._blocks: dict[bytes, bytes] = {}
-        self._seqs = [self._new_seq() for _ in range(n_seq)]
+        self._seqs = _Seqs(name, n_seq, {i: self._new_seq() for i in range(n_seq)})
         # the components a state read or write selects, per STATE_SEQ_FLAGS_PARTIAL_ONLY: fixed by the kind
         all_ids = [c.cid for c in self._seqs[0].comps] if self._seqs else []
         partial = self._partial_ids()
@@ -213,15 +225,10 @@ class SyntheticProvider:
 
     def _selected(self, seq: int, flags: int) -> list[_Comp]:
         ids = self._ids[1] if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else self._ids[0]  # _comp_ids, inline
-        return [c for c in self._seq(seq).comps if c.cid in ids]
+        return [c for c in self._seqs[seq].comps if c.cid in ids]
 
     def _comp_ids(self, flags: int) -> list[int]:
         return self._ids[1] if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else self._ids[0]
-
-    def _seq(self, seq: int) -> _Seq:
-        if not 0 <= seq < self.n_seq:
-            raise IndexError(f"{self.name}: seq_id {seq} out of range (n_seq = {self.n_seq})")
-        return self._seqs[seq]
 
     def seq_rm_type(self) -> SeqRmType:
         if self.kind in (MemoryKind.RECURRENT, MemoryKind.HYBRID):
@@ -230,7 +237,7 @@ class SyntheticProvider:
 
     def kv_cells_used(self) -> int:
         n = 0
-        for s in self._seqs:  # loops, not a generator of cells(): a decode and a restore each ask
+        for s in self._seqs.values():  # loops, not a generator of cells(): a decode and a restore each ask
             for c in s.comps:
                 if not c.is_rs:
                     n += len(c.hist) - c.lo
@@ -301,7 +308,7 @@ class SyntheticProvider:
 
     def state_seq_set_data_ext(self, seq: int, data: bytes, flags: int) -> int:
         """Restore ``data`` into ``seq``; 0 on any mismatch, and then the sequence is cleared."""
-        s = self._seq(seq)
+        s = self._seqs[seq]
         if self.restore_fault is not None:
             try:
                 self.restore_fault(f"{self.name}.state_read", len(data))
@@ -376,7 +383,7 @@ class SyntheticProvider:
 
     def memory_seq_rm(self, seq: int, p0: int, p1: int) -> bool:
         """Remove positions [p0, p1) (p1 < 0: to the end). Only suffix removal is modelled."""
-        s = self._seq(seq)
+        s = self._seqs[seq]
         if p1 >= 0 and p0 > 0:
             raise NotImplementedError("the synthetic provider models suffix removal only (p1 = -1)")
         p0 = max(0, p0)
@@ -397,21 +404,21 @@ class SyntheticProvider:
     def memory_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         if p0 > 0 or p1 >= 0:
             raise NotImplementedError("the synthetic provider models whole-sequence copy only")
-        s, d = self._seq(src), self._seq(dst)
+        s, d = self._seqs[src], self._seqs[dst]
         d.comps = [_Comp(c.cid, c.is_rs, c.window, c.hist, c.lo) for c in s.comps]
 
     def memory_seq_pos_min(self, seq: int) -> int:
         # hybrid and iSWA: the max of the parts' minima (llama_memory_hybrid::seq_pos_min)
-        mins = [c.pos_min() for c in self._seq(seq).comps]
+        mins = [c.pos_min() for c in self._seqs[seq].comps]
         return -1 if all(m < 0 for m in mins) else max(mins)
 
     def memory_seq_pos_max(self, seq: int) -> int:
-        return min(c.pos_max() for c in self._seq(seq).comps)
+        return min(c.pos_max() for c in self._seqs[seq].comps)
 
     def decode(self, seq: int, tokens: Sequence[int], pos0: int) -> int:
         """Append ``tokens`` at positions ``pos0..``: 0 ok, 1 KV full, -1 positions out of order."""
         self.decode_calls += 1
-        comps = self._seq(seq).comps
+        comps = self._seqs[seq].comps
         for c in comps:
             if len(c.hist) != pos0:
                 return -1
@@ -432,10 +439,10 @@ class SyntheticProvider:
 
     def seq_component_tokens(self, seq: int) -> list[tuple[int, ...]]:
         """The token history of each memory component (KV, SWA, recurrent) of ``seq``."""
-        return [c.hist for c in self._seq(seq).comps]
+        return [c.hist for c in self._seqs[seq].comps]
 
     def seq_tokens(self, seq: int) -> tuple[int, ...] | None:
-        comps = self._seq(seq).comps
+        comps = self._seqs[seq].comps
         first = comps[0].hist
         for c in comps:  # compared, not put in a set: a set hashes every history in full
             if c.hist != first:
