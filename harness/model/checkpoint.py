@@ -161,11 +161,12 @@ class CommonPromptCheckpoint:
 
     # common.cpp:2364
     def clear_dft(self) -> None:
-        for name in ("data_dft", "data_spec"):
-            p: Payload | None = getattr(self, name)
-            if p is not None:
-                p.release()
-                setattr(self, name, None)
+        if self.data_dft is not None:
+            self.data_dft.release()
+            self.data_dft = None
+        if self.data_spec is not None:
+            self.data_spec.release()
+            self.data_spec = None
 
     def copy(self) -> CommonPromptCheckpoint:
         """The implicit copy constructor: deep (master) or sharing tgt/dft (shared).
@@ -196,12 +197,10 @@ class CommonPromptCheckpoint:
         return c
 
     def destroy(self) -> None:
-        """The destructor: release every payload this checkpoint holds."""
-        for name in ("data_tgt", "data_dft", "data_spec"):
-            p: Payload | None = getattr(self, name)
-            if p is not None:
-                p.release()
-                setattr(self, name, None)
+        """The destructor: release every payload this checkpoint holds (each by name, not getattr and
+        setattr over a tuple of names: ~20k checkpoints a gate run)."""
+        self.clear_tgt()
+        self.clear_dft()
 
 
 class CheckpointList:

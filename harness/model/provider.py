@@ -409,11 +409,23 @@ class SyntheticProvider:
 
     def memory_seq_pos_min(self, seq: int) -> int:
         # hybrid and iSWA: the max of the parts' minima (llama_memory_hybrid::seq_pos_min)
-        mins = [c.pos_min() for c in self._seqs[seq].comps]
-        return -1 if all(m < 0 for m in mins) else max(mins)
+        # _Comp.pos_min inline (~9k calls a gate run); a part with no cell has -1, so the max of the
+        # minima is -1 exactly when every part is empty
+        best = -1
+        for c in self._seqs[seq].comps:
+            n = len(c.hist)
+            m = n - 1 if c.is_rs else (c.lo if c.lo < n else -1)
+            if m > best:
+                best = m
+        return best
 
     def memory_seq_pos_max(self, seq: int) -> int:
-        return min(c.pos_max() for c in self._seqs[seq].comps)
+        comps = self._seqs[seq].comps  # the min of _Comp.pos_max, inline
+        low = len(comps[0].hist)
+        for c in comps:
+            if len(c.hist) < low:
+                low = len(c.hist)
+        return low - 1
 
     def decode(self, seq: int, tokens: Sequence[int], pos0: int) -> int:
         """Append ``tokens`` at positions ``pos0..``: 0 ok, 1 KV full, -1 positions out of order."""
