@@ -762,7 +762,7 @@ class Tracer:
         res = inner(slot)
         if slot.is_processing():
             self.checked["checkpoint_lists"] += 1
-            for c in slot.prompt.checkpoints:
+            for c in slot.prompt.checkpoints.items:
                 if c.pos_max > slot.pos_next:
                     _fail(
                         "checkpoint_lists",

@@ -488,7 +488,7 @@ class PolicyTracer:
         before = list(cache.states)
         entries = [(e.prompt.tokens, _entry_bytes(e)) for e in before]
         need = size_tgt + size_dft
-        for c in prompt.checkpoints:
+        for c in prompt.checkpoints.items:
             need += _payload_bytes((c.data_tgt, c.data_dft, c.data_spec))
         plan = expected_alloc(entries, prompt.tokens, need, cache.limit_size, cache.limit_tokens)
         fired = server.host.seam.fired
@@ -626,7 +626,7 @@ class PolicyTracer:
             return None
         if server.ctx_tgt.memory_seq_pos_min(slot.id) < thold:
             return None
-        for c in reversed(list(slot.prompt.checkpoints)):
+        for c in reversed(slot.prompt.checkpoints.items):
             if c.pos_max > pos_next:
                 continue
             if c.pos_min < thold or c.pos_min == 0:

@@ -539,7 +539,7 @@ class ServerContext:
 
     def _invalidate_checkpoints(self, slot: ServerSlot, pos_next: int) -> None:
         """:3369 erase any checkpoints with pos_max > pos_next."""
-        for cur in list(slot.prompt.checkpoints):
+        for cur in list(slot.prompt.checkpoints.items):  # a copy: erase() changes the list
             if cur.pos_max > pos_next:
                 slot.prompt.checkpoints.erase(cur)
 
@@ -606,7 +606,7 @@ class ServerContext:
         # only when the list is full
         last = -1
         if len(cps) + 1 >= p.n_ctx_checkpoints:
-            for it in list(cps):
+            for it in list(cps.items):
                 if len(cps) + 1 < p.n_ctx_checkpoints:
                     break
                 if it.id_task != id_task and last >= 0 and it.n_tokens <= last + p.checkpoint_min_step:
@@ -617,7 +617,7 @@ class ServerContext:
             cps.pop_front()
         # replace an existing checkpoint at the same n_tokens instead of appending a duplicate
         n_tokens_new = slot.prompt.n_tokens() - n_tokens_cur
-        for it in list(cps):
+        for it in list(cps.items):
             if it.n_tokens == n_tokens_new:
                 cps.erase(it)
         cur = cps.emplace_back(self.checkpoint_cls(self.host, self.sem, id_task=id_task))
