@@ -121,14 +121,6 @@ class _Comp:
     digest: bytes = b""
     digested: tuple[int, ...] | None = None
 
-    def pos_min(self) -> int:
-        if self.is_rs:
-            return len(self.hist) - 1 if self.hist else -1
-        return self.lo if self.lo < len(self.hist) else -1
-
-    def pos_max(self) -> int:
-        return len(self.hist) - 1
-
     def cells(self) -> int:
         if self.is_rs:
             return 1 if self.hist else 0
@@ -409,8 +401,9 @@ class SyntheticProvider:
 
     def memory_seq_pos_min(self, seq: int) -> int:
         # hybrid and iSWA: the max of the parts' minima (llama_memory_hybrid::seq_pos_min)
-        # _Comp.pos_min inline (~9k calls a gate run); a part with no cell has -1, so the max of the
-        # minima is -1 exactly when every part is empty
+        # a part's minimum: a recurrent block holds only its last position, a KV part its first kept
+        # cell; -1 for a part with no cell, so the max of the minima is -1 exactly when every part is
+        # empty (one loop: ~9k calls a gate run)
         best = -1
         for c in self._seqs[seq].comps:
             n = len(c.hist)
@@ -420,7 +413,7 @@ class SyntheticProvider:
         return best
 
     def memory_seq_pos_max(self, seq: int) -> int:
-        comps = self._seqs[seq].comps  # the min of _Comp.pos_max, inline
+        comps = self._seqs[seq].comps  # the min of the parts' last positions
         low = len(comps[0].hist)
         for c in comps:
             if len(c.hist) < low:
