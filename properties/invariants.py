@@ -516,9 +516,9 @@ def release(server: ServerContext, *tracers: Any) -> None:
 
     The wrappers (partials of the tracers, which hold the server, set on the server's own objects) and
     the slots' back-references make the whole server a cycle, which only a collection of the generation
-    it reached frees: ~340 objects an example that live through a few collections reach the oldest
-    generation, adding a full collection (~70 ms on the bench's heap) every ~100 examples. The server is
-    not usable after.
+    it reached frees: the few hundred objects of an example live through a few collections and reach
+    the oldest generation, adding a full collection (~70 ms on the bench's heap) every ~100 examples.
+    The server is not usable after.
     """
     for t in tracers:
         t.unwrap()

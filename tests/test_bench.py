@@ -117,7 +117,7 @@ def test_quick_exploration_divides_by_hypothesis_on_the_same_programs(tmp_path: 
     assert "goal" not in fastest
     arms = fastest["inputs"]["replay_cpu"], fastest["inputs"]["machine_cpu"]
     assert len(arms[0]) == len(arms[1]) == same["repetitions"]
-    assert fastest["median"] == pytest.approx(min(arms[0]) / min(arms[1]), rel=1e-2)
+    assert fastest["median"] == pytest.approx(min(arms[0]) / min(arms[1]), rel=1e-3)  # to the microsecond
 
 
 def test_quick_targeting_sets_every_reach_label_on_against_off(tmp_path: Path) -> None:

@@ -111,7 +111,7 @@ def exploration(b: Budget) -> list[Figure]:
         fastest = min(r["replay"] for r in rs) / min(r["machine"] for r in rs)
         out.append(figure(
             f"{name} / same programs, fastest runs", "ratio", [fastest], **inputs,
-            machine_cpu=[round(r["machine"], 3) for r in rs], replay_cpu=[round(r["replay"], 3) for r in rs],
+            machine_cpu=[round(r["machine"], 6) for r in rs], replay_cpu=[round(r["replay"], 6) for r in rs],
             how="the fastest replay / the fastest machine run over the repetitions (as timeit reports a "
             "minimum): interference on a shared machine only slows a run down, so the fastest of each is the "
             "least disturbed; beside the goal's median of per-repetition ratios, not in its place",
