@@ -685,10 +685,7 @@ class Tracer:
             _fail("transient_peak", f"save allocated {op.meta_bytes} metadata bytes > bound {meta_bound}")
 
     # limit (bytes and tokens) after update
-    def _update(
-        self,
-        inner: Callable[..., Any],
-    ) -> Any:
+    def _update(self, inner: Callable[..., Any]) -> Any:
         server = self.server
         cache = server.prompt_cache
         assert cache is not None

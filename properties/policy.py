@@ -529,10 +529,7 @@ class PolicyTracer:
             )
         return res
 
-    def _update(
-        self,
-        inner: Callable[..., Any],
-    ) -> Any:
+    def _update(self, inner: Callable[..., Any]) -> Any:
         server = self.server
         cache = server.prompt_cache
         assert cache is not None
