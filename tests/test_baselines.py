@@ -44,6 +44,19 @@ def test_the_replay_draws_the_machines_choices_test_case_for_test_case(monkeypat
     assert seen != machine_cases
 
 
+def test_the_machine_draws_its_recordings_choices(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the bench records a machine's tape in a run it does not time, then times the machine without the
+    # recorder (as the gate runs it): the recorder only writes down answers, the programs are the same
+    cfg = machines_for("shared", "ci")[1]  # a draft model and a byte limit: preconditions both ways
+    cls, tape, s = machine_class(cfg), PreconditionTape(), make_settings("ci", None, 40)
+    seen = _cases(monkeypatch)
+    run_seeded(recording(cls, tape), s, 3)
+    recorded = list(seen)
+    seen.clear()
+    run_seeded(cls, s, 3)
+    assert seen == recorded and any(answer for _, answer in tape.calls) and any(not a for _, a in tape.calls)
+
+
 def test_a_replay_of_other_programs_fails_the_measurement() -> None:
     cfg = machines_for("shared", "ci")[-1]
     cls, tape, s = machine_class(cfg), PreconditionTape(), make_settings("ci", None, 20)

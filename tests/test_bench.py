@@ -120,6 +120,17 @@ def test_quick_exploration_divides_by_hypothesis_on_the_same_programs(tmp_path: 
     assert fastest["median"] == pytest.approx(min(arms[0]) / min(arms[1]), rel=1e-3)  # to the microsecond
 
 
+def test_exploration_times_the_machine_only_on_its_recordings_programs() -> None:
+    # the tape is recorded in an untimed run; a timed run of other test cases is refused, not measured
+    cfg, s = machines_for("shared", "ci")[0], make_settings("ci", None, 5)
+    tape, recorded = bench_cases._record(cfg, s, 0)
+    assert recorded == ["valid"] * 5 and tape.calls
+    r = bench_cases._explore(cfg, s, 0, tape, recorded)
+    assert r["calls"] == len(tape.calls) and r["machine"] > 0 and r["replay"] > 0
+    with pytest.raises(UsageError, match="ran other test cases than its recording"):
+        bench_cases._explore(cfg, s, 0, tape, [*recorded, "valid"])
+
+
 def test_quick_targeting_sets_every_reach_label_on_against_off(tmp_path: Path) -> None:
     out = tmp_path / "t.json"
     assert main(["bench", "--quick", "--only", "targeting", "--json", str(out), "--md", str(tmp_path / "t.md")]) == 0

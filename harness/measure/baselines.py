@@ -121,7 +121,9 @@ def recording(cls: type[PromptCacheMachine], tape: PreconditionTape) -> type[Pro
     """``cls`` with each precondition writing its answers to ``tape``; bodies and checks unchanged.
 
     The rules are declared again with Hypothesis' own decorators on the same functions, so the
-    machine draws and runs as ``cls`` does; the recording costs one call and one append a precondition.
+    machine draws and runs as ``cls`` does; the recording costs one call and one append a precondition,
+    so the bench records in a run of its own and times ``cls`` itself (the same programs: a run is fixed
+    by its seed).
     """
     ns: dict[str, Any] = {"__module__": cls.__module__}
     for r in _rules(cls):

@@ -1,8 +1,10 @@
 """The exploration case's call counts, each pair in a fresh interpreter.
 
 ``python -m harness.measure.calls CLASS EXAMPLES SEED`` prints two numbers: the Python function calls
-(:mod:`cProfile`) of the gate machine ``CLASS`` under the ci profile, and of Hypothesis alone on the
-same programs (:func:`harness.measure.baselines.empty_machine`, its preconditions' answers replayed).
+(:mod:`cProfile`) of the gate machine ``CLASS`` under the ci profile, as the gate runs it, and of
+Hypothesis alone on the same programs (:func:`harness.measure.baselines.empty_machine`, its
+preconditions' answers replayed from a first run through :func:`~harness.measure.baselines.recording`
+that is not counted).
 A count depends on what the process did before it (module-level counters such as the timing sample
 of ``properties.invariants`` decide which wrappings are timed), so the bench runs this module as a child
 (:func:`harness.child.run_child`): a fresh process makes the pair the same on every run for a seed,
@@ -39,7 +41,8 @@ def count(class_name: str, examples: int, seed: int) -> tuple[int, int]:
         prof.runcall(run_seeded, machine, cfg_settings, seed)
         return int(pstats.Stats(prof).total_calls)  # type: ignore[attr-defined]
 
-    m_calls = counted(recording(cls, tape))
+    run_seeded(recording(cls, tape), cfg_settings, seed)  # not counted: the gate runs no recorder
+    m_calls = counted(cls)
     r_calls = counted(empty_machine(cls, f"{class_name}_programs", tape))
     tape.finish()
     return m_calls, r_calls
