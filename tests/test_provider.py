@@ -198,6 +198,10 @@ def test_seq_cp_copies_whole_sequence() -> None:
     p.memory_seq_cp(0, 1, -1, -1)
     assert p.seq_tokens(1) == tuple(range(1, 8))
     assert p.state_seq_get_data_ext(1, FULL) == p.state_seq_get_data_ext(0, FULL)
+    # then each goes its own way: the copy shares no component with its source
+    assert p.decode(1, [8], 7) == 0 and p.memory_seq_rm(0, 0, -1)
+    assert p.seq_tokens(1) == tuple(range(1, 9)) and p.seq_tokens(0) == ()
+    assert p.state_seq_get_data_ext(1, PART) != p.state_seq_get_data_ext(0, PART)
 
 
 def test_a_partial_hybrid_restore_needs_no_kv_room() -> None:

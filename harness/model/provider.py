@@ -40,7 +40,7 @@ import enum
 import hashlib
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from harness.errors import BadAlloc
@@ -129,7 +129,12 @@ class _Comp:
 
 @dataclass
 class _Seq:
-    comps: list[_Comp] = field(default_factory=list)
+    """A sequence's components. The list and its components are the sequence's for its whole life (a copy,
+    :meth:`SyntheticProvider.memory_seq_cp`, writes into them), so the selections are made once."""
+
+    comps: list[_Comp]
+    partial: list[_Comp]  # the components STATE_SEQ_FLAGS_PARTIAL_ONLY selects
+    by_id: dict[int, _Comp]
 
 
 class _Seqs(dict[int, _Seq]):
@@ -205,7 +210,8 @@ class SyntheticProvider:
             comps = [_Comp(_RS, True), _Comp(_KV, False)]
         else:
             comps = [_Comp(_KV, False), _Comp(_SWA, False, window=self.window)]
-        return _Seq(comps)
+        partial = self._partial_ids()
+        return _Seq(comps, [c for c in comps if c.cid in partial], {c.cid: c for c in comps})
 
     def _partial_ids(self) -> set[int]:
         k = self.kind
@@ -214,10 +220,6 @@ class SyntheticProvider:
         if k is MemoryKind.RECURRENT or k is MemoryKind.HYBRID:
             return {_RS}
         return {_SWA}
-
-    def _selected(self, seq: int, flags: int) -> list[_Comp]:
-        ids = self._ids[1] if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else self._ids[0]  # _comp_ids, inline
-        return [c for c in self._seqs[seq].comps if c.cid in ids]
 
     def _comp_ids(self, flags: int) -> list[int]:
         return self._ids[1] if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else self._ids[0]
@@ -239,7 +241,8 @@ class SyntheticProvider:
 
     def state_seq_get_size_ext(self, seq: int, flags: int) -> int:
         size = _HEADER.size
-        for c in self._selected(seq, flags):  # each component's size, inline: ~20k calls a gate run
+        s = self._seqs[seq]  # the selected components, made once per sequence (_Seq)
+        for c in s.partial if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else s.comps:  # each one's size, inline
             if c.is_rs:
                 size += _COMP.size + (self.rs_bytes if c.hist else 0)
             else:
@@ -247,7 +250,8 @@ class SyntheticProvider:
         return size
 
     def state_seq_get_data_ext(self, seq: int, flags: int) -> bytes:
-        comps = self._selected(seq, flags)
+        s = self._seqs[seq]
+        comps = s.partial if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else s.comps
         out = [_HEADER.pack(_MAGIC, self._kind_id, flags & 0xFF, len(comps), 0)]
         size = _HEADER.size  # state_seq_get_size_ext's sum over the same components, inline
         for c in comps:
@@ -313,7 +317,7 @@ class SyntheticProvider:
         if parsed is None:
             self.memory_seq_rm(seq, -1, -1)
             return 0
-        by_id = {c.cid: c for c in s.comps}
+        by_id = s.by_id
         # the restored cells must find room in the KV cache (llama_kv_cache::state_read_meta); a state
         # without KV cells (a hybrid's partial one: the recurrent part only) needs none, and is read
         # even where this count of all sequences' cells is above n_ctx (cells a seq_cp into another
@@ -396,8 +400,8 @@ class SyntheticProvider:
     def memory_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         if p0 > 0 or p1 >= 0:
             raise NotImplementedError("the synthetic provider models whole-sequence copy only")
-        s, d = self._seqs[src], self._seqs[dst]
-        d.comps = [_Comp(c.cid, c.is_rs, c.window, c.hist, c.lo) for c in s.comps]
+        for sc, dc in zip(self._seqs[src].comps, self._seqs[dst].comps, strict=True):  # same kinds, same order
+            dc.hist, dc.lo = sc.hist, sc.lo
 
     def memory_seq_pos_min(self, seq: int) -> int:
         # hybrid and iSWA: the max of the parts' minima (llama_memory_hybrid::seq_pos_min)
