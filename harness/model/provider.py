@@ -221,6 +221,12 @@ class SyntheticProvider:
             return {_RS}
         return {_SWA}
 
+    def _selected(self, seq: int, flags: int) -> list[_Comp]:
+        """The components of ``seq`` a state read or write with ``flags`` selects (made with the sequence;
+        the state reads take them inline)."""
+        s = self._seqs[seq]
+        return s.partial if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else s.comps
+
     def _comp_ids(self, flags: int) -> list[int]:
         return self._ids[1] if flags & STATE_SEQ_FLAGS_PARTIAL_ONLY else self._ids[0]
 
