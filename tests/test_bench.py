@@ -86,6 +86,12 @@ def test_compare_uses_the_noise_and_the_direction() -> None:
     assert reg == ["c/t"]
     _, reg = compare(doc("r", [1.0, 1.0, 1.05], "higher"), doc("r", [1.3, 1.3, 1.3], "higher"))
     assert reg == []
+    # a one-sample figure (a minimum over repetitions) 15% lower: a regression on the 10% floor, noise
+    # where it declares the 20% its repetitions spread by
+    for noise, expect in ((None, ["c/m"]), (0.2, [])):
+        old, new = (figure("m", "ratio", [v], noise=noise).row() for v in (1.0, 0.85))
+        assert ("noise" in new) is (noise is not None)
+        assert compare(*({"cases": {"c": {"figures": [f]}}} for f in (old, new)))[1] == expect
 
 
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -118,6 +124,13 @@ def test_quick_exploration_divides_by_hypothesis_on_the_same_programs(tmp_path: 
     arms = fastest["inputs"]["replay_cpu"], fastest["inputs"]["machine_cpu"]
     assert len(arms[0]) == len(arms[1]) == same["repetitions"]
     assert fastest["median"] == pytest.approx(min(arms[0]) / min(arms[1]), rel=1e-3)  # to the microsecond
+    assert fastest["noise"] == 0  # one repetition: nothing to leave out (the jackknife's spread)
+
+
+def test_the_fastest_runs_noise_is_its_jackknife_spread() -> None:
+    rs = [{"replay": r, "machine": m} for r, m in ((2.0, 2.5), (2.2, 2.4), (1.6, 2.6))]
+    # 1.6/2.4 = 0.667; leaving out rep 2 (the fastest replay): 2.0/2.4 = 0.833; rep 1: 1.6/2.5 = 0.64
+    assert bench_cases._jackknife_spread(rs) == pytest.approx((2.0 / 2.4 - 1.6 / 2.5) / (1.6 / 2.4))
 
 
 def test_exploration_times_the_machine_only_on_its_recordings_programs() -> None:

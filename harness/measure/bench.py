@@ -12,8 +12,9 @@ Noise and regressions: two runs of the same figure are compared by their medians
 direction (``higher`` is better for rates and ratios, ``lower`` for times). A figure is a regression
 when it is worse by more than the noise measured, the larger relative spread ``(max - min) / median``
 of the two runs, and never by less than :data:`MIN_NOISE` (a figure measured once has no spread of its
-own). A ratio of two speeds measured side by side (interleaved) is much steadier on a loaded machine
-than either speed: the goals are ratios wherever the issue allows.
+own, unless it declares one: ``noise``, as a statistic over repetitions does). A ratio of two speeds
+measured side by side (interleaved) is much steadier on a loaded machine than either speed: the goals
+are ratios wherever the issue allows.
 """
 
 from __future__ import annotations
@@ -73,6 +74,7 @@ class Figure:
     inputs: dict[str, Any] = field(default_factory=dict)
     goal: Goal | None = None
     note: str = ""
+    noise: float | None = None  # declared by a one-sample figure derived from repetitions (see compare)
 
     @property
     def median(self) -> float:
@@ -80,7 +82,10 @@ class Figure:
 
     @property
     def spread(self) -> float:
-        """(max - min) / median: the noise of this figure in this run (0 for one sample)."""
+        """The noise of this figure in this run: its declared ``noise``, else (max - min) / median (0 for
+        one sample)."""
+        if self.noise is not None:
+            return self.noise
         m = self.median
         return (max(self.samples) - min(self.samples)) / abs(m) if m else 0.0
 
@@ -100,6 +105,8 @@ class Figure:
             out["goal"] = {"op": self.goal.op, "threshold": self.goal.threshold, "met": self.goal.met(self.median)}
         if self.note:
             out["note"] = self.note
+        if self.noise is not None:
+            out["noise"] = round(self.noise, 4)
         return out
 
 
@@ -111,13 +118,14 @@ def figure(
     better: str = "higher",
     goal: tuple[str, float] | None = None,
     note: str = "",
+    noise: float | None = None,
     **inputs: Any,
 ) -> Figure:
     """A :class:`Figure`; ``goal=(">=", 0.8)``; keyword arguments are its inputs."""
     values = [float(v) for v in samples]
     if not values:
         raise ValueError(f"figure {name!r} has no samples")
-    return Figure(name, unit, values, better, dict(inputs), Goal(*goal) if goal else None, note)
+    return Figure(name, unit, values, better, dict(inputs), Goal(*goal) if goal else None, note, noise)
 
 
 @dataclass(frozen=True)
@@ -286,7 +294,8 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[s
     """Lines comparing ``new`` with ``old`` figure by figure, and the names of the regressions.
 
     ratio = new / old in the figure's better direction (> 1 is better); a regression is worse than
-    ``1 - noise`` where noise is the larger spread of the two runs, at least :data:`MIN_NOISE`.
+    ``1 - noise`` where noise is the larger spread of the two runs (a figure's declared ``noise`` where it
+    has one), at least :data:`MIN_NOISE`.
     """
     before = {(c, f["name"]): f for c, f in _rows(old)}
     lines: list[str] = []
@@ -296,7 +305,7 @@ def compare(old: dict[str, Any], new: dict[str, Any]) -> tuple[list[str], list[s
         if o is None or not o["median"] or not f["median"]:
             continue
         ratio = f["median"] / o["median"] if f["better"] == "higher" else o["median"] / f["median"]
-        noise = max(MIN_NOISE, *((x["max"] - x["min"]) / abs(x["median"]) for x in (f, o)))
+        noise = max(MIN_NOISE, *(x.get("noise", (x["max"] - x["min"]) / abs(x["median"])) for x in (f, o)))
         worse = ratio < 1 - noise
         key = f"{cname}/{f['name']}"
         mark = "REGRESSION" if worse else ("better" if ratio > 1 + noise else "same")

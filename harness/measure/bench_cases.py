@@ -112,7 +112,7 @@ def exploration(b: Budget) -> list[Figure]:
         ))  # fmt: skip
         fastest = min(r["replay"] for r in rs) / min(r["machine"] for r in rs)
         out.append(figure(
-            f"{name} / same programs, fastest runs", "ratio", [fastest], **inputs,
+            f"{name} / same programs, fastest runs", "ratio", [fastest], noise=_jackknife_spread(rs), **inputs,
             machine_cpu=[round(r["machine"], 6) for r in rs], replay_cpu=[round(r["replay"], 6) for r in rs],
             how="the fastest replay / the fastest machine run over the repetitions (as timeit reports a "
             "minimum): interference on a shared machine only slows a run down, so the fastest of each is the "
@@ -154,6 +154,18 @@ def _calls(cfg: MachineConfig, examples: int, seed_value: int) -> tuple[int, int
         tail = (r.stdout + r.stderr).strip().splitlines()[-3:]
         raise UsageError(f"counting the calls of {cfg.class_name} failed ({r.describe()}): {' | '.join(tail)}")
     return int(words[0]), int(words[1])
+
+
+def _jackknife_spread(rs: list[dict[str, Any]]) -> float:
+    """The noise of the fastest-runs ratio: (max - min) / value over the ratio and its values with one
+    repetition left out each (the jackknife). One fast outlier in either arm moves it as far as it moves
+    the ratio; 0 for one repetition."""
+
+    def ratio(keep: list[dict[str, Any]]) -> float:
+        return float(min(r["replay"] for r in keep) / min(r["machine"] for r in keep))
+
+    values = [ratio(rs)] + [ratio(rs[:i] + rs[i + 1 :]) for i in range(len(rs)) if len(rs) > 1]
+    return (max(values) - min(values)) / values[0]
 
 
 def _cases(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
