@@ -5,10 +5,10 @@
    replayed, so the same choices are drawn) under the same settings (the ``ci`` profile, same seed),
    interleaved, in CPU seconds of this process (``time.process_time``: the other processes of a loaded
    machine do not count; the wall-clock rate is in the inputs). The machine is timed as the gate runs
-   it; its preconditions' answers are recorded once, in a run that is not timed. Beside it, the same machine with its
-   checks off (``checks_on``): what a check costing nothing would give; and the machine against
-   :data:`~harness.measure.baselines.TrivialMachine`, whose programs (every rule always valid) are
-   not the machine's.
+   it; its preconditions' answers are recorded once, in a run that is not timed. Beside it, the same
+   machine with its checks off (``checks_on``): what a check costing nothing would give; and the
+   machine against :data:`~harness.measure.baselines.TrivialMachine`, whose programs (every rule
+   always valid) are not the machine's.
 2. ``mutants``: seconds to kill each mutant and the steps of its shrunk program (:func:`properties.mutants.kill`),
    one repetition per seed (``--seed``, ``--seed`` + 1, ...).
 3. ``sweep``: the fault sweep's trials/s and its wall time, both semantics, both modes.
