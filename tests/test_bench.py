@@ -13,7 +13,7 @@ import pytest
 
 from harness.cli import main
 from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
-from harness.measure import bench_cases
+from harness.measure import bench_cases, saves
 from harness.measure.bench import CASES, case_names, compare, figure
 from properties.machine import MachineConfig, machine_class
 from properties.run import machines_for, make_settings, run_seeded
@@ -42,12 +42,26 @@ def test_quick_bench_writes_valid_json_and_markdown(tmp_path: Path, capsys: pyte
     # the save's peak: master copies the checkpoints, shared does not (the PR's claim), on the model's
     # ledger and measured on libllama (memray); the server layer is left to the full bench
     for layer in ("model", "llama"):
-        master, shared = saves[f"{layer} master save 4 MiB"]["inputs"], saves[f"{layer} shared save 4 MiB"]["inputs"]
-        assert min(master["peak_bytes"]) > max(shared["peak_bytes"]), layer
-        assert master["checkpoint_bytes"] == shared["checkpoint_bytes"] > 0, layer
+        master = saves[f"{layer} master warm save 4 MiB"]
+        shared = saves[f"{layer} shared warm save 4 MiB"]
+        assert min(master["inputs"]["peak_bytes"]) > max(shared["inputs"]["peak_bytes"]), layer
+        assert master["inputs"]["checkpoint_bytes"] == shared["inputs"]["checkpoint_bytes"] > 0, layer
+        for f in (master, shared):
+            # every repetition's first save and its warm saves of the same prompt, checkpoints included
+            w = f["inputs"]
+            assert len(f["samples"]) == w["repetitions"] * w["warm"] == len(w["warm_checkpoint_bytes"]), f
+            assert len(w["first_save_seconds"]) == w["repetitions"] == len(w["first_minflt"]), f
+            assert min(w["warm_checkpoint_bytes"]) >= w["checkpoint_bytes"] // 2 > 0, f
+        # the goal is on the layers (libllama, the server), for the PR; the first saves have none
+        ratio = saves[f"{layer} shared warm save time 4/1 MiB"]
+        assert ("goal" in ratio) == (layer == "llama"), ratio
+        assert "goal" not in saves[f"{layer} master warm save time 4/1 MiB"]
+        assert "goal" not in saves[f"{layer} shared first save time 4/1 MiB"]
+        slope = saves[f"{layer} shared warm save cost per checkpoint"]
+        assert slope["unit"] == "us" and len(slope["inputs"]["medians"]) == len(slope["inputs"]["n_checkpoints"]) == 2
     assert not any(f["inputs"].get("layer") == "server" for f in saves.values())
     # the payload grows by the number of checkpoints: the state S stays, as the PR's claim is stated
-    one, four = saves["llama shared save 1 MiB"]["inputs"], saves["llama shared save 4 MiB"]["inputs"]
+    one, four = saves["llama shared warm save 1 MiB"]["inputs"], saves["llama shared warm save 4 MiB"]["inputs"]
     assert one["state_bytes"] == four["state_bytes"] and one["n_checkpoints"] < four["n_checkpoints"]
     md = (tmp_path / "bench.md").read_text()
     assert "| sweep | wall, both semantics and modes |" in md
@@ -204,3 +218,26 @@ def test_the_call_ratio_is_the_same_on_every_run() -> None:
 def test_the_call_count_names_a_machine_it_does_not_know() -> None:
     with pytest.raises(UsageError, match="no gate machine 'Shared_nothing'"):
         bench_cases._calls(MachineConfig("shared", "nothing"), 5, 0)
+
+
+def test_a_save_point_child_names_what_failed() -> None:
+    # the child's own usage line, and a failure reported by the bench in one line with the child's words
+    assert saves.main(["server", "shared", "1", "0", "1"]) == EXIT_USAGE
+    with pytest.raises(UsageError, match=r"the model nothing save of 1 checkpoints failed \(exited with 2\): usage: "):
+        bench_cases._save_point("model", "nothing", 1, 0, 1)
+
+
+def test_warm_saves_save_the_same_prompt_again_or_say_they_did_not() -> None:
+    server = saves.synthetic_server("shared", 4, 1 << 16)
+    slot, cache = server.slots[0], server.prompt_cache
+    assert cache is not None and len(slot.prompt.checkpoints) == 4
+    prompt, c_bytes = tuple(slot.prompt.tokens), sum(c.size() for c in slot.prompt.checkpoints)
+    assert saves.timed_save(slot.prompt_save, cache)[0]
+    w = saves.warm_saves(server, 3)
+    # three more saves of the prompt, each with its checkpoints: a restore between them, not a skip
+    assert len(w["seconds"]) == len(w["minflt"]) == 3 and w["checkpoint_bytes"] == [c_bytes] * 3
+    assert all(t > 0 for t in w["seconds"])
+    assert any(e.prompt.tokens[: len(prompt)] == prompt for e in cache.states)
+    # the slot now holds the diverging prompt: called again, the cycle has no saved prompt to time
+    with pytest.raises(UsageError, match="saved the slot's prompt 0 of 2 times"):
+        saves.warm_saves(server, 2)

@@ -64,6 +64,8 @@ def test_report_json_agrees_with_the_gates_figures(built: tuple[Path, dict[str, 
         assert _near(same["peak_bytes"], gate["rss_peak_bytes"], HWM_REL, HWM_ABS), (same, gate)
         # the whole request is modelled: the measured peak is the model's request peak, give or take noise
         assert _near(same["peak_bytes"], same["predicted_request_bytes"], HWM_REL, HWM_ABS), same
+    # each save's time, read from the server's log: slot selection to the cache lookup after the save
+    assert all(r["saved"] and 0 < r["save_seconds"] < 1 for r in b["rows"]), b["rows"]
     s, c = rows[("shared", 300)]["state_bytes"], rows[("shared", 300)]["checkpoint_bytes"]
     # PR: a save followed by no new checkpoint peaks at S; two new checkpoints add two of them
     assert _near(rows[("shared", 3)]["peak_bytes"], s, SAVE_REL, SAVE_ABS), rows[("shared", 3)]

@@ -84,6 +84,7 @@ class ServerConfig:
     n_batch: int = 256
     n_ubatch: int = 64
     draft: bool = False
+    log_verbosity: int | None = None  # ``-lv``: 4 logs the prompt cache's trace lines (server-task.cpp:1799)
 
     @property
     def name(self) -> str:
@@ -101,6 +102,7 @@ class ServerConfig:
             "-ub",
             str(self.n_ubatch),
             "--no-warmup",
+            *(() if self.log_verbosity is None else ("-lv", str(self.log_verbosity))),
         ]
 
     def params(self) -> ServerParams:

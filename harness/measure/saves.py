@@ -26,6 +26,14 @@ Layers (one word each, also the keys of ``report.json``):
   the model predicts the whole request (``predicted_request_bytes``) as well as the save alone
   (``predicted_bytes``), and the difference is the named line ``request_checkpoint_bytes``.
 
+Time: a row's ``save_seconds`` is the first save after the build-up (``prompt_save`` alone: on the server
+from slot selection to the cache lookup that follows the save, read from its log at ``-lv 4``). Whether
+that save's S-sized buffers land on fresh pages is the heap's history: on a VM each fresh page costs a
+minor fault (~13 us on the host of 2026-12-03), so a 1 MiB state adds ~3 ms or nothing, and the more
+memory the process holds the likelier the fresh pages. :func:`warm_saves` times more saves of the same
+prompt in the steady state of a server whose clients come back (the buffers the last restore freed);
+every row says its minor faults (``minflt``, ``warm_minflt``).
+
 :func:`save_curve` is the one entry point other modules call (the bench's payload-size axis too);
 :func:`update_cost` (libllama, the model) and :func:`server_update_cost` (llama-server, speculative
 decoding) measure the PR's price, a fresh buffer for every checkpoint update where master resizes a
@@ -40,9 +48,11 @@ from __future__ import annotations
 
 import ctypes
 import gc
+import json
 import math
 import re
 import resource
+import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -52,12 +62,12 @@ import memray
 
 from fixtures.models import SIZED_D_STATES, draft_path, model_path, sized_model_name
 from harness.backends.llama_server import Differential, ServerConfig
-from harness.errors import UsageError
+from harness.errors import EXIT_USAGE, HarnessError, UsageError
 from harness.model.checkpoint import CommonPromptCheckpoint
 from harness.model.memory import Host
-from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
+from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, SyntheticProvider
 from harness.model.semantics import get_semantics
-from harness.model.server_context import ServerContext
+from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
 from harness.targets.llama_server import ServerProcess, proc_status
 
@@ -69,15 +79,21 @@ __all__ = [
     "charge_run",
     "checkpoint_size",
     "diverging",
+    "main",
+    "model_save_point",
     "proc_status",
     "save_curve",
     "server_point",
     "server_update_cost",
     "size_model",
+    "synthetic_server",
+    "timed_save",
     "update_cost",
+    "warm_saves",
 ]
 
 LAYERS = ("model", "llama", "server")
+MIB = 1 << 20
 BASE = [3 + (i * 7) % 250 for i in range(160)]  # the build-up's first prompt (save_peak's 600 tokens, shortened)
 GATE_BASE = [3 + (i * 7) % 250 for i in range(600)]  # save_peak's (harness/backends/llama_server.py _build_up)
 _EXT = [3 + (i * 11) % 250 for i in range(40 * 140)]  # the build-up's extensions: up to 276 checkpoints
@@ -120,6 +136,7 @@ def _cfg(arch: str, n_checkpoints: int) -> ServerConfig:
         n_ctx=n_ctx,
         n_batch=256,
         n_ubatch=64,
+        log_verbosity=4,  # the cache lookup's trace line ends a save's time (_save_seconds)
     )
 
 
@@ -143,6 +160,60 @@ def _row(layer: str, sem: str, arch: str, n_ckpt: int, c_bytes: int, s_bytes: in
     }
 
 
+def synthetic_server(semantics: str, n: int, checkpoint_bytes: int = MIB) -> ServerContext:
+    """The model's server on a recurrent synthetic context whose state (and so each checkpoint) is
+    ``checkpoint_bytes``, its one slot holding ``n`` checkpoints: S is fixed and n grows, as on the
+    ``counts`` axis of this module. Requests extending one prompt by 16 tokens leave up to two
+    checkpoints each (near the prompt's end)."""
+    params = ServerParams(
+        n_slots=1, cache_ram=-1, cache_idle_slots=False, n_ctx_checkpoints=n, checkpoint_min_step=4,
+        n_batch=8, n_ubatch=8,
+    )  # fmt: skip
+    sem = get_semantics(semantics)
+    tgt = SyntheticProvider(MemoryKind.RECURRENT, n_seq=1, n_ctx=1 << 16, rs_bytes=checkpoint_bytes)
+    server = (sem.server_cls or ServerContext)(params, Host(), sem, tgt, None)
+    slot = server.slots[0]
+    tokens = [1]
+    for _ in range(n):  # bounded: at least one checkpoint per request
+        if len(slot.prompt.checkpoints) >= n:
+            break
+        tokens += [3 + (len(tokens) * 7 + j) % 200 for j in range(16)]
+        server.handle_completion(tuple(tokens), n_predict=1)
+        server.run_until_idle()
+    return server
+
+
+def model_save_point(semantics: str, total_bytes: int, checkpoint_bytes: int = MIB, warm: int = 0) -> dict[str, Any]:
+    """One save on the model's ledger of a slot holding ``total_bytes`` of checkpoints, ``checkpoint_bytes`` each
+    (:func:`synthetic_server`): ``prompt_save`` into an empty cache, timed, and ``warm`` more saves of the
+    same prompt (:func:`warm_saves`). Returns the row shape of :func:`save_curve` (``save_seconds``,
+    ``peak_bytes``, ``warm_save_seconds``, ...).
+    """
+    server = synthetic_server(semantics, max(1, total_bytes // checkpoint_bytes), checkpoint_bytes)
+    slot = server.slots[0]
+    cache = server.prompt_cache
+    assert cache is not None
+    c = sum(ck.size() for ck in slot.prompt.checkpoints)
+    n_ckpt = len(slot.prompt.checkpoints)
+    ok, dt, flt = timed_save(slot.prompt_save, cache)
+    op = server.host.last_op
+    assert ok and op is not None and op.name == "save"
+    row = {
+        "layer": "model",
+        "semantics": semantics,
+        "n_checkpoints": n_ckpt,
+        "checkpoint_bytes": c,
+        "state_bytes": op.state_bytes,
+        "peak_bytes": op.peak_excess,
+        "save_seconds": dt,
+        "minflt": flt,
+    }
+    if warm:
+        w = warm_saves(server, warm)
+        row.update(warm_save_seconds=w["seconds"], warm_minflt=w["minflt"], warm_checkpoint_bytes=w["checkpoint_bytes"])
+    return row
+
+
 def _model_server(sem: str, arch: str, n_checkpoints: int) -> ServerContext:
     cfg = _cfg(arch, n_checkpoints)
     server = make_llama_server(sem, model_path(arch), params=cfg.params(), n_ctx=cfg.n_ctx, check_restores=False)
@@ -157,9 +228,10 @@ def _model_server(sem: str, arch: str, n_checkpoints: int) -> ServerContext:
 
 
 def _llama_point(
-    sem: str, arch: str, n_checkpoints: int, rep: int, traced: bool, capture: Path | None
+    sem: str, arch: str, n_checkpoints: int, rep: int, traced: bool, capture: Path | None, warm: int = 0
 ) -> list[dict[str, Any]]:
-    """The ``model`` row (and with ``traced`` the ``llama`` row) of one save on real libllama contexts."""
+    """The ``model`` row (and with ``traced`` the ``llama`` row) of one save on real libllama contexts;
+    with ``warm``, both rows also get :func:`warm_saves` (``warm_save_seconds``, ``warm_minflt``)."""
     server = _model_server(sem, arch, n_checkpoints)
     try:
         slot, cache = server.slots[0], server.prompt_cache
@@ -171,18 +243,16 @@ def _llama_point(
             capture.parent.mkdir(parents=True, exist_ok=True)
             capture.unlink(missing_ok=True)
             with memray.Tracker(str(capture), native_traces=True):
-                t0 = time.perf_counter()
-                ok = slot.prompt_save(cache)
-                dt = time.perf_counter() - t0
+                ok, dt, flt = timed_save(slot.prompt_save, cache)
         else:
-            t0 = time.perf_counter()
-            ok = slot.prompt_save(cache)
-            dt = time.perf_counter() - t0
+            ok, dt, flt = timed_save(slot.prompt_save, cache)
         op = server.host.last_op
         assert ok and op is not None and op.name == "save", f"{arch} {sem}: the save did not happen"
         s_bytes = op.state_bytes
         model = _row("model", sem, arch, len(ckpts), c_bytes, s_bytes, rep)
-        model.update(peak_bytes=op.peak_excess, save_seconds=None if traced else dt, allocations=op.allocations)
+        model.update(
+            peak_bytes=op.peak_excess, save_seconds=None if traced else dt, allocations=op.allocations, minflt=flt
+        )
         rows = [model]
         if traced:
             assert capture is not None
@@ -196,8 +266,15 @@ def _llama_point(
                 theory_bytes=llama["theory_bytes"] + 2 * s_bytes,
                 allocations=int(meta.total_allocations),
                 capture=capture.name,
+                minflt=flt,
             )
             rows.append(llama)
+        if warm:
+            w = warm_saves(server, warm)  # untraced: memray's hooks would be timed too
+            for r in rows:
+                r.update(
+                    warm_save_seconds=w["seconds"], warm_minflt=w["minflt"], warm_checkpoint_bytes=w["checkpoint_bytes"]
+                )
         return rows
     finally:
         close_server(server)
@@ -215,16 +292,69 @@ def _log_seconds(line: str) -> float | None:
 
 
 def _save_seconds(log: str, since: int) -> float | None:
-    """From the server's log after offset ``since``: slot selection to task launch (the save, the cache
-    load attempt and ``update``; server-context.cpp:1617-1637 @ 0c1e570)."""
-    t_sel = t_launch = None
+    """From the server's log after offset ``since``: slot selection to the cache lookup that follows the
+    save, so ``prompt_save`` alone (server-context.cpp:1617-1627 @ 0c1e570; the lookup's first line is
+    server-task.cpp:1799). None when the log has no such pair (the save was skipped)."""
+    t_sel = t_look = None
     for line in log[since:].splitlines():
         if t_sel is None and "selected slot by" in line:
             t_sel = _log_seconds(line)
-        elif t_sel is not None and "launch_slot_" in line:
-            t_launch = _log_seconds(line)
+        elif t_sel is not None and "looking for better prompt" in line:
+            t_look = _log_seconds(line)
             break
-    return None if t_sel is None or t_launch is None else round(t_launch - t_sel, 6)
+    return None if t_sel is None or t_look is None else round(t_look - t_sel, 6)
+
+
+def timed_save(save: Callable[[Any], bool], cache: Any) -> tuple[bool, float, int]:
+    """``save(cache)`` (a slot's ``prompt_save``): whether it saved, its seconds and this process's minor
+    page faults during it."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    t0 = time.perf_counter()
+    ok = bool(save(cache))
+    dt = time.perf_counter() - t0
+    return ok, dt, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+
+
+def warm_saves(server: ServerContext, warm: int) -> dict[str, list[Any]]:
+    """``warm`` more saves of slot 0's prompt P, each timed in the steady state of a server that saved it
+    and restored it before: requests alternate P (restored from the cache, whose load erases the entry)
+    and :func:`diverging` D (its slot selection saves P again), as on a server whose clients come back.
+
+    The first save after a build-up lands on whatever pages the allocator has: on a VM, fresh pages
+    cost a minor fault each (~13 us here), and whether the S-sized buffers are fresh is the heap's
+    history, not the save's bytes. Every warm save reuses the buffers the last restore freed. Returns
+    the warm saves' ``seconds``, ``minflt`` and ``checkpoint_bytes`` (each save's C, to show it is the
+    same payload), one per save. Call it right after the build-up's save, while the slot holds P;
+    raises :class:`UsageError` if the cycle saved P fewer than ``warm`` times (bounded: ``warm`` + 2 cycles)."""
+    slot = server.slots[0]
+    p = tuple(slot.prompt.tokens)
+    d = tuple(diverging(300))
+    out: dict[str, list[Any]] = {"seconds": [], "minflt": [], "checkpoint_bytes": []}
+    orig = slot.prompt_save
+
+    def timed(cache: Any) -> bool:
+        is_p = tuple(slot.prompt.tokens[: len(p)]) == p
+        c_bytes = sum(c.size() for c in slot.prompt.checkpoints)
+        ok, dt, flt = timed_save(orig, cache)
+        if ok and is_p:
+            out["seconds"].append(dt)
+            out["minflt"].append(flt)
+            out["checkpoint_bytes"].append(c_bytes)
+        return ok
+
+    slot.prompt_save = timed  # type: ignore[method-assign,assignment]
+    try:
+        for _ in range(warm + 2):  # bounded: one save of P per cycle once the cycle runs
+            if len(out["seconds"]) >= warm:
+                break
+            for tokens in (p, d):
+                server.handle_completion(tokens, id_slot=0, n_cmpl=1, n_predict=1)
+                server.run_until_idle()
+    finally:
+        del slot.prompt_save
+    if len(out["seconds"]) < warm:
+        raise UsageError(f"the warm saves saved the slot's prompt {len(out['seconds'])} of {warm} times")
+    return out
 
 
 # glibc's malloc with a fixed mmap threshold: every allocation >= 64 KiB is its own mapping and goes back to
@@ -271,12 +401,16 @@ def _server_point(
     n_extend: int | None = None,
     base: Sequence[int] = BASE,
     env: dict[str, str] | None = None,
+    warm: int = 0,
 ) -> dict[str, Any]:
     """One save on a real llama-server: VmHWM around the request that makes it, and what the model says.
-    ``env``: extra environment of the server (the allocator control sets glibc's malloc tunables)."""
+    ``env``: extra environment of the server (the allocator control sets glibc's malloc tunables).
+    ``warm``: that many more saves of the same prompt, timed as :func:`warm_saves` does in process."""
     with Differential(_cfg(arch, n_checkpoints), binary, sem, log_dir, env=dict(env or {})) as d:
+        prompt: list[int] = []
         for k in range(_n_extend(n_checkpoints) if n_extend is None else n_extend):
-            row = d.request([*base, *_EXT[: 40 * k]], 1)
+            prompt = [*base, *_EXT[: 40 * k]]
+            row = d.request(prompt, 1)
             if not row.ok:
                 raise UsageError(f"server and model disagree while building up {arch}: {row.describe()}")
         slot = d.model.slots[0]
@@ -320,7 +454,43 @@ def _server_point(
             rss_after_bytes=after["VmRSS"] - before["VmRSS"],
             saved=bool(saves),
         )
+        if warm:
+            out.update(_server_warm(d, prompt, diverging(n_diverging), warm))
         return out
+
+
+def _cached(d: Differential, p: list[int]) -> bool:
+    cache = d.model.prompt_cache
+    return cache is not None and any(list(e.prompt.tokens[: len(p)]) == p for e in cache.states)
+
+
+def _server_warm(d: Differential, p: list[int], dv: list[int], warm: int) -> dict[str, list[Any]]:
+    """``warm`` more saves of ``p`` on ``d``'s server (the :func:`warm_saves` cycle: request ``p``, restored
+    from the cache, then ``dv``, whose slot selection saves it), each timed from the server's log; the
+    server's minor faults are those of the whole ``dv`` request. The model must agree on every request."""
+    out: dict[str, list[Any]] = {"warm_save_seconds": [], "warm_minflt": [], "warm_checkpoint_bytes": []}
+    for _ in range(warm + 2):  # bounded: one save of p per cycle once the cycle runs
+        if len(out["warm_save_seconds"]) >= warm:
+            break
+        for tokens in (p, dv):
+            slot = d.model.slots[0]
+            is_p = tokens is dv and list(slot.prompt.tokens[: len(p)]) == p and not _cached(d, p)
+            c_bytes = sum(c.size() for c in slot.prompt.checkpoints)
+            text0 = d.server.log_through(0)
+            log0, released = len(text0), text0.count("stop processing: n_tokens")
+            before = proc_status(d.server.pid)
+            row = d.request(tokens, 1)
+            after = proc_status(d.server.pid)
+            if not row.ok:
+                raise UsageError(f"server and model disagree in the warm saves: {row.describe()}")
+            dt = _save_seconds(d.server.log_through(released + 1), log0)
+            if is_p and dt is not None and _cached(d, p):  # the model saved p: so did the server it agrees with
+                out["warm_save_seconds"].append(dt)
+                out["warm_minflt"].append(after["minflt"] - before["minflt"])
+                out["warm_checkpoint_bytes"].append(c_bytes)
+    if len(out["warm_save_seconds"]) < warm:
+        raise UsageError(f"the server's warm saves saved the prompt {len(out['warm_save_seconds'])} of {warm} times")
+    return out
 
 
 def save_curve(
@@ -336,6 +506,7 @@ def save_curve(
     capture_dir: Path | None = None,
     log_dir: str | None = None,
     n_diverging: int = 300,
+    warm: int = 0,
     progress: Callable[[str], None] = lambda _m: None,
 ) -> list[dict[str, Any]]:
     """Transient peak and time of one save, per point, on ``layer`` (``model``, ``llama`` or ``server``).
@@ -344,9 +515,12 @@ def save_curve(
     ``sizes``: checkpoint sizes in bytes, each mapped to the nearest sized model (the row says the size
     it got), with ``n_checkpoints`` checkpoints. Each point is measured ``reps`` times. Every row has
     ``layer, semantics, model, rep, n_checkpoints, checkpoint_bytes, checkpoint_size, state_bytes,
-    theory_bytes, logical_bytes, peak_bytes, save_seconds`` and the layer's own fields (the module doc).
-    ``server`` needs ``binary`` (a llama-server of ``semantics``); ``llama`` keeps its memray captures in
-    ``capture_dir`` (a temporary name otherwise overwritten). ``semantics`` is ``master`` or ``shared``.
+    theory_bytes, logical_bytes, peak_bytes, save_seconds, minflt`` and the layer's own fields (the module
+    doc). ``save_seconds`` is the first save after the build-up; with ``warm`` > 0 each row also has that
+    many more saves of the same prompt in a steady heap (:func:`warm_saves`): ``warm_save_seconds``,
+    ``warm_minflt``, ``warm_checkpoint_bytes``. ``server`` needs ``binary`` (a llama-server of
+    ``semantics``); ``llama`` keeps its memray captures in ``capture_dir`` (a temporary name otherwise
+    overwritten). ``semantics`` is ``master`` or ``shared``.
     """
     if layer not in LAYERS:
         raise UsageError(f"unknown layer {layer!r}; choose one of {', '.join(LAYERS)}")
@@ -359,10 +533,10 @@ def save_curve(
         progress(f"{layer} {semantics}: {arch}, {n} checkpoints, rep {rep}")
         if layer == "server":
             assert binary is not None
-            rows.append(_server_point(binary, semantics, arch, n, rep, n_diverging, log_dir))
+            rows.append(_server_point(binary, semantics, arch, n, rep, n_diverging, log_dir, warm=warm))
             continue
         cap = (capture_dir or Path("/tmp")) / f"save-{semantics}-{arch}-n{n}-r{rep}.bin"
-        got = _llama_point(semantics, arch, n, rep, layer == "llama", cap)
+        got = _llama_point(semantics, arch, n, rep, layer == "llama", cap, warm)
         rows.append(got[-1])
     return rows
 
@@ -591,3 +765,36 @@ def server_update_cost(
         "server_ms_per_token": 1e3 * dt / n,
         "server_hwm_growth_bytes": after["VmHWM"] - before["VmRSS"],
     }
+
+
+def main(argv: Sequence[str]) -> int:
+    """``python -m harness.measure.saves LAYER SEMANTICS N REP WARM``: one point of the bench's ``saves``
+    case (``model`` or ``llama``, N checkpoints of about 1 MiB) in a fresh interpreter, its rows as JSON on
+    the last line of stdout. Every size is then measured from the same process state, as the server
+    layer's points are (a fresh llama-server each): a process that held 256 MiB of checkpoints a moment
+    ago has another heap (:func:`harness.measure.bench_cases.save_layers`)."""
+    if (
+        len(argv) != 5
+        or argv[0] not in ("model", "llama")
+        or argv[1] not in ("master", "shared")
+        or not all(a.isdigit() for a in argv[2:])
+    ):
+        print("usage: python -m harness.measure.saves {model,llama} {master,shared} N REP WARM", file=sys.stderr)
+        return EXIT_USAGE
+    layer, sem, (n, rep, warm) = argv[0], argv[1], (int(a) for a in argv[2:])
+    try:
+        if layer == "model":
+            rows = [model_save_point(sem, n * MIB, warm=warm)]
+        else:
+            rows = save_curve("llama", sem, counts=[n], size=MIB, warm=warm)
+    except HarnessError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return e.exit_code
+    for r in rows:
+        r["rep"] = rep
+    print(json.dumps(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main(sys.argv[1:]))
