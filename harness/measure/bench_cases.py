@@ -475,7 +475,8 @@ SAVE_GOAL_LAYERS = ("llama", "server")
 def saves(b: Budget) -> list[Figure]:
     """Per layer, semantics and size: the warm saves' seconds (the goal's figure: the save's own cost,
     every size timed in the same heap state) with the first saves' seconds and the minor page faults of
-    both as inputs; then the 256/1 MiB ratios of the warm saves' medians and of the first saves'."""
+    both as inputs; then the 256/1 MiB ratios of the warm saves' medians and of the first saves', and
+    what one checkpoint more costs a warm save."""
     # quick: two sizes and no server (the test's budget); full: the issue's 1 .. 256 MiB on all three layers
     sizes = [1 * MIB, 4 * MIB] if b.quick else [1 * MIB, 4 * MIB, 16 * MIB, 64 * MIB, 256 * MIB]
     layers = ("model", "llama") if b.quick else LAYERS
@@ -487,97 +488,105 @@ def saves(b: Budget) -> list[Figure]:
             by_size: dict[int, list[dict[str, Any]]] = {}
             for r, s in zip(rows, [s for s in sizes for _ in range(reps)], strict=True):
                 by_size.setdefault(s, []).append(r)
-            times: dict[int, list[float]] = {}
-            firsts: dict[int, list[float]] = {}
-            for s, rs in by_size.items():
-                # the server's save time is read from its log; a save whose log lacks it has none
-                times[s] = [float(t) for r in rs for t in r.get("warm_save_seconds", [])]
-                firsts[s] = [float(r["save_seconds"]) for r in rs if r.get("save_seconds") is not None]
-                if not times[s]:
-                    continue
-                out.append(
-                    figure(
-                        f"{layer} {sem} warm save {s // MIB} MiB",
-                        "s",
-                        times[s],
-                        better="lower",
-                        layer=layer,
-                        semantics=sem,
-                        model=rs[0].get("model", "synthetic"),
-                        n_checkpoints=rs[0]["n_checkpoints"],
-                        checkpoint_bytes=rs[0]["checkpoint_bytes"],
-                        warm_checkpoint_bytes=[c for r in rs for c in r.get("warm_checkpoint_bytes", [])],
-                        peak_bytes=[r["peak_bytes"] for r in rs],
-                        state_bytes=rs[0]["state_bytes"],
-                        warm_minflt=[f for r in rs for f in r.get("warm_minflt", [])],
-                        first_save_seconds=firsts[s],
-                        first_minflt=[r.get("minflt") for r in rs],
-                        repetitions=reps,
-                        warm=warm,
-                    )
-                )
-            lo, hi = sizes[0], sizes[-1]
-            if not times.get(lo) or not times.get(hi):
-                continue
-            peak_ratio = statistics.median(r["peak_bytes"] for r in by_size[hi]) / max(
-                1, statistics.median(r["peak_bytes"] for r in by_size[lo])
+            out += _save_size_figures(layer, sem, by_size, reps, warm)
+            out += _save_curve_figures(layer, sem, by_size, reps, warm)
+    return out
+
+
+def _warm_times(rs: list[dict[str, Any]]) -> list[float]:
+    # the server's save time is read from its log; a save whose log lacks it has none
+    return [float(t) for r in rs for t in r.get("warm_save_seconds", [])]
+
+
+def _first_times(rs: list[dict[str, Any]]) -> list[float]:
+    return [float(r["save_seconds"]) for r in rs if r.get("save_seconds") is not None]
+
+
+def _save_size_figures(
+    layer: str, sem: str, by_size: dict[int, list[dict[str, Any]]], reps: int, warm: int
+) -> list[Figure]:
+    """One figure per size: its warm saves, the first saves and every minor fault count as inputs."""
+    out = []
+    for s, rs in by_size.items():
+        if not _warm_times(rs):
+            continue
+        out.append(
+            figure(
+                f"{layer} {sem} warm save {s // MIB} MiB",
+                "s",
+                _warm_times(rs),
+                better="lower",
+                layer=layer,
+                semantics=sem,
+                model=rs[0].get("model", "synthetic"),
+                n_checkpoints=rs[0]["n_checkpoints"],
+                checkpoint_bytes=rs[0]["checkpoint_bytes"],
+                warm_checkpoint_bytes=[c for r in rs for c in r.get("warm_checkpoint_bytes", [])],
+                peak_bytes=[r["peak_bytes"] for r in rs],
+                state_bytes=rs[0]["state_bytes"],
+                warm_minflt=[f for r in rs for f in r.get("warm_minflt", [])],
+                first_save_seconds=_first_times(rs),
+                first_minflt=[r.get("minflt") for r in rs],
+                repetitions=reps,
+                warm=warm,
             )
-            inputs: dict[str, Any] = {
-                "layer": layer,
-                "semantics": sem,
-                "checkpoint_bytes": [by_size[lo][0]["checkpoint_bytes"], by_size[hi][0]["checkpoint_bytes"]],
-                "peak_ratio": round(peak_ratio, 3),
-                "repetitions": reps,
-            }
-            goal = ("<=", 1.5) if sem == "shared" and layer in SAVE_GOAL_LAYERS else None
-            if sem == "master":
-                note = "master: about linear expected"
-            elif goal is None:
-                note = "the model's own Python bookkeeping, per checkpoint (SAVE_GOAL_LAYERS); no goal"
-            else:
-                note = "PR: must not grow with checkpoint bytes (warm saves: the same heap state at every size)"
-            out.append(
-                figure(
-                    f"{layer} {sem} warm save time {hi // MIB}/{lo // MIB} MiB",
-                    "ratio",
-                    [statistics.median(times[hi]) / statistics.median(times[lo])],
-                    better="lower",
-                    goal=goal,
-                    note=note,
-                    warm=warm,
-                    **inputs,
-                )
+        )
+    return out
+
+
+def _save_curve_figures(
+    layer: str, sem: str, by_size: dict[int, list[dict[str, Any]]], reps: int, warm: int
+) -> list[Figure]:
+    """The curve's figures: largest over smallest size for warm and first saves (the goal on the warm
+    ratio, :data:`SAVE_GOAL_LAYERS`, shared only), and the least-squares slope of the warm medians over
+    the checkpoints held (what one checkpoint more costs a save)."""
+    sizes = sorted(s for s, rs in by_size.items() if _warm_times(rs))
+    if len({by_size[s][0]["n_checkpoints"] for s in sizes}) < 2:  # no curve (and no slope) to draw
+        return []
+    lo, hi = sizes[0], sizes[-1]
+    warm_med = {s: statistics.median(_warm_times(by_size[s])) for s in sizes}
+    peak_ratio = statistics.median(r["peak_bytes"] for r in by_size[hi]) / max(
+        1, statistics.median(r["peak_bytes"] for r in by_size[lo])
+    )
+    inputs: dict[str, Any] = {
+        "layer": layer,
+        "semantics": sem,
+        "checkpoint_bytes": [by_size[lo][0]["checkpoint_bytes"], by_size[hi][0]["checkpoint_bytes"]],
+        "peak_ratio": round(peak_ratio, 3),
+        "repetitions": reps,
+    }
+    goal = ("<=", 1.5) if sem == "shared" and layer in SAVE_GOAL_LAYERS else None
+    if sem == "master":
+        note = "master: about linear expected"
+    elif goal is None:
+        note = "the model's own Python bookkeeping, per checkpoint (SAVE_GOAL_LAYERS); no goal"
+    else:
+        note = "PR: must not grow with checkpoint bytes (warm saves: the same heap state at every size)"
+    name = f"{layer} {sem}"
+    ratio = f"{hi // MIB}/{lo // MIB} MiB"
+    ns = [float(by_size[s][0]["n_checkpoints"]) for s in sizes]
+    mib = by_size[hi][0]["checkpoint_bytes"] / by_size[hi][0]["n_checkpoints"] / MIB
+    out = [
+        figure(f"{name} warm save time {ratio}", "ratio", [warm_med[hi] / warm_med[lo]], better="lower",
+               goal=goal, note=note, warm=warm, **inputs),
+        figure(f"{name} warm save cost per checkpoint", "us",
+               [statistics.linear_regression(ns, [warm_med[s] for s in sizes]).slope * 1e6], better="lower",
+               note=f"slope of the warm medians over the checkpoints held ({mib:.2f} MiB each)",
+               n_checkpoints=ns, medians=[warm_med[s] for s in sizes], **inputs),
+    ]  # fmt: skip
+    firsts = {s: _first_times(by_size[s]) for s in (lo, hi)}
+    if firsts[lo] and firsts[hi]:
+        out.append(
+            figure(
+                f"{name} first save time {ratio}",
+                "ratio",
+                [statistics.median(firsts[hi]) / statistics.median(firsts[lo])],
+                better="lower",
+                note="the first save after the build-up: its buffers' fresh pages fault or not (no goal)"
+                + ("; timed under memray's native tracing" if layer == "llama" else ""),
+                **inputs,
             )
-            # what a checkpoint more costs a save: the least-squares slope of the warm medians over n
-            ns = [float(by_size[s][0]["n_checkpoints"]) for s in sizes if times.get(s)]
-            meds = [statistics.median(times[s]) for s in sizes if times.get(s)]
-            if len(set(ns)) > 1:
-                slope = statistics.linear_regression(ns, meds).slope
-                mib = by_size[hi][0]["checkpoint_bytes"] / by_size[hi][0]["n_checkpoints"] / MIB
-                out.append(
-                    figure(
-                        f"{layer} {sem} warm save cost per checkpoint",
-                        "us",
-                        [slope * 1e6],
-                        better="lower",
-                        note=f"slope of the warm medians over the checkpoints held ({mib:.2f} MiB each)",
-                        n_checkpoints=ns,
-                        medians=meds,
-                        **inputs,
-                    )
-                )
-            if firsts.get(lo) and firsts.get(hi):
-                out.append(
-                    figure(
-                        f"{layer} {sem} first save time {hi // MIB}/{lo // MIB} MiB",
-                        "ratio",
-                        [statistics.median(firsts[hi]) / statistics.median(firsts[lo])],
-                        better="lower",
-                        note="the first save after the build-up: its buffers' fresh pages fault or not (no goal)"
-                        + ("; timed under memray's native tracing" if layer == "llama" else ""),
-                        **inputs,
-                    )
-                )
+        )
     return out
 
 
