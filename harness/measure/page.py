@@ -221,7 +221,7 @@ def _curve_table(rows: Sequence[dict[str, Any]], x: str) -> str:
         "<p class='note'>theory: S + C (master) or S (shared); libllama adds the harness's two copies of S. "
         "'model, whole request': the model's peak over the server request that saves, which goes on to process "
         "a 300-token prompt (section 4). Save time: model and libllama in this process (libllama under memray), "
-        "the server's from its log (slot selection to task launch). Not explained yet: master with one or two "
+        "the server's from its log (slot selection to the cache lookup). Not explained yet: master with one or two "
         "checkpoints measures one checkpoint (about 1.1 MB) above the model when the request goes on to create "
         "checkpoints (it matches with a 3-token prompt, and with 8 or more checkpoints); suspected glibc not reusing "
         "the freed slot checkpoint for the new one, not isolated.</p>"

@@ -431,7 +431,7 @@ def _explain(
         m, p = by[("master", 3)], by[("shared", 3)]
         if m["save_seconds"] is not None and p["save_seconds"] is not None:
             lines.append(
-                f"The save itself (the server's log, slot selection to task launch): master "
+                f"The save itself (the server's log, slot selection to the cache lookup after the save): master "
                 f"{m['save_seconds'] * 1e3:.1f} ms and {m['minflt']} minor page faults in the request, the PR "
                 f"{p['save_seconds'] * 1e3:.1f} ms and {p['minflt']} (master touches every page of its copy of C)."
             )
