@@ -235,8 +235,8 @@ def test_warm_saves_save_the_same_prompt_again_or_say_they_did_not() -> None:
     assert saves.timed_save(slot.prompt_save, cache)[0]
     w = saves.warm_saves(server, 3)
     # three more saves of the prompt, each with its checkpoints: a restore between them, not a skip
-    assert len(w["seconds"]) == len(w["minflt"]) == 3 and w["checkpoint_bytes"] == [c_bytes] * 3
-    assert all(t > 0 for t in w["seconds"])
+    assert len(w["warm_save_seconds"]) == len(w["warm_minflt"]) == 3 and w["warm_checkpoint_bytes"] == [c_bytes] * 3
+    assert all(t > 0 for t in w["warm_save_seconds"])
     assert any(e.prompt.tokens[: len(prompt)] == prompt for e in cache.states)
     # the slot now holds the diverging prompt: called again, the cycle has no saved prompt to time
     with pytest.raises(UsageError, match="saved the slot's prompt 0 of 2 times"):

@@ -209,8 +209,7 @@ def model_save_point(semantics: str, total_bytes: int, checkpoint_bytes: int = M
         "minflt": flt,
     }
     if warm:
-        w = warm_saves(server, warm)
-        row.update(warm_save_seconds=w["seconds"], warm_minflt=w["minflt"], warm_checkpoint_bytes=w["checkpoint_bytes"])
+        row.update(warm_saves(server, warm))
     return row
 
 
@@ -272,9 +271,7 @@ def _llama_point(
         if warm:
             w = warm_saves(server, warm)  # untraced: memray's hooks would be timed too
             for r in rows:
-                r.update(
-                    warm_save_seconds=w["seconds"], warm_minflt=w["minflt"], warm_checkpoint_bytes=w["checkpoint_bytes"]
-                )
+                r.update(w)
         return rows
     finally:
         close_server(server)
@@ -323,13 +320,14 @@ def warm_saves(server: ServerContext, warm: int) -> dict[str, list[Any]]:
     The first save after a build-up lands on whatever pages the allocator has: on a VM, fresh pages
     cost a minor fault each (~13 us here), and whether the S-sized buffers are fresh is the heap's
     history, not the save's bytes. Every warm save reuses the buffers the last restore freed. Returns
-    the warm saves' ``seconds``, ``minflt`` and ``checkpoint_bytes`` (each save's C, to show it is the
-    same payload), one per save. Call it right after the build-up's save, while the slot holds P;
-    raises :class:`UsageError` if the cycle saved P fewer than ``warm`` times (bounded: ``warm`` + 2 cycles)."""
+    the row fields ``warm_save_seconds``, ``warm_minflt`` and ``warm_checkpoint_bytes`` (each save's C,
+    to show it is the same payload), one entry per save, as :func:`_server_warm` does. Call it right
+    after the build-up's save, while the slot holds P; raises :class:`UsageError` if the cycle saved P
+    fewer than ``warm`` times (bounded: ``warm`` + 2 cycles)."""
     slot = server.slots[0]
     p = tuple(slot.prompt.tokens)
     d = tuple(diverging(300))
-    out: dict[str, list[Any]] = {"seconds": [], "minflt": [], "checkpoint_bytes": []}
+    out: dict[str, list[Any]] = {"warm_save_seconds": [], "warm_minflt": [], "warm_checkpoint_bytes": []}
     orig = slot.prompt_save
 
     def timed(cache: Any) -> bool:
@@ -337,23 +335,23 @@ def warm_saves(server: ServerContext, warm: int) -> dict[str, list[Any]]:
         c_bytes = sum(c.size() for c in slot.prompt.checkpoints)
         ok, dt, flt = timed_save(orig, cache)
         if ok and is_p:
-            out["seconds"].append(dt)
-            out["minflt"].append(flt)
-            out["checkpoint_bytes"].append(c_bytes)
+            out["warm_save_seconds"].append(dt)
+            out["warm_minflt"].append(flt)
+            out["warm_checkpoint_bytes"].append(c_bytes)
         return ok
 
     slot.prompt_save = timed  # type: ignore[method-assign,assignment]
     try:
         for _ in range(warm + 2):  # bounded: one save of P per cycle once the cycle runs
-            if len(out["seconds"]) >= warm:
+            if len(out["warm_save_seconds"]) >= warm:
                 break
             for tokens in (p, d):
                 server.handle_completion(tokens, id_slot=0, n_cmpl=1, n_predict=1)
                 server.run_until_idle()
     finally:
         del slot.prompt_save
-    if len(out["seconds"]) < warm:
-        raise UsageError(f"the warm saves saved the slot's prompt {len(out['seconds'])} of {warm} times")
+    if len(out["warm_save_seconds"]) < warm:
+        raise UsageError(f"the warm saves saved the slot's prompt {len(out['warm_save_seconds'])} of {warm} times")
     return out
 
 
