@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import json
+import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -13,7 +14,7 @@ import pytest
 
 from harness.cli import main
 from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
-from harness.measure import bench_cases, saves
+from harness.measure import arms, bench_cases, saves
 from harness.measure.bench import CASES, case_names, compare, figure
 from properties.machine import MachineConfig, machine_class
 from properties.run import machines_for, make_settings, run_seeded
@@ -147,15 +148,35 @@ def test_the_fastest_runs_noise_is_its_jackknife_spread() -> None:
     assert bench_cases._jackknife_spread(rs) == pytest.approx((2.0 / 2.4 - 1.6 / 2.5) / (1.6 / 2.4))
 
 
-def test_exploration_times_the_machine_only_on_its_recordings_programs() -> None:
-    # the tape is recorded in an untimed run; a timed run of other test cases is refused, not measured
-    cfg, s = machines_for("shared", "ci")[0], make_settings("ci", None, 5)
-    tape, recorded = bench_cases._record(cfg, s, 0)
-    assert recorded == ["valid"] * 5 and tape.calls
-    r = bench_cases._explore(cfg, s, 0, tape, recorded)
-    assert r["calls"] == len(tape.calls) and r["machine"] > 0 and r["replay"] > 0
+def test_exploration_times_the_machine_only_on_its_recordings_programs(monkeypatch: pytest.MonkeyPatch) -> None:
+    # each arm records the machine first (untimed: the tape and the warm-up); a timed machine run of
+    # other test cases than the recording's is refused, not measured
+    cfg = machines_for("shared", "ci")[0]
+    r = arms.timed_arm("machine", cfg, 5, 0)
+    replay = arms.timed_arm("replay", cfg, 5, 0)
+    assert r["cpu"] > 0 and replay["cpu"] > 0 and r["calls"] == replay["calls"] > 0
+    assert r["split"]["invalid"] == replay["split"]["invalid"]
+    recorded = arms._statuses
+    monkeypatch.setattr(arms, "_statuses", lambda run: [*recorded(run), "valid"])
     with pytest.raises(UsageError, match="ran other test cases than its recording"):
-        bench_cases._explore(cfg, s, 0, tape, [*recorded, "valid"])
+        arms.timed_arm("machine", cfg, 5, 0)
+
+
+def _arm_children() -> list[str]:
+    out = subprocess.run(["pgrep", "-f", "harness.measure.arms"], capture_output=True, text=True, check=False)
+    return out.stdout.split()
+
+
+def test_the_arms_take_turns_and_leave_no_child_behind() -> None:
+    r = arms.run_arms("Shared_hybrid", 5, 0)
+    assert set(r) == set(arms.ARMS) and all(a["cpu"] > 0 for a in r.values())
+    assert len({a["calls"] for a in r.values()}) == 1  # every arm recorded the same programs
+    with pytest.raises(UsageError, match="ran past its timeout"):
+        arms.run_arms("Shared_hybrid", 300, 0, timeout=1.0)  # killed while recording or stopped
+    assert _arm_children() == []
+    with pytest.raises(UsageError, match="no gate machine 'Nope'"):
+        arms.run_arms("Nope", 5, 0)
+    assert arms.main([]) == EXIT_USAGE
 
 
 def test_quick_targeting_sets_every_reach_label_on_against_off(tmp_path: Path) -> None:

@@ -2,13 +2,13 @@
 
 1. ``exploration``: examples/s of each gate machine against Hypothesis alone on the same programs
    (:mod:`harness.measure.baselines`: the machine's rules with empty bodies, its preconditions' answers
-   replayed, so the same choices are drawn) under the same settings (the ``ci`` profile, same seed),
-   interleaved, in CPU seconds of this process (``time.process_time``: the other processes of a loaded
-   machine do not count; the wall-clock rate is in the inputs). The machine is timed as the gate runs
-   it; its preconditions' answers are recorded once, in a run that is not timed. Beside it, the same
-   machine with its checks off (``checks_on``): what a check costing nothing would give; and the
-   machine against :data:`~harness.measure.baselines.TrivialMachine`, whose programs (every rule
-   always valid) are not the machine's.
+   replayed, so the same choices are drawn) under the same settings (the ``ci`` profile, same seed), in
+   CPU seconds (``time.process_time``). Each arm of a repetition runs in a warmed child of its own, and
+   the arms take turns of 50 ms on one CPU (:mod:`harness.measure.arms`), so that they see the same
+   host. The machine is timed as the gate runs it. Beside it, the same machine with its checks off
+   (``checks_on``): what a check costing nothing would give; and the machine against
+   :data:`~harness.measure.baselines.TrivialMachine`, whose programs (every rule always valid) are not
+   the machine's.
 2. ``mutants``: seconds to kill each mutant and the steps of its shrunk program (:func:`properties.mutants.kill`),
    one repetition per seed (``--seed``, ``--seed`` + 1, ...).
 3. ``sweep``: the fault sweep's trials/s and its wall time, both semantics, both modes.
@@ -43,12 +43,10 @@ import tempfile
 import time
 import xml.etree.ElementTree as ET
 from collections.abc import Callable
-from functools import partial
 from pathlib import Path
 from typing import Any, cast
 
 from hypothesis.database import InMemoryExampleDatabase
-from hypothesis.statistics import collector
 
 from faults.scenarios import SCENARIOS
 from faults.sweep import run_sweep
@@ -59,47 +57,41 @@ from harness.campaign.machines import machines as campaign_machines
 from harness.campaign.runner import run_batch
 from harness.child import run_child
 from harness.errors import UsageError
-from harness.measure.baselines import PreconditionTape, TrivialMachine, empty_machine, recording
+from harness.measure.arms import SLICE, run_arms
 from harness.measure.bench import Budget, Figure, figure, register
 from harness.measure.saves import LAYERS, save_curve
 from harness.targets.libllama import LlamaProvider, load_model
 from harness.targets.llama_build import cached_binary
-from properties.machine import REACH, MachineConfig, PromptCacheMachine, machine_class
+from properties.machine import REACH, MachineConfig, PromptCacheMachine
 from properties.mutants import MUTANTS, kill
-from properties.run import PROFILES, machines_for, make_settings, run_seeded
+from properties.run import PROFILES, machines_for
 
 __all__ = ["save_layers"]
 
 MIB = 1 << 20
 
 
-def _timed(fn: Callable[[], Any]) -> tuple[float, float]:
-    """(CPU seconds of this process, wall seconds) of ``fn()``."""
-    c0, w0 = time.process_time(), time.perf_counter()
-    fn()
-    return time.process_time() - c0, time.perf_counter() - w0
-
-
 @register("exploration", "examples/s of each gate machine against Hypothesis alone on the same programs (ci profile)")
 def exploration(b: Budget) -> list[Figure]:
     profile = PROFILES["ci"]
     n = 5 if b.quick else profile["max_examples"]
-    reps = b.reps(5)  # one pair's ratio moves by +-0.15 on this machine (the same work took 2.9-5.1 s)
-    cfg_settings = make_settings("ci", None, n)
+    # in turns one repetition's ratio moves by ~+-0.01 (np3: 0.762-0.785 over six); one after the other in
+    # the bench's process it moved by +-0.15 (the same work took 2.9-5.1 s)
+    reps = b.reps(5)
     configs = machines_for("shared", "ci")[: 1 if b.quick else None]
     runs: dict[str, list[dict[str, Any]]] = {c.class_name: [] for c in configs}
-    tapes = {c.class_name: _record(c, cfg_settings, b.seed) for c in configs}  # untimed, once per machine
     for rep in range(reps):
         for cfg in configs:
-            r = _explore(cfg, cfg_settings, b.seed, *tapes[cfg.class_name])
+            r = _explore(cfg, n, b.seed)
             runs[cfg.class_name].append(r)
             b.out(
                 f"  rep {rep} {cfg.class_name:<34} same programs {r['replay'] / r['machine']:.2f}"
-                f" ({n / r['machine_wall']:.1f} examples/s wall), checks off {r['replay'] / r['off']:.2f},"
+                f" ({n / r['machine']:.1f} examples/s CPU), checks off {r['replay'] / r['off']:.2f},"
                 f" trivial {r['trivial'] / r['machine']:.2f}"
             )
     inputs: dict[str, Any] = {"profile": "ci", "examples": n, "steps": profile["steps"], "seed": b.seed}
     inputs["clock"] = "process_time"
+    inputs["arms"] = f"a warmed child each, timed in turns of {SLICE * 1000:.0f} ms on one CPU (harness.measure.arms)"
     out: list[Figure] = []
     for name, rs in runs.items():
         split = {k: round(statistics.median(r["split"][k] for r in rs), 3) for k in rs[0]["split"]}
@@ -168,83 +160,15 @@ def _jackknife_spread(rs: list[dict[str, Any]]) -> float:
     return (max(values) - min(values)) / values[0]
 
 
-def _cases(stats: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Every test case of a run, in order, from Hypothesis' statistics."""
-    return [c for st in stats for ph, v in st.items() if ph.endswith("-phase") for c in v.get("test-cases", [])]
-
-
-def _record(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> tuple[PreconditionTape, list[str]]:
-    """The tape of ``cfg``'s machine (:func:`~harness.measure.baselines.recording`), in a run that is not
-    timed, and the statuses of its test cases. The recorder is a call and an append per precondition
-    (~4% of the machine's CPU on hybrid_draft) that the gate never runs: timed, it was charged to the
-    machine. A run is fixed by its seed, so the tape of this run is the tape of every timed one."""
-    tape = PreconditionTape()
-    stats: list[dict[str, Any]] = []
-    with cast(Any, collector).with_value(stats.append):
-        try:
-            run_seeded(recording(machine_class(cfg), tape), cfg_settings, seed_value)
-        except Exception as e:
-            raise UsageError(f"{cfg.class_name} failed on seed {seed_value}: {e}") from e
-    return tape, [c["status"] for c in _cases(stats)]
-
-
-def _explore(
-    cfg: MachineConfig, cfg_settings: Any, seed_value: int, tape: PreconditionTape, recorded: list[str]
-) -> dict[str, Any]:
-    """One repetition of ``cfg``, interleaved: the trivial machine, the machine as the gate runs it,
-    Hypothesis alone on the same programs (``tape``, from :func:`_record`), the machine with its checks
-    off. CPU seconds of each, and Hypothesis' statistics split of the first three. The machine's test
-    cases must have ``recorded``'s statuses, and the replay must read ``tape`` exactly: else the
-    figure would compare other programs, and the repetition fails instead."""
-    cls = machine_class(cfg)
-    stats: dict[str, list[dict[str, Any]]] = {"trivial": [], "machine": [], "replay": []}
-    with cast(Any, collector).with_value(stats["trivial"].append):
-        t_cpu = _timed(partial(run_seeded, TrivialMachine, cfg_settings, seed_value))[0]
-    with cast(Any, collector).with_value(stats["machine"].append):
-        try:
-            m_cpu, m_wall = _timed(partial(run_seeded, cls, cfg_settings, seed_value))
-        except Exception as e:
-            raise UsageError(f"{cfg.class_name} failed on seed {seed_value}: {e}") from e
-    if [c["status"] for c in _cases(stats["machine"])] != recorded:
-        raise UsageError(f"{cfg.class_name} ran other test cases than its recording on seed {seed_value}")
-    with cast(Any, collector).with_value(stats["replay"].append):
-        programs = empty_machine(cls, f"{cfg.class_name}_programs", tape)
-        try:
-            r_cpu = _timed(partial(run_seeded, programs, cfg_settings, seed_value))[0]
-        except Exception as e:  # Hypothesis' own "Inconsistent data generation" where the tape ran out of step
-            tape.finish()
-            raise UsageError(f"the replay of {cfg.class_name}'s programs failed: {e}") from e
-    tape.finish()  # the replay drew exactly the machine's choices, or the figure would compare other programs
-    split = {f"{who}_{k}": v for who, st_ in stats.items() for k, v in _split(st_).items()}
-    off = _unchecked_cpu(cfg, cfg_settings, seed_value)
-    cpu = {"trivial": t_cpu, "machine": m_cpu, "machine_wall": m_wall, "replay": r_cpu, "off": off}
-    return {**cpu, "calls": len(tape.calls), "split": split}
-
-
-def _unchecked_cpu(cfg: MachineConfig, cfg_settings: Any, seed_value: int) -> float:
-    """CPU seconds of the machine of ``cfg`` with its checks off (``checks_on``): the price of the checks
-    is how much faster this is than the same machine with them."""
-    off: type[PromptCacheMachine] = type(
-        cfg.class_name, (machine_class(cfg),), {"checks_on": False, "__module__": __name__}
-    )
-    try:
-        return _timed(partial(run_seeded, off, cfg_settings, seed_value))[0]
-    except Exception as e:  # no check runs and no crash is judged: this is the model itself
-        raise UsageError(f"{cfg.class_name} with its checks off failed on seed {seed_value}: {e}") from e
-
-
-def _split(stats: list[dict[str, Any]]) -> dict[str, float]:
-    """Seconds drawing (rule choice, preconditions, arguments) and in the bodies (rules, invariants, the
-    stateful loop), and the test cases that do not count toward max_examples, from Hypothesis' statistics."""
-    cases = _cases(stats)
-    draw = sum(float(c["drawtime"]) for c in cases)
-    return {
-        "draw_s": round(draw, 3),
-        "body_s": round(sum(float(c["runtime"]) for c in cases) - draw, 3),
-        "gc_s": round(sum(float(c.get("gctime", 0.0)) for c in cases), 3),
-        "invalid": sum(c["status"] == "invalid" for c in cases),
-        "overrun": sum(c["status"] == "overrun" for c in cases),
-    }
+def _explore(cfg: MachineConfig, examples: int, seed_value: int) -> dict[str, Any]:
+    """One repetition of ``cfg``: the trivial machine, the machine as the gate runs it, Hypothesis alone
+    on the same programs and the machine with its checks off, each in a child of its own, timed in
+    turns on one CPU (:func:`harness.measure.arms.run_arms`). CPU seconds of each, the tape's length
+    and Hypothesis' statistics split of the first three."""
+    arms = run_arms(cfg.class_name, examples, seed_value)
+    split = {f"{who}_{k}": v for who in ("trivial", "machine", "replay") for k, v in arms[who]["split"].items()}
+    cpu = {arm: float(r["cpu"]) for arm, r in arms.items()}
+    return {**cpu, "calls": int(arms["replay"]["calls"]), "split": split}
 
 
 @register("mutants", "seconds to kill each mutant and the steps of its shrunk program, one repetition per seed")
