@@ -68,8 +68,9 @@ def _markdown(doc: dict[str, object]) -> str:
         f"`python -m harness bench{' --quick' if doc['quick'] else ''}` at commit `{doc['commit']}`, "
         f"seed {doc['seed']}, started {doc['started']}, on {m['cpus']} CPUs (Python {m['python']}); "
         f"load average {m['loadavg_start']} at the start, {m['loadavg_end']} at the end.\n\n"
-        "Ratios are measured interleaved in one run (the exploration ratio in CPU seconds of the bench's "
-        "own process), so they hold on a loaded machine; absolute rates and times do not. The JSON beside "
+        "Ratios are measured interleaved in one run (the exploration ratio in CPU seconds of its arms, "
+        "children that take turns on one CPU), so they hold on a loaded machine; absolute rates and times do "
+        "not. The JSON beside "
         "this table (`--json`) has every figure's samples and inputs.\n\n" + table(doc, markdown=True) + "\n" + merged
     )
 
