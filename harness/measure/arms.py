@@ -14,7 +14,8 @@ the statuses every arm's timed run must repeat, and it warms every arm the same 
 code paths and heap growth before the clock starts). Then it prints ``ready`` and stops itself
 (``SIGSTOP``). :func:`run_arms` pins the four stopped children to one CPU and resumes them one at a
 time for :data:`SLICE` seconds each, round-robin, until each has printed its result: CPU seconds of
-its timed run (``time.process_time``), its Hypothesis statistics split and the tape's length.
+its timed run (``time.process_time``), its Hypothesis statistics split (whose wall-clock seconds are
+scaled to the run's CPU: the clock runs on while an arm waits for its turn) and the tape's length.
 
 Why turns, not one arm after the other in the bench's process: on this VM the same run's CPU time
 moves by +-10% within seconds (the neighbours), so a ratio of two runs made 4 s apart moved by +-0.15
@@ -114,19 +115,25 @@ def timed_arm(
     ready()
     stats: list[dict[str, Any]] = []
     with cast(Any, collector).with_value(stats.append):
-        c0 = time.process_time()
+        c0, w0 = time.process_time(), time.perf_counter()
         try:
             run_seeded(cls, settings, seed)
         except Exception as e:  # the replay: Hypothesis' "Inconsistent data generation" if the tape ran out of step
             if arm == "replay":
                 tape.finish()
             raise UsageError(f"the {arm} arm of {cfg.class_name} failed on seed {seed}: {e}") from e
-        cpu = time.process_time() - c0
+        cpu, wall = time.process_time() - c0, time.perf_counter() - w0
     if arm == "replay":
         tape.finish()  # the replay drew exactly the machine's choices
     if arm == "machine" and [c["status"] for c in _cases(stats)] != recorded:
         raise UsageError(f"{cfg.class_name} ran other test cases than its recording on seed {seed}")
-    return {"arm": arm, "cpu": cpu, "split": split(stats), "calls": len(tape.calls)}
+    # Hypothesis times its test cases by the wall clock, which runs on while the arm waits for its turn:
+    # the seconds of the split are scaled to this run's CPU (its turns are spread evenly over the run)
+    parts = split(stats)
+    scale = cpu / wall if wall > 0 else 1.0
+    for k in ("draw_s", "body_s", "gc_s"):
+        parts[k] = round(parts[k] * scale, 3)
+    return {"arm": arm, "cpu": cpu, "wall": wall, "split": parts, "calls": len(tape.calls)}
 
 
 def _stop_self() -> None:
