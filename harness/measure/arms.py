@@ -19,9 +19,13 @@ scaled to the run's CPU: the clock runs on while an arm waits for its turn) and 
 
 Why turns, not one arm after the other in the bench's process: on this VM the same run's CPU time
 moves by +-10% within seconds (the neighbours), so a ratio of two runs made 4 s apart moved by +-0.15
-(np3: 0.71 .. 0.88 in one bench run). Arms that take turns of 50 ms see the same host: the same ratio
-moved by +-0.02 (0.78 .. 0.81 over four repetitions). A fresh, warmed interpreter per arm also takes
-away what the bench's long-lived process had done before each run.
+(np3: 0.71 .. 0.88 in one bench run), and a run's median by up to 0.09 from one run to the next. Arms
+that take turns of 50 ms see the same host: np3's ratio moved by +-0.01 over six repetitions on a
+steady host (0.762 .. 0.785, with turns of 50 to 500 ms alike), and the medians of two bench runs
+agreed within 0.02. What turns cannot take away: while the host runs at two thirds of its speed, the
+ratio itself is lower (hybrid 0.745 at 73 examples/s, 0.84-0.86 at 85-108), the harness' code losing
+more to the neighbours than Hypothesis' does; such a repetition stays one sample of the median. A
+fresh, warmed interpreter per arm also takes away what the bench's long-lived process had done before.
 """
 
 from __future__ import annotations
@@ -40,7 +44,7 @@ from hypothesis.stateful import RuleBasedStateMachine
 from hypothesis.statistics import collector
 
 from harness.child import Spawned, read_lines, spawn
-from harness.errors import EXIT_USAGE, HarnessError, UsageError
+from harness.errors import EXIT_USAGE, HarnessError, Unavailable, UsageError
 from harness.measure.baselines import PreconditionTape, TrivialMachine, empty_machine, recording
 from properties.machine import MachineConfig, machine_class
 from properties.run import machines_for, make_settings, run_seeded
@@ -157,6 +161,8 @@ def run_arms(
     Children are killed (with their process groups) however this returns: a result, an error, a
     timeout or Ctrl-C. A child that fails is one :class:`UsageError` line naming the arm."""
     _config(class_name)  # a bad name is a usage error here, not four failed children
+    if not hasattr(os, "sched_setaffinity") or not Path("/proc/self/stat").exists():
+        raise Unavailable("the exploration arms take turns through /proc and CPU affinity: Linux only")
     deadline = time.monotonic() + timeout
     children: dict[str, Spawned] = {}
     results: dict[str, dict[str, Any]] = {}

@@ -75,8 +75,8 @@ MIB = 1 << 20
 def exploration(b: Budget) -> list[Figure]:
     profile = PROFILES["ci"]
     n = 5 if b.quick else profile["max_examples"]
-    # in turns one repetition's ratio moves by ~+-0.01 (np3: 0.762-0.785 over six); one after the other in
-    # the bench's process it moved by +-0.15 (the same work took 2.9-5.1 s)
+    # in turns one repetition's ratio moves by ~+-0.01 on a steady host (np3: 0.762-0.785 over six); one after
+    # the other in the bench's process it moved by +-0.15 (the same work took 2.9-5.1 s); harness.measure.arms
     reps = b.reps(5)
     configs = machines_for("shared", "ci")[: 1 if b.quick else None]
     runs: dict[str, list[dict[str, Any]]] = {c.class_name: [] for c in configs}
