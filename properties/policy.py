@@ -272,8 +272,26 @@ def _entry_bytes(e: Any) -> int:
     return n
 
 
+# fresh_state's results: a pure function of the model's parameters, the tokens and the flags (~700
+# calls a gate run on np3, a new provider and a decode each; two in three repeat one seen before)
+_FRESH: dict[tuple[Any, ...], bytes] = {}
+
+
 def fresh_state(ctx: SyntheticProvider, tokens: Tokens, flags: int) -> bytes:
-    """The state a fresh context of the same model holds after evaluating ``tokens`` from scratch."""
+    """The state a fresh context of the same model holds after evaluating ``tokens`` from scratch.
+
+    Remembered in this process (up to 4096 states, then all forgotten at once): the bytes are
+    immutable and fixed by the key, so a remembered state is the state computed again."""
+    key = (ctx.kind, ctx.kv_bpt, ctx.rs_bytes, ctx.window, ctx.seed, tuple(tokens), flags)
+    state = _FRESH.get(key)
+    if state is None:
+        if len(_FRESH) >= 4096:
+            _FRESH.clear()
+        state = _FRESH[key] = _fresh_state(ctx, tokens, flags)
+    return state
+
+
+def _fresh_state(ctx: SyntheticProvider, tokens: Tokens, flags: int) -> bytes:
     fresh = SyntheticProvider(
         ctx.kind,
         name="fresh",
@@ -312,6 +330,9 @@ class PolicyTracer:
         self.branches: Counter[str] = Counter()
         self.seconds: defaultdict[str, float] = defaultdict(float)
         self._restores: list[_Restore] = []
+        # read the state back after each restore only while _start_prompt will check it: the restores of
+        # the speculative rounds and of cache loads (~3.9k a gate run on hybrid_draft) are not read
+        self._want_state = False
         self._failed_load_prompt: Any = None
         self.synthetic = isinstance(server.ctx_tgt, SyntheticProvider)
         self.wrapped: list[tuple[Any, str]] = []  # (instance, method name) replaced by a wrapper
@@ -344,7 +365,7 @@ class PolicyTracer:
     def _set_data(self, ctx: Any, inner: Callable[..., Any], seq: int, data: bytes, flags: int) -> int:
         n = int(inner(seq, data, flags))
         ok = n == len(data)
-        state = ctx.state_seq_get_data_ext(seq, flags) if ok and self.synthetic else None
+        state = ctx.state_seq_get_data_ext(seq, flags) if ok and self._want_state else None
         self._restores.append(_Restore(ctx.name, seq, flags, ok, state))
         return n
 
@@ -643,6 +664,7 @@ class PolicyTracer:
             )
             n_ckpt = ckpt.n_tokens
         self._restores.clear()
+        self._want_state = ckpt is not None and self.synthetic
         try:
             res = inner(slot)
         except GgmlAbort as e:
@@ -651,6 +673,8 @@ class PolicyTracer:
                 self.branches["restore_failure:checkpoint-abort"] += 1
                 raise ExpectedAbort(str(e)) from e
             raise
+        finally:
+            self._want_state = False
         if ckpt is None:
             return res
         failed = [r for r in self._restores if not r.ok and r.seq == slot.id]
