@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import copy
 import json
-import subprocess
 from pathlib import Path
 from typing import Any
 
@@ -163,8 +162,16 @@ def test_exploration_times_the_machine_only_on_its_recordings_programs(monkeypat
 
 
 def _arm_children() -> list[str]:
-    out = subprocess.run(["pgrep", "-f", "harness.measure.arms"], capture_output=True, text=True, check=False)
-    return out.stdout.split()
+    """Processes running ``harness.measure.arms`` (read from /proc: no pgrep needed on a fresh machine)."""
+    found = []
+    for d in Path("/proc").iterdir():
+        try:
+            cmd = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
+        except OSError:
+            continue
+        if b"harness.measure.arms" in cmd:
+            found.append(d.name)
+    return found
 
 
 def test_the_arms_take_turns_and_leave_no_child_behind() -> None:

@@ -7,4 +7,7 @@
 * :mod:`harness.measure.page`: the self-contained HTML page and ``report.json`` of ``python -m harness report``.
 * :mod:`harness.measure.bench`: the bench's framework (cases, figures, goals, table, comparison).
 * :mod:`harness.measure.bench_cases`: the cases of ``python -m harness bench`` (issue 17).
+* :mod:`harness.measure.baselines`: Hypothesis alone on a gate machine's programs (the exploration case's
+  divisor); :mod:`harness.measure.arms`: the exploration case's arms, each a child, timed in turns on
+  one CPU; :mod:`harness.measure.calls`: the same pair's function calls, in a fresh interpreter.
 """
