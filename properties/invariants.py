@@ -686,17 +686,17 @@ class Tracer:
         server = self.server
         cache = server.prompt_cache
         assert cache is not None
-        # the token limit as update() computes it on entry, after its byte-limit pass
-        sizes = [(e.size(), len(e.prompt.tokens)) for e in cache.states]
-        total_b, total_n, first = sum(b for b, _ in sizes), sum(n for _, n in sizes), 0
+        # the token limit as update() computes it on entry, after its byte-limit pass (without a byte
+        # limit, the token limit itself: no size is read)
         if cache.limit_size > 0:
+            sizes = [(e.size(), len(e.prompt.tokens)) for e in cache.states]
+            total_b, total_n, first = sum(b for b, _ in sizes), sum(n for _, n in sizes), 0
             while first < len(sizes) and total_b > cache.limit_size:
                 total_b -= sizes[first][0]
                 total_n -= sizes[first][1]
                 first += 1
-        # size per token = max(1, B / max(1, N)) exactly; limit_size / spt in integers (floor, as int())
-        n_div = max(1, total_n)
-        if cache.limit_size > 0:
+            # size per token = max(1, B / max(1, N)) exactly; limit_size / spt in integers (floor, as int())
+            n_div = max(1, total_n)
             per = cache.limit_size if total_b <= n_div else cache.limit_size * n_div // total_b
             limit_cur = max(cache.limit_tokens, per)
         else:

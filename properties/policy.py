@@ -50,6 +50,7 @@ import struct
 from collections import Counter, defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any, NamedTuple
 
 from harness.errors import GgmlAbort
@@ -190,8 +191,18 @@ class AllocPlan:
 
     outcome: str  # "contained" | "over-limit" | "insert"
     survivors: list[int]
-    recovered: list[int]  # survivors of the bad_alloc recovery (limit reduction + update)
-    recovered_limit: int
+    recovered_limit: int  # limit_size after the bad_alloc recovery
+    sizes: Sequence[tuple[int, int]] = ()  # (n_tokens, bytes) per entry, for :attr:`recovered`
+    limit_tokens: int = 0
+
+    @cached_property
+    def recovered(self) -> list[int]:
+        """Survivors of the bad_alloc recovery (limit reduction + update). Computed when asked: only a
+        save whose allocation failed reads it (on np3 no save can fail, and 1.8k allocs a gate run
+        computed it for nothing)."""
+        if self.outcome != "insert":
+            return self.survivors
+        return expected_update(self.sizes, self.recovered_limit, self.limit_tokens, self.survivors)
 
 
 def expected_alloc(
@@ -205,18 +216,22 @@ def expected_alloc(
     :1767-1776 on ``bad_alloc``: ``limit_size = max<size_t>(1, 0.4*size())`` and ``update()``.
     """
     everyone = list(range(len(entries)))
-    for t, _ in entries:
-        if _lcp(t, prompt) == len(prompt):
-            return AllocPlan("contained", everyone, everyone, limit_size)
+    lcps = [_lcp(t, prompt) for t, _ in entries]  # each entry's, once: both scans read it
+    n_prompt = len(prompt)
+    if n_prompt in lcps:
+        return AllocPlan("contained", everyone, limit_size)
     if limit_size > 0 and need > limit_size:
-        return AllocPlan("over-limit", everyone, everyone, limit_size)
-    keep = [i for i, (t, _) in enumerate(entries) if _lcp(t, prompt) != len(t)]
+        return AllocPlan("over-limit", everyone, limit_size)
+    keep = [i for i, (t, _) in enumerate(entries) if lcps[i] != len(t)]
+    size = sum(entries[i][1] for i in keep)
     if limit_size > 0:
-        while keep and sum(entries[i][1] for i in keep) + need > limit_size:
-            keep.pop(0)
-    reduced = max(1, int(0.4 * sum(entries[i][1] for i in keep)))
-    sizes = [(len(t), b) for t, b in entries]
-    return AllocPlan("insert", keep, expected_update(sizes, reduced, limit_tokens, keep), reduced)
+        first = 0
+        while first < len(keep) and size + need > limit_size:
+            size -= entries[keep[first]][1]
+            first += 1
+        keep = keep[first:]
+    reduced = max(1, int(0.4 * size))
+    return AllocPlan("insert", keep, reduced, [(len(t), b) for t, b in entries], limit_tokens)
 
 
 class CkptView(NamedTuple):
