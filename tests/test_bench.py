@@ -108,6 +108,19 @@ def test_compare_uses_the_noise_and_the_direction() -> None:
         assert compare(*({"cases": {"c": {"figures": [f]}}} for f in (old, new)))[1] == expect
 
 
+def test_compare_across_cpus_calls_nothing_a_regression() -> None:
+    def doc(cpu: str | None, v: float) -> dict[str, Any]:
+        machine = {} if cpu is None else {"cpu": cpu}
+        return {"machine": machine, "cases": {"c": {"figures": [figure("r", "ratio", [v] * 3).row()]}}}
+
+    # 30% lower on another CPU: said, not a regression; on the same CPU, or where a run names none, one
+    lines, reg = compare(doc("AMD EPYC", 1.0), doc("Intel Xeon", 0.7))
+    assert reg == [] and "different CPUs" in lines[0] and "worse (another CPU)" in lines[1]
+    for old_cpu, new_cpu in (("AMD EPYC", "AMD EPYC"), (None, "AMD EPYC")):
+        lines, reg = compare(doc(old_cpu, 1.0), doc(new_cpu, 0.7))
+        assert reg == ["c/r"] and "REGRESSION" in lines[0]
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "old.json"
     bad.write_text("{not json")

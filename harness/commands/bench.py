@@ -66,12 +66,16 @@ def _markdown(doc: dict[str, object]) -> str:
     return (
         "# Bench\n\n"
         f"`python -m harness bench{' --quick' if doc['quick'] else ''}` at commit `{doc['commit']}`, "
-        f"seed {doc['seed']}, started {doc['started']}, on {m['cpus']} CPUs (Python {m['python']}); "
+        f"seed {doc['seed']}, started {doc['started']}, on {m['cpus']} CPUs ({m.get('cpu', 'CPU not recorded')}, "
+        f"Python {m['python']}); "
         f"load average {m['loadavg_start']} at the start, {m['loadavg_end']} at the end.\n\n"
         "Ratios are measured interleaved in one run (the exploration ratio in CPU seconds of its arms, "
         "children that take turns on one CPU), so they hold on a loaded machine; absolute rates and times do "
-        "not. The JSON beside "
-        "this table (`--json`) has every figure's samples and inputs.\n\n" + table(doc, markdown=True) + "\n" + merged
+        "not. A ratio still depends on the CPU model: `--compare` calls nothing a regression across two. "
+        "The JSON beside this table (`--json`) has every figure's samples and inputs.\n\n"
+        + table(doc, markdown=True)
+        + "\n"
+        + merged
     )
 
 
