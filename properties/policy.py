@@ -192,7 +192,7 @@ class AllocPlan:
     outcome: str  # "contained" | "over-limit" | "insert"
     survivors: list[int]
     recovered_limit: int  # limit_size after the bad_alloc recovery
-    sizes: Sequence[tuple[int, int]] = ()  # (n_tokens, bytes) per entry, for :attr:`recovered`
+    entries: Sequence[tuple[Tokens, int]] = ()  # (tokens, bytes) per entry, for :attr:`recovered`
     limit_tokens: int = 0
 
     @cached_property
@@ -202,7 +202,8 @@ class AllocPlan:
         computed it for nothing)."""
         if self.outcome != "insert":
             return self.survivors
-        return expected_update(self.sizes, self.recovered_limit, self.limit_tokens, self.survivors)
+        sizes = [(len(t), b) for t, b in self.entries]
+        return expected_update(sizes, self.recovered_limit, self.limit_tokens, self.survivors)
 
 
 def expected_alloc(
@@ -231,7 +232,7 @@ def expected_alloc(
             first += 1
         keep = keep[first:]
     reduced = max(1, int(0.4 * size))
-    return AllocPlan("insert", keep, reduced, [(len(t), b) for t, b in entries], limit_tokens)
+    return AllocPlan("insert", keep, reduced, entries, limit_tokens)
 
 
 class CkptView(NamedTuple):
