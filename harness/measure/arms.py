@@ -24,8 +24,11 @@ that take turns of 50 ms see the same host: np3's ratio moved by +-0.01 over six
 steady host (0.762 .. 0.785, with turns of 50 to 500 ms alike), and the medians of two bench runs
 agreed within 0.02. What turns cannot take away: while the host runs at two thirds of its speed, the
 ratio itself is lower (hybrid 0.745 at 73 examples/s, 0.84-0.86 at 85-108), the harness' code losing
-more to the neighbours than Hypothesis' does; such a repetition stays one sample of the median. A
-fresh, warmed interpreter per arm also takes away what the bench's long-lived process had done before.
+more to the neighbours than Hypothesis' does; such a repetition stays one sample of the median. Nor
+the CPU model: the same code's np3 ratio read 0.77 on that host and 0.83-0.84 on an AMD EPYC, where
+Hypothesis alone runs at half the speed and the harness' code at about the same (the bench records the
+CPU and compares runs of one CPU only). A fresh, warmed interpreter per arm also takes away what the
+bench's long-lived process had done before.
 """
 
 from __future__ import annotations
