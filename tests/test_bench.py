@@ -14,7 +14,7 @@ import pytest
 from harness.cli import main
 from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from harness.measure import arms, bench_cases, saves
-from harness.measure.bench import CASES, case_names, compare, figure
+from harness.measure.bench import CASES, case_names, compare, figure, table
 from properties.machine import MachineConfig, machine_class
 from properties.run import machines_for, make_settings, run_seeded
 
@@ -121,6 +121,15 @@ def test_compare_across_cpus_calls_nothing_a_regression() -> None:
         assert reg == ["c/r"] and "REGRESSION" in lines[0]
 
 
+def test_a_goal_on_every_seed_misses_when_one_seed_misses() -> None:
+    # samples that are seeds: the median meets the goal, one seed does not; as a median goal it is met
+    every, median = (figure("r", "ratio", [0.9, 0.85, 0.79], goal=(">=", 0.80, *e)).row() for e in ((True,), ()))
+    assert every["goal"] == {"op": ">=", "threshold": 0.80, "met": False, "every": True}
+    assert median["goal"] == {"op": ">=", "threshold": 0.80, "met": True}
+    text = table({"cases": {"exploration": {"figures": [every, median]}}}, markdown=True)
+    assert "| >= 0.8 each | MISSED |" in text and "| >= 0.8 | met |" in text
+
+
 def test_bad_input_is_one_line_and_exit_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "old.json"
     bad.write_text("{not json")
@@ -146,6 +155,10 @@ def test_quick_exploration_divides_by_hypothesis_on_the_same_programs(tmp_path: 
     assert "goal" not in calls and calls["inputs"]["clock"] == "calls"
     assert 0 < calls["inputs"]["replay_calls"] < calls["inputs"]["machine_calls"]
     assert calls["median"] == calls["inputs"]["replay_calls"] / calls["inputs"]["machine_calls"]
+    seeds = figures["Shared_hybrid / same programs, other seeds"]  # the goal again, on the next seed
+    assert seeds["inputs"]["seeds"] == [1] and seeds["inputs"]["seed"] is None and seeds["repetitions"] == 1
+    assert seeds["goal"]["every"] and seeds["goal"]["met"] == all(v >= 0.80 for v in seeds["samples"])
+    assert "Shared_hybrid / same programs, other seeds" in (tmp_path / "e.md").read_text()
     fastest = figures["Shared_hybrid / same programs, fastest runs"]  # another estimator beside the goal's
     assert "goal" not in fastest
     arms = fastest["inputs"]["replay_cpu"], fastest["inputs"]["machine_cpu"]

@@ -52,16 +52,22 @@ MIN_NOISE = 0.10  # a change of less than 10% is never called a regression
 
 @dataclass(frozen=True)
 class Goal:
-    """``value OP threshold``: ``op`` is ``">="`` or ``"<="``."""
+    """``value OP threshold``: ``op`` is ``">="`` or ``"<="``. The median must meet it, or with ``every``
+    each sample (a figure whose samples are seeds, not repetitions: no seed may miss)."""
 
     op: str
     threshold: float
+    every: bool = False
 
     def met(self, value: float) -> bool:
         return value >= self.threshold if self.op == ">=" else value <= self.threshold
 
+    def met_by(self, samples: Sequence[float]) -> bool:
+        """Whether a figure of these samples meets the goal: its median, or with ``every`` each sample."""
+        return all(map(self.met, samples)) if self.every else self.met(statistics.median(samples))
+
     def text(self) -> str:
-        return f"{self.op} {self.threshold:g}"
+        return f"{self.op} {self.threshold:g}{' each' if self.every else ''}"
 
 
 @dataclass
@@ -103,7 +109,9 @@ class Figure:
             "inputs": self.inputs,
         }
         if self.goal is not None:
-            out["goal"] = {"op": self.goal.op, "threshold": self.goal.threshold, "met": self.goal.met(self.median)}
+            out["goal"] = {"op": self.goal.op, "threshold": self.goal.threshold, "met": self.goal.met_by(self.samples)}
+            if self.goal.every:
+                out["goal"]["every"] = True
         if self.note:
             out["note"] = self.note
         if self.noise is not None:
@@ -117,12 +125,13 @@ def figure(
     samples: Iterable[float],
     *,
     better: str = "higher",
-    goal: tuple[str, float] | None = None,
+    goal: tuple[str, float] | tuple[str, float, bool] | None = None,
     note: str = "",
     noise: float | None = None,
     **inputs: Any,
 ) -> Figure:
-    """A :class:`Figure`; ``goal=(">=", 0.8)``; keyword arguments are its inputs."""
+    """A :class:`Figure`; ``goal=(">=", 0.8)``, or ``(">=", 0.8, True)`` for every sample; keyword arguments
+    are its inputs."""
     values = [float(v) for v in samples]
     if not values:
         raise ValueError(f"figure {name!r} has no samples")
@@ -282,7 +291,7 @@ def table(doc: dict[str, Any], *, markdown: bool) -> str:
     for cname, f in _rows(doc):
         g = f.get("goal")
         status = "" if g is None else ("met" if g["met"] else "MISSED")
-        goal = "" if g is None else f"{g['op']} {_fmt(g['threshold'])}"
+        goal = "" if g is None else f"{g['op']} {_fmt(g['threshold'])}{' each' if g.get('every') else ''}"
         lines.append(
             [
                 cname,
