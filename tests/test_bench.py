@@ -57,6 +57,11 @@ def test_quick_bench_writes_valid_json_and_markdown(tmp_path: Path, capsys: pyte
         assert ("goal" in ratio) == (layer == "llama"), ratio
         assert "goal" not in saves[f"{layer} master warm save time 4/1 MiB"]
         assert "goal" not in saves[f"{layer} shared first save time 4/1 MiB"]
+        # the peak in the table, per size and as the curve's ratio: master grows with the payload, shared not
+        peaks = {sem: saves[f"{layer} {sem} save peak 4/1 MiB"]["median"] for sem in ("master", "shared")}
+        assert peaks["master"] > 1.5 > peaks["shared"], (layer, peaks)
+        in_mib = [b / (1 << 20) for b in master["inputs"]["peak_bytes"]]
+        assert saves[f"{layer} master save peak 4 MiB"]["samples"] == in_mib
         slope = saves[f"{layer} shared warm save cost per checkpoint"]
         assert slope["unit"] == "us" and len(slope["inputs"]["medians"]) == len(slope["inputs"]["n_checkpoints"]) == 2
     assert not any(f["inputs"].get("layer") == "server" for f in saves.values())

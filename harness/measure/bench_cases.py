@@ -409,6 +409,14 @@ def _save_point(layer: str, semantics: str, n: int, rep: int, warm: int) -> dict
 #: point (``CheckpointList.copy``), about a microsecond per checkpoint; it grows with the number of
 #: checkpoints, not their bytes, and a C++ server pays tens of nanoseconds for the same list copy.
 SAVE_GOAL_LAYERS = ("llama", "server")
+# what a save's transient peak is on each layer (harness.measure.saves)
+PEAK_HOW = {
+    "model": "the physical bytes the save adds above the live bytes at its peak, on the model's ledger (exact)",
+    "llama": "the heap's high-water mark during the save under memray (native), libllama's allocations and the "
+    "harness' two copies of S included",
+    "server": "VmHWM - VmRSS of a real llama-server around the request that makes the save (that request's own "
+    "new checkpoints included)",
+}
 
 
 @register("saves", "save time and transient peak against checkpoint payload size, master against shared")
@@ -448,6 +456,21 @@ def _save_size_figures(
     """One figure per size: its warm saves, the first saves and every minor fault count as inputs."""
     out = []
     for s, rs in by_size.items():
+        out.append(
+            figure(
+                f"{layer} {sem} save peak {s // MIB} MiB",
+                "MiB",
+                [r["peak_bytes"] / MIB for r in rs],
+                better="lower",
+                layer=layer,
+                semantics=sem,
+                n_checkpoints=rs[0]["n_checkpoints"],
+                checkpoint_bytes=rs[0]["checkpoint_bytes"],
+                state_bytes=rs[0]["state_bytes"],
+                how=PEAK_HOW[layer],
+                repetitions=reps,
+            )
+        )
         if not _warm_times(rs):
             continue
         out.append(
@@ -509,6 +532,9 @@ def _save_curve_figures(
     out = [
         figure(f"{name} warm save time {ratio}", "ratio", [warm_med[hi] / warm_med[lo]], better="lower",
                goal=goal, note=note, warm=warm, **inputs),
+        figure(f"{name} save peak {ratio}", "ratio", [peak_ratio], better="lower",
+               note="master copies the checkpoints (S + C: about linear); the PR shares them (S: flat)",
+               **{k: v for k, v in inputs.items() if k != "peak_ratio"}),
         figure(f"{name} warm save cost per checkpoint", "us",
                [statistics.linear_regression(ns, [warm_med[s] for s in sizes]).slope * 1e6], better="lower",
                note=f"slope of the warm medians over the checkpoints held ({mib:.2f} MiB each)",
