@@ -66,9 +66,6 @@ class Goal:
         """Whether a figure of these samples meets the goal: its median, or with ``every`` each sample."""
         return all(map(self.met, samples)) if self.every else self.met(statistics.median(samples))
 
-    def text(self) -> str:
-        return f"{self.op} {self.threshold:g}{' each' if self.every else ''}"
-
 
 @dataclass
 class Figure:
