@@ -21,6 +21,7 @@ import pytest
 
 from harness.cli import main as cli_main
 from harness.targets import llama_build as ls
+from harness.targets import llama_pinned
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess, ServerStartError
 
@@ -134,8 +135,7 @@ def test_failed_build_is_one_line_and_exit_4(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    vendored = _fake_source(tmp_path / "prompt-cache-harness", 'message(FATAL_ERROR "broken on purpose")\n')
-    monkeypatch.setattr(ls, "_sdist_source", lambda log: vendored)
+    _fake_source(tmp_path / "prompt-cache-harness", 'message(FATAL_ERROR "broken on purpose")\n')
     rc = cli_main(["build-server", "--semantics", "master"])
     err = capsys.readouterr().err
     assert rc == ls.EXIT_BUILD_FAILED
@@ -150,8 +150,7 @@ def test_patch_that_does_not_apply_fails_clearly(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    vendored = _fake_source(tmp_path / "prompt-cache-harness", "project(x)\n")
-    monkeypatch.setattr(ls, "_sdist_source", lambda log: vendored)
+    _fake_source(tmp_path / "prompt-cache-harness", "project(x)\n")
     rc = cli_main(["build-server", "--semantics", "shared"])
     err = capsys.readouterr().err
     assert rc == ls.EXIT_BUILD_FAILED
@@ -361,14 +360,6 @@ def _copy_tree(dst: Path, patched: bool) -> Path:
     return tree
 
 
-def test_semantics_inferred_from_the_tree(tmp_path: Path) -> None:
-    assert ls.infer_semantics(_copy_tree(tmp_path, patched=False)) == "master"
-    assert ls.infer_semantics(_copy_tree(tmp_path, patched=True)) == "shared"
-    (tmp_path / "none" / "common").mkdir(parents=True)
-    (tmp_path / "none" / "common" / "common.h").write_text("struct other {};\n")
-    assert ls.infer_semantics(tmp_path / "none") is None
-
-
 def test_tree_hash_ignores_git_and_build_dirs(tmp_path: Path) -> None:
     tree = tmp_path / "t"
     (tree / "src").mkdir(parents=True)
@@ -427,8 +418,12 @@ def test_source_that_does_not_configure_is_exit_4_with_the_log_tail(
 
 
 def test_gate_refuses_source_and_server_bin_problems(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert cli_main(["gate", "--source", str(tmp_path)]) == 2  # not the server backend
+    assert cli_main(["gate", "--source", str(tmp_path)]) == 2  # the llama backend reads it: not a tree
+    assert "is not a llama.cpp tree" in capsys.readouterr().err
+    assert cli_main(["gate", "--base", str(tmp_path)]) == 2  # only the server backend compares two trees
     assert "--backend server" in capsys.readouterr().err
+    assert cli_main(["gate", "--backend", "server", "--base", str(tmp_path)]) == 2
+    assert "needs --source TREE" in capsys.readouterr().err
     assert cli_main(["gate", "--backend", "server", "--server-bin", str(tmp_path / "nope")]) == 2
     assert "not an executable file" in capsys.readouterr().err
     fake = tmp_path / "llama-server"
@@ -444,11 +439,11 @@ def test_cold_sdist_fetch_builds_nothing_from_source(tmp_path: Path, monkeypatch
     --no-binary: ``:all:`` made pip build cmake and ninja from source first (~1 h on 2 cores)."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     lines: list[str] = []
-    vendored = ls._sdist_source(lines.append)
+    vendored = ls.sdist_source(lines.append)
     cmd = next(line for line in lines if line.startswith("$ "))
     assert "--no-binary llama-cpp-python" in cmd and ":all:" not in cmd and "--no-deps" in cmd
     assert (vendored / "tools" / "server" / "server-context.cpp").is_file()
-    assert ls.infer_semantics(vendored) == "master"
+    assert ls.infer_semantics(vendored).semantics == "master"
 
 
 def test_pinned_builds_share_one_tree_and_rebuild_incrementally(
@@ -462,7 +457,10 @@ def test_pinned_builds_share_one_tree_and_rebuild_incrementally(
         cmake_minimum_required(VERSION 3.14)
         project(fake C)
         set(CMAKE_RUNTIME_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
-        add_executable(llama-server tools/server/server.c ggml/big.c)
+        set(CMAKE_LIBRARY_OUTPUT_DIRECTORY ${CMAKE_BINARY_DIR}/bin)
+        add_library(llama SHARED ggml/big.c)
+        add_executable(llama-server tools/server/server.c)
+        target_link_libraries(llama-server llama)
         """
     )
     vendored = _fake_source(tmp_path / "prompt-cache-harness", cmakelists)
@@ -475,8 +473,8 @@ def test_pinned_builds_share_one_tree_and_rebuild_incrementally(
         "--- a/tools/server/server.c\n+++ b/tools/server/server.c\n@@ -1,2 +1,2 @@\n"
         " int big(void);\n-int main(void) { return big() - 1; }\n+int main(void) { return big() - 0; }\n"
     )
-    monkeypatch.setattr(ls, "_sdist_source", lambda log: vendored)
     monkeypatch.setattr(ls, "PATCH_PATH", patch)
+    monkeypatch.setattr(llama_pinned, "PATCH_PATH", patch)
     monkeypatch.setattr(ls, "_ensure_tree_recorded", lambda *a: None)  # no real pinned tree to hash here
 
     def build(flavour: str) -> tuple[Path, str]:
@@ -494,5 +492,5 @@ def test_pinned_builds_share_one_tree_and_rebuild_incrementally(
     master, log = build("master")
     assert subprocess.run([str(master)], check=False).returncode == 0
     assert "server.c" in log and "big.c" not in log
-    src = ls.cache_root() / "llama-server" / ".work" / "pinned" / "src"
+    src = ls.cache_root() / "llama-server" / ".work" / "stage" / "src"
     assert (src / "tools" / "server" / "server.c").read_text() == (vendored / "tools/server/server.c").read_text()

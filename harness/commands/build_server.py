@@ -5,6 +5,7 @@ sdist): ``--semantics shared`` (default) with ``fixtures/pr-27451.patch`` applie
 master`` as vendored; ``--asan`` adds AddressSanitizer and UBSan (PR semantics). With ``--source DIR``
 it builds any llama.cpp checkout, never writing into it; a tree with the same content as an earlier
 build reuses that build. Prints the binary's path; exit 2 on a usage error, 4 when the build fails.
+``--export DIR`` writes the pinned tree (with or without the patch) into ``DIR`` instead, without building.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from pathlib import Path
 from harness.commands.common import SEMANTICS
 from harness.errors import UsageError
 from harness.targets.llama_build import build_server, build_source
+from harness.targets.llama_pinned import export_pinned
 
 __all__ = ["add_arguments", "run"]
 
@@ -36,6 +38,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--flavour", choices=["master", "pr", "asan"], help=argparse.SUPPRESS)  # deprecated
     parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: min(cpus, 2))")
     parser.add_argument("--force", action="store_true", help="rebuild even if a cached binary exists")
+    parser.add_argument("--export", metavar="DIR", type=Path,
+                        help="write the pinned tree (with PR #27451 for --semantics shared) into DIR instead of "
+                        "building: a tree for --source/--base, or to start a change from")
 
 
 def _flavour(args: argparse.Namespace) -> str:
@@ -57,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
     def log(m: str) -> None:
         print(m, file=sys.stderr)
 
+    if args.export is not None:
+        if args.source is not None or args.asan:
+            raise UsageError("--export writes the pinned tree; it takes --semantics only")
+        print(export_pinned(_flavour(args) != "master", args.export, log))
+        return 0
     if args.source is not None:
         if args.semantics is not None or args.flavour is not None:
             raise UsageError("--semantics picks the pinned tree's build; with --source the tree is what it is")

@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any
 
 from faults.sweep import run_sweep
-from harness.backends.llama_server import save_peak
+from harness.backends.llama_server.memory import save_peak
 from harness.errors import HarnessError, UsageError
 from harness.findings import FINDINGS
 from harness.measure.flame import flame_svg
@@ -130,9 +130,9 @@ def resolve_semantics(opts: Options) -> None:
         if not opts.source.is_dir():
             raise UsageError(f"--source {opts.source}: not a directory")
         inferred = infer_semantics(opts.source)
-        if inferred is None:
-            raise UsageError(f"--source {opts.source}: cannot tell its semantics; say --semantics shared|master")
-        opts.semantics = inferred
+        if inferred.semantics is None:
+            raise UsageError(f"--source {opts.source}: {inferred.why}; say --semantics shared|master")
+        opts.semantics = inferred.semantics
     if opts.server_bin is not None:
         if opts.semantics is None:
             raise UsageError("--server-bin needs --semantics shared|master (which side the binary stands for)")
