@@ -19,6 +19,9 @@ The tree, from the root down:
 
 * :class:`UsageError` (2): bad input. :class:`Unavailable` (2): a layer cannot run here (no
   compiler, no ``_testcapi``). :class:`ModelLoadError` (2), :class:`ServerStartError` (2).
+* :class:`RequestFailed` (1, or 3 when the server died): a request ``llama-server`` answered with an
+  HTTP error, or not at all (connection dropped, no answer in time, not JSON). Its callers classify it
+  into a failure with the request sequence that replays it; escaping a command it is one line.
 * :class:`BuildError` (4).
 * :class:`PropertyFailure` (1): the base of every property failure (``Violation`` of the
   model's invariants, the llama-cpp-python cache's and the server differential's); it is also an
@@ -48,6 +51,7 @@ __all__ = [
     "HarnessError",
     "ModelLoadError",
     "PropertyFailure",
+    "RequestFailed",
     "ServerStartError",
     "TargetCrash",
     "Unavailable",
@@ -91,6 +95,47 @@ class ServerStartError(HarnessError):
     """``llama-server`` did not come up; the message is one line naming the log file and its tail."""
 
     exit_code = EXIT_USAGE
+
+
+class RequestFailed(HarnessError):
+    """A request to ``llama-server`` that got no usable answer.
+
+    ``kind`` is ``"http"`` (an HTTP error status; ``status`` and the server's ``message``), ``"dropped"``
+    (the connection closed or was refused before an answer), ``"timeout"`` (no answer in time) or
+    ``"malformed"`` (an answer that is not JSON). ``alive`` says whether the server process was still
+    running once the request had failed; ``server_exit`` is its exit code when it was not.
+    """
+
+    exit_code = EXIT_FAILED
+
+    def __init__(
+        self,
+        method: str,
+        path: str,
+        kind: str,
+        *,
+        status: int | None = None,
+        message: str = "",
+        alive: bool = True,
+        server_exit: int | None = None,
+    ) -> None:
+        self.method, self.path, self.kind = method, path, kind
+        self.status, self.message, self.alive, self.server_exit = status, message, alive, server_exit
+        if not alive:
+            self.exit_code = EXIT_CRASH
+        super().__init__(self.describe())
+
+    def describe(self) -> str:
+        what = {
+            "http": f"HTTP {self.status}" + (f" {self.message!r}" if self.message else ""),
+            "dropped": "the connection closed before an answer",
+            "timeout": "timed out: no answer in time",
+            "malformed": "an answer that is not JSON" + (f" ({self.message})" if self.message else ""),
+        }.get(self.kind, self.kind)
+        if not self.alive:
+            sig = f" = signal {-self.server_exit}" if self.server_exit is not None and self.server_exit < 0 else ""
+            what += f"; the server died (exit {self.server_exit}{sig})"
+        return f"{self.method} {self.path}: {what}"
 
 
 class BuildError(HarnessError):

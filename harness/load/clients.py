@@ -16,12 +16,11 @@ from __future__ import annotations
 
 import threading
 import time
-import urllib.error
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import RequestFailed, ServerProcess
 
 __all__ = ["BUSY", "Req", "Sent", "replay_program", "run_clients"]
 
@@ -79,7 +78,7 @@ def _busy_slot(server: ServerProcess, deadline: float) -> int:
     while time.monotonic() < deadline:
         try:
             slots = server.request("GET", "/slots")
-        except (urllib.error.URLError, OSError, ValueError):
+        except RequestFailed:
             return -1
         busy = [int(s["id"]) for s in slots if s.get("is_processing")]
         if busy:
@@ -110,10 +109,8 @@ def _client(server: ServerProcess, sents: list[Sent], t0: float, deadline: float
                 return_tokens=True,
                 **extra,
             )
-        except urllib.error.HTTPError as e:
-            s.error = f"HTTP {e.code}: {e.read()[:200]!r}"
-        except (urllib.error.URLError, OSError, ValueError) as e:
-            s.error = f"{type(e).__name__}: {e}"
+        except RequestFailed as e:
+            s.error = e.describe()
         s.t_recv = time.monotonic() - t0
 
 

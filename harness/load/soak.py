@@ -36,7 +36,6 @@ import random
 import tempfile
 import threading
 import time
-import urllib.error
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,7 +46,7 @@ from fixtures.models import model_path
 from harness.errors import ServerStartError
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
-from harness.targets.llama_server import ServerProcess, proc_status
+from harness.targets.llama_server import RequestFailed, ServerProcess, proc_status
 
 __all__ = ["FAULT_MIN_SIZE", "LiveServer", "PhaseResult", "SoakSettings", "rss_bytes", "soak_phase"]
 
@@ -302,8 +301,18 @@ def _run(
             t = time.monotonic()
             try:
                 r = live.server.completion(list(toks), n_predict, ignore_eos=True, return_tokens=True)
-            except urllib.error.HTTPError as e:
-                body = e.read()[:300].decode(errors="replace")
+            except RequestFailed as e:
+                if e.kind != "http":
+                    with lock:
+                        res.requests += 1
+                        res.errors += 1
+                        if shim is not None:
+                            res.fault_errors += 1
+                        elif not live.in_crash(gen):
+                            res.violations.append(f"request failed with faults off: {e}")
+                    time.sleep(0.05)  # the sampler notices a dead server and restarts it
+                    continue
+                body = e.message
                 with lock:
                     res.requests += 1
                     res.errors += 1
@@ -316,17 +325,7 @@ def _run(
                     ):
                         res.fault_errors += 1
                     else:
-                        res.violations.append(f"request error with faults off: HTTP {e.code} {body}")
-                continue
-            except (urllib.error.URLError, OSError, ValueError) as e:
-                with lock:
-                    res.requests += 1
-                    res.errors += 1
-                    if shim is not None:
-                        res.fault_errors += 1
-                    elif not live.in_crash(gen):
-                        res.violations.append(f"request failed with faults off: {type(e).__name__}: {e}")
-                time.sleep(0.05)  # the sampler notices a dead server and restarts it
+                        res.violations.append(f"request error with faults off: {e}")
                 continue
             dt = time.monotonic() - t
             with lock:
@@ -425,7 +424,7 @@ def _fault_trial(live: LiveServer, shim: RemoteShim, res: PhaseResult, armed: th
     try:
         live.server.completion([5, 6, 7, 8], 2, ignore_eos=True)
         res.fault_survived += live.server.running()
-    except (urllib.error.URLError, OSError, ValueError):
+    except RequestFailed:
         pass
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import http.client
 import json
 import os
 import signal
@@ -26,10 +27,17 @@ from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
-from harness.errors import ServerStartError
+from harness.errors import RequestFailed, ServerStartError
 from harness.targets.llama_build import build_server, log_tail
 
-__all__ = ["ServerProcess", "ServerStartError", "proc_status"]
+__all__ = [
+    "RequestFailed",
+    "ServerProcess",
+    "ServerStartError",
+    "completion_fields",
+    "proc_status",
+    "set_completion_fields",
+]
 
 
 # --------------------------------------------------------------------------------------------
@@ -293,23 +301,51 @@ class ServerProcess:
     # -- requests ---------------------------------------------------------------------------
 
     def request(self, method: str, path: str, body: Mapping[str, Any] | None = None) -> Any:
-        """A JSON request; HTTP errors raise ``urllib.error.HTTPError`` with the body readable."""
+        """A JSON request. Any answer that is not a usable one raises :class:`RequestFailed`: an HTTP
+        error (with the server's message), a dropped connection or a timeout (saying whether the server
+        is still alive), or a body that is not JSON."""
         data = json.dumps(body).encode() if body is not None else None
         req = urllib.request.Request(
             f"{self.url}{path}", data=data, method=method, headers={"Content-Type": "application/json"}
         )
-        with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
-            return json.loads(r.read() or b"null")
+        try:
+            with urllib.request.urlopen(req, timeout=self.request_timeout) as r:
+                raw = r.read()
+        except urllib.error.HTTPError as e:
+            raise RequestFailed(method, path, "http", status=e.code, message=_error_message(e.read())) from None
+        except (TimeoutError, urllib.error.URLError, http.client.HTTPException, OSError) as e:
+            timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
+            alive = self._alive_after_failure(0.5 if timed_out else 5.0)
+            rc = None if alive or self.proc is None else self.proc.returncode
+            raise RequestFailed(method, path, "timeout" if timed_out and alive else "dropped", alive=alive,
+                                server_exit=rc) from None  # fmt: skip
+        try:
+            return json.loads(raw or b"null")
+        except ValueError:
+            raise RequestFailed(method, path, "malformed", message=raw[:80].decode(errors="replace")) from None
+
+    def _alive_after_failure(self, grace: float) -> bool:
+        """Is the server still running once a request failed? A dying server closes its connections
+        before it exits: give it ``grace`` seconds to finish dying."""
+        if self.proc is None:
+            return False
+        deadline = time.monotonic() + grace
+        while self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.05)
+        return self.proc.poll() is None
 
     def completion(
         self, prompt: str | Sequence[int], n_predict: int = 8, *, id_slot: int | None = None, **kw: Any
     ) -> Any:
-        """``POST /completion`` with temperature 0 and ``cache_prompt`` on; ``kw`` override fields."""
+        """``POST /completion`` with temperature 0 and ``cache_prompt`` on; ``kw`` override fields.
+
+        The fields this binary's version needs on every completion (:func:`probe`) are added first."""
         body: dict[str, Any] = {
             "prompt": prompt if isinstance(prompt, str) else list(prompt),
             "n_predict": n_predict,
             "temperature": 0.0,
             "cache_prompt": True,
+            **completion_fields(self.binary),
         }
         if id_slot is not None:
             body["id_slot"] = id_slot
@@ -349,3 +385,27 @@ def proc_status(pid: int) -> dict[str, int]:
     with open(f"/proc/{pid}/stat") as f:
         out["minflt"] = int(f.read().rsplit(")", 1)[1].split()[7])
     return out
+
+
+def _error_message(body: bytes) -> str:
+    """The message of llama-server's error answer (``{"error": {"message": ...}}``), else the body's start."""
+    try:
+        err = json.loads(body).get("error")
+    except (ValueError, AttributeError):
+        return body[:200].decode(errors="replace").strip()
+    if isinstance(err, dict):
+        return str(err.get("message") or err)[:300]
+    return str(err)[:300]
+
+
+_FORMS: dict[Path, dict[str, Any]] = {}
+
+
+def completion_fields(binary: Path) -> dict[str, Any]:
+    """The fields every completion to ``binary`` carries, as :mod:`harness.targets.llama_probe` decided
+    (nothing, unless a probe found this binary's version needs them)."""
+    return dict(_FORMS.get(binary.resolve(), {}))
+
+
+def set_completion_fields(binary: Path, fields: dict[str, Any]) -> None:
+    _FORMS[binary.resolve()] = dict(fields)
