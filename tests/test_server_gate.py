@@ -11,15 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.llama_server import (
+from harness.backends.llama_server.differential import (
     Differential,
     ServerConfig,
     ServerMismatch,
     full_context,
     sanitizer_reports,
-    save_fault,
-    save_peak,
 )
+from harness.backends.llama_server.memory import save_fault, save_peak
 from harness.targets.llama_build import build_server
 
 

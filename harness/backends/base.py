@@ -47,6 +47,7 @@ class GateOptions:
     asan: bool = False  # server backend: the sanitizer build
     source: Path | None = None  # server backend: a llama.cpp tree to build and test
     server_bin: Path | None = None  # server backend: a llama-server binary built elsewhere
+    base: str | None = None  # server backend: the tree (or git revision of ``source``) the change starts from
 
 
 @dataclass

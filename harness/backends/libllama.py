@@ -25,6 +25,7 @@ context, memray, native faults, draft recovery) and their report rows.
 
 from __future__ import annotations
 
+import shlex
 import time
 from collections import Counter
 from collections.abc import Sequence
@@ -39,6 +40,7 @@ from harness.backends.base import Backend, Failure, GateOptions, GateReport, Mac
 from harness.errors import PropertyFailure
 from harness.findings import FINDINGS, finding
 from harness.targets.libllama import PENDING_CP_FINDING, SWA_WINDOW_FINDING, load_model
+from harness.targets.llama_api import libllama_of, loaded_libllama
 from properties.libllama_scenarios import FullContextResult, draft_recovery_run, full_context_run, memray_figures
 from properties.machine import MachineConfig, machine_class
 from properties.run import make_settings, run_machine
@@ -127,11 +129,18 @@ def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 class LlamaBackend(Backend):
     name = "llama"
-    flags = frozenset({"archs"})
+    flags = frozenset({"archs", "source"})
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         replay = f"python -m harness gate --semantics {opts.semantics} --profile {opts.profile} --seed {opts.seed}"
+        if opts.source is not None:  # the tree's own libllama, built and checked against the bindings
+            out("  " + libllama_of(opts.source, log=lambda m: out("  build: " + m)))
+            replay += f" --source {shlex.quote(str(opts.source))}"
         _run_llama(report, opts.semantics, opts.profile, opts.seed, opts.db, opts.max_examples, opts.archs, replay, out)
+        loaded = loaded_libllama()
+        report.extra.setdefault("llama_lib", str(loaded) if loaded else None)
+        if loaded is not None:
+            out(f"  libllama this run loaded: {loaded}")
 
 
 def _run_llama(

@@ -31,7 +31,7 @@ from fixtures.models import ARCHS, draft_path, model_path
 from harness.backends import BACKENDS
 from harness.backends.lcp_cache import MACHINE_ARCHS
 from harness.backends.libllama import llama_machines
-from harness.backends.llama_server import MachineStats, server_configs, server_machine
+from harness.backends.llama_server.differential import MachineStats, server_configs, server_machine
 from harness.errors import UsageError
 from harness.targets.lcp_cache import CACHES, CacheAdapter, ModelEnv
 from harness.targets.llama_build import cached_binary

@@ -21,7 +21,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.backends.llama_server import sanitizer_reports
+from harness.backends.llama_server.differential import sanitizer_reports
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent

@@ -27,7 +27,7 @@ from pathlib import Path
 from fixtures.models import ARCHS
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
 from harness.backends.base import Backend, GateOptions, GateReport
-from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
+from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HarnessError, UsageError
 from harness.load.gate_step import server_concurrent_step
 from properties.run import PROFILES, commit
 
@@ -47,20 +47,32 @@ _FLAG_NAMES = {
     "asan": "--asan",
     "source": "--source",
     "server_bin": "--server-bin",
+    "base": "--base",
 }
 
 
-def run_gate(opts: GateOptions, backends: Sequence[str | Backend], out: Callable[[str], None] = print) -> GateReport:
+def run_gate(
+    opts: GateOptions,
+    backends: Sequence[str | Backend],
+    out: Callable[[str], None] = print,
+    report: GateReport | None = None,
+) -> GateReport:
     """Run the gate on ``backends`` (names in :data:`BACKENDS`, or instances) and return its report;
-    ``out`` receives the human-readable lines."""
+    ``out`` receives the human-readable lines. A ``report`` given is filled as the run goes, so a caller
+    still holds what was found when an error or Ctrl-C ends the run early."""
     runners = [BACKENDS[b] if isinstance(b, str) else b for b in backends]
-    report = GateReport(opts.semantics, "+".join(b.name for b in runners), opts.profile, opts.seed, commit())
+    if report is None:
+        report = new_report(opts, runners)
     for b in runners:
         b.run(report, opts, out)
         for step in FOLLOW_UPS.get(b.name, ()):
             step(report, opts, out)
     _print_report(report, out)
     return report
+
+
+def new_report(opts: GateOptions, runners: Sequence[Backend]) -> GateReport:
+    return GateReport(opts.semantics, "+".join(b.name for b in runners), opts.profile, opts.seed, commit())
 
 
 def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
@@ -142,8 +154,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--source",
         metavar="DIR",
         type=Path,
-        help="server backend: build llama-server from this llama.cpp tree (cached by its content) and test it; "
-        "the semantics are inferred from the tree unless --semantics is given",
+        help="your llama.cpp tree: the server backend builds its llama-server and tests it (the semantics are "
+        "inferred from the tree unless --semantics is given); the llama backend runs on the tree's own libllama "
+        "(built with it, its C API checked against llama-cpp-python's bindings first)",
+    )
+    parser.add_argument(
+        "--base",
+        metavar="TREE|REV",
+        help="server backend, with --source: the tree the change starts from (a directory, or a revision of the "
+        "git checkout --source names); both are built and driven request for request, and every difference "
+        "between them is attributed to the change",
     )
     parser.add_argument(
         "--server-bin",
@@ -195,6 +215,7 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         "asan": asan,
         "source": args.source is not None,
         "server_bin": args.server_bin is not None,
+        "base": args.base is not None,
     }
     for flag, on in given.items():
         if on and not any(flag in BACKENDS[b].flags for b in backends):
@@ -216,6 +237,7 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         asan=asan,
         source=args.source,
         server_bin=args.server_bin,
+        base=args.base,
     )
     return opts, backends
 
@@ -224,13 +246,27 @@ def run(args: argparse.Namespace) -> int:
     _writable(args.json)
     _writable(args.junit)
     opts, backends = options_from_args(args, lambda line: print(line, file=sys.stderr))
-    report = run_gate(opts, backends)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(report.to_json(), f, indent=2)
-    if args.junit:
-        _write_junit(report, args.junit)
-    sys.stdout.flush()
+    report = new_report(opts, [BACKENDS[b] for b in backends])
+    ended: BaseException | None = None
+    try:
+        run_gate(opts, backends, report=report)
+    except (HarnessError, KeyboardInterrupt) as e:
+        ended = e
+        raise
+    finally:
+        # the JSON (and JUnit) is written on every exit: what was found before an error or Ctrl-C is kept
+        if ended is not None:
+            what = "interrupted" if isinstance(ended, KeyboardInterrupt) else str(ended)
+            code = EXIT_INTERRUPTED if isinstance(ended, KeyboardInterrupt) else getattr(ended, "exit_code", EXIT_USAGE)
+            report.extra["ended"] = {"error": what, "exit_code": code}
+            if report.failures:
+                _print_report(report, print)
+        if args.json:
+            with open(args.json, "w") as f:
+                json.dump({**report.to_json(), **({"passed": False} if ended is not None else {})}, f, indent=2)
+        if args.junit:
+            _write_junit(report, args.junit)
+        sys.stdout.flush()
     if report.passed:
         return EXIT_OK
     if any(f.kind == "crash" for f in report.failures):

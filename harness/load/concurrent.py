@@ -45,7 +45,7 @@ from pathlib import Path
 from typing import Any
 
 from fixtures.models import model_path
-from harness.backends.llama_server import ServerConfig
+from harness.backends.llama_server.differential import ServerConfig
 from harness.load.clients import BUSY, Req, Sent, replay_program, run_clients
 from harness.load.order import Event, parse_log, tasks
 from harness.load.outputs import Divergences, compare_output
@@ -409,7 +409,7 @@ def run_trace(
     program = replay_program(
         ["from pathlib import Path",
          "from harness.targets.llama_build import build_server, build_source",
-         "from harness.backends.llama_server import ServerConfig",
+         "from harness.backends.llama_server.differential import ServerConfig",
          "from harness.load.clients import Req",
          "from harness.load.concurrent import replay"],
         f"print(replay({cfg!r}, {binary_expr}, {semantics!r}, REQS))",

@@ -20,7 +20,7 @@ from collections import Counter
 from pathlib import Path
 
 from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out
-from harness.backends.llama_server import sanitizer_reports
+from harness.backends.llama_server.differential import sanitizer_reports
 from harness.findings import finding
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
 from properties.machine import MachineConfig

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from harness.backends.llama_server import NEAR_TIE_LOGPROB
+from harness.backends.llama_server.differential import NEAR_TIE_LOGPROB
 from harness.targets.llama_server import ServerProcess
 
 __all__ = ["ATTENTION_ARCHS", "Divergences", "compare_output"]

@@ -52,7 +52,7 @@ from hypothesis.database import InMemoryExampleDatabase
 from faults.scenarios import SCENARIOS
 from faults.sweep import run_sweep
 from fixtures.models import model_path
-from harness.backends.llama_server import Differential, ServerConfig
+from harness.backends.llama_server.differential import Differential, ServerConfig
 from harness.campaign.machines import Plan
 from harness.campaign.machines import machines as campaign_machines
 from harness.campaign.runner import run_batch

@@ -61,7 +61,7 @@ from typing import Any
 import memray
 
 from fixtures.models import SIZED_D_STATES, draft_path, model_path, sized_model_name
-from harness.backends.llama_server import Differential, ServerConfig
+from harness.backends.llama_server.differential import Differential, ServerConfig
 from harness.errors import EXIT_USAGE, HarnessError, UsageError
 from harness.model.checkpoint import CommonPromptCheckpoint
 from harness.model.memory import Host

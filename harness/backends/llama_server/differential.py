@@ -1,0 +1,504 @@
+"""The server backend's differential: a real ``llama-server`` against the reference model, request by request.
+
+:class:`Differential` starts one ``llama-server`` (:class:`harness.targets.llama_server.ServerProcess`, on
+127.0.0.1) and one reference model on real libllama contexts of the same tiny model with the same
+parameters (:func:`harness.targets.libllama.make_llama_server`). Each completion request (token ids,
+temperature 0, ``cache_prompt``, ``ignore_eos``, ``return_tokens``, plus what the binary's version needs,
+:func:`harness.targets.llama_server.probe`) goes to the server first; the model is then fed the same
+request with the tokens the server generated (``Task.forced``), picks its own slot, and predicts the slot,
+``timings.cache_n`` (prompt tokens reused from the slot, a cache load or a checkpoint) and the evictions the
+server logs. Any difference is a mismatch, reported with the request sequence as a script that replays it.
+A request the server answers with an HTTP error, drops, or never answers is a failure too
+(:func:`request_failure`: ``http_error``, ``server_crash``, ``hang``), with the same replay.
+
+* :func:`server_machine`: Hypothesis drives prompts that share, extend and diverge from what the
+  slots and the cache hold, on all five models, unified and per-slot KV, and with a draft model;
+  every generation is also compared with a fresh single-slot server without cache (:func:`check_output`).
+* :func:`eviction` (``--cache-ram 1``, entries with shared checkpoints) and :func:`full_context`.
+
+Size: ``server_machine`` is one Hypothesis machine class (its rules read the differential's state), built
+inside the function that closes over its configuration, as :func:`harness.backends.llama_server.change.change_machine`.
+
+Deviations: requests are sent one at a time (a request completes before the next), so the
+server's slot scheduling is deterministic; child tasks (``n_cmpl``) are not used; a failing
+example is not shrunk (each step is a real request), the full request sequence is printed instead.
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import strategies as st
+from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
+
+from fixtures.models import draft_path, model_path
+from harness.errors import PropertyFailure
+from harness.model.server_context import ServerParams
+from harness.targets.libllama import close_server, make_llama_server
+from harness.targets.llama_server import RequestFailed, ServerProcess
+
+__all__ = [
+    "NEAR_TIE_LOGPROB",
+    "SERVER_PROFILES",
+    "Differential",
+    "MachineStats",
+    "Program",
+    "Row",
+    "ServerConfig",
+    "ServerMismatch",
+    "check_output",
+    "eviction",
+    "eviction_program",
+    "full_context",
+    "full_context_program",
+    "request_failure",
+    "run_program",
+    "sanitizer_reports",
+    "server_configs",
+    "server_machine",
+    "unique_log",
+]
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server configuration: the model and the flags that matter to the prompt cache."""
+
+    arch: str
+    n_parallel: int = 2
+    kv_unified: bool = False
+    cache_ram_mib: int = 1
+    ctx_checkpoints: int = 4
+    checkpoint_min_step: int = 64
+    n_ctx: int = 2048
+    n_batch: int = 256
+    n_ubatch: int = 64
+    draft: bool = False
+    log_verbosity: int | None = None  # ``-lv``: 4 logs the prompt cache's trace lines (server-task.cpp:1799)
+
+    @property
+    def name(self) -> str:
+        parts = [self.arch, f"np{self.n_parallel}", "kvu" if self.kv_unified else "kvs"]
+        if self.draft:
+            parts.append("draft")
+        return "-".join(parts)
+
+    def server_args(self) -> list[str]:
+        return [
+            "-cms",
+            str(self.checkpoint_min_step),
+            "-b",
+            str(self.n_batch),
+            "-ub",
+            str(self.n_ubatch),
+            "--no-warmup",
+            *(() if self.log_verbosity is None else ("-lv", str(self.log_verbosity))),
+        ]
+
+    def params(self) -> ServerParams:
+        return ServerParams(
+            n_slots=self.n_parallel,
+            cache_ram=self.cache_ram_mib,
+            cache_ram_unit=1 << 20,
+            n_ctx_checkpoints=self.ctx_checkpoints,
+            checkpoint_min_step=self.checkpoint_min_step,
+            kv_unified=self.kv_unified,
+            n_batch=self.n_batch,
+            n_ubatch=self.n_ubatch,
+            n_draft_max=16 if self.draft else 0,
+        )
+
+
+@dataclass
+class Row:
+    """One request and what the server and the model made of it."""
+
+    tokens: tuple[int, ...]
+    n_predict: int
+    slot: int
+    cache_n: int
+    predicted_slot: int
+    predicted_cache_n: int
+    generated: tuple[int, ...]
+    evictions: int = 0  # "removing oldest entry" lines in the server's log so far
+    predicted_evictions: int = 0
+    draft_n: int = 0  # tokens the server's draft model proposed (timings.draft_n)
+
+    @property
+    def ok(self) -> bool:
+        return (self.slot, self.cache_n, self.evictions) == (
+            self.predicted_slot,
+            self.predicted_cache_n,
+            self.predicted_evictions,
+        )
+
+    def describe(self) -> str:
+        return (
+            f"prompt of {len(self.tokens)} tokens (…{list(self.tokens[-4:])}): server slot {self.slot} cache_n "
+            f"{self.cache_n} evictions {self.evictions}, model slot {self.predicted_slot} cache_n "
+            f"{self.predicted_cache_n} evictions {self.predicted_evictions}"
+        )
+
+
+@dataclass
+class Differential:
+    """A live server and the reference model, fed the same requests."""
+
+    cfg: ServerConfig
+    binary: Path
+    semantics: str = "shared"
+    log_dir: str | None = None
+    rows: list[Row] = field(default_factory=list)
+    env: dict[str, str] = field(default_factory=dict)
+    binary_expr: str = "build_server('pr')"  # only for the replay program: how to get the binary again
+    _sent: int = field(default=0, init=False, repr=False)  # requests answered: the log's releases to wait for
+    pending: tuple[tuple[int, ...], int] | None = field(default=None, init=False, repr=False)  # sent, unanswered
+
+    def __post_init__(self) -> None:
+        self.model_file = model_path(self.cfg.arch)
+        self.server = ServerProcess(
+            self.binary,
+            self.cfg.server_args(),
+            model=self.model_file,
+            draft=draft_path() if self.cfg.draft else None,
+            n_parallel=self.cfg.n_parallel,
+            ctx_size=self.cfg.n_ctx,
+            cache_ram=self.cfg.cache_ram_mib,
+            ctx_checkpoints=self.cfg.ctx_checkpoints,
+            kv_unified=self.cfg.kv_unified,
+            log_path=None if self.log_dir is None else unique_log(self.log_dir, self.cfg.name),
+            env=self.env,
+        )
+        self.model = make_llama_server(
+            self.semantics,
+            self.model_file,
+            draft_model=draft_path() if self.cfg.draft else None,
+            params=self.cfg.params(),
+            n_ctx=self.cfg.n_ctx,
+            check_restores=False,
+        )
+
+    def __enter__(self) -> Differential:
+        self.server.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def close(self) -> None:
+        try:
+            self.server.stop()
+        finally:
+            close_server(self.model)
+
+    def request(self, tokens: Sequence[int], n_predict: int) -> Row:
+        """Send one completion to the server, then feed it to the model. A request the server answers
+        with an error, or not at all, raises :class:`ServerMismatch` (its program ends with that request)."""
+        toks = tuple(int(t) for t in tokens)
+        try:
+            answer = self.answer(toks, n_predict)
+        except RequestFailed as e:
+            raise request_failure(e, self) from None
+        return self.record(toks, n_predict, answer)
+
+    def answer(self, toks: tuple[int, ...], n_predict: int) -> Any:
+        """The server's answer to one completion (kept as :attr:`pending` until :meth:`record`)."""
+        self.pending = (toks, n_predict)
+        return self.server.completion(list(toks), n_predict, ignore_eos=True, return_tokens=True)
+
+    def record(self, toks: tuple[int, ...], n_predict: int, answer: Any) -> Row:
+        """Feed an answered request to the model and keep the row: the server's slot, ``cache_n`` and
+        evictions (from its log) against the model's prediction."""
+        self.pending = None
+        slot = int(answer["id_slot"])
+        cache_n = int(answer["timings"]["cache_n"])
+        generated = tuple(int(t) for t in answer.get("tokens") or ())
+        res = self.model.handle_completion(toks, n_predict=n_predict, forced=generated)
+        self.model.run_until_idle()
+        predicted_slot = res.slot
+        predicted = self.model.slots[predicted_slot].n_prompt_cached if predicted_slot >= 0 else -1
+        self._sent += 1
+        log = self.server.log_through(self._sent)  # written by a worker thread: wait for this release
+        cache = self.model.prompt_cache
+        row = Row(
+            toks,
+            n_predict,
+            slot,
+            cache_n,
+            predicted_slot,
+            predicted,
+            generated,
+            log.count("removing oldest entry"),
+            cache.evictions if cache is not None else 0,
+            int(answer["timings"].get("draft_n", 0)),
+        )
+        self.rows.append(row)
+        return row
+
+    def program(self) -> str:
+        """The request sequence so far (the one that failed last, if one did), as a script that replays it
+        against the same configuration."""
+        lines = [
+            "from pathlib import Path",
+            "from harness.targets.llama_build import build_server, build_source",
+            "from harness.backends.llama_server.differential import Differential, ServerConfig",
+            f"with Differential({self.cfg!r}, {self.binary_expr}, {self.semantics!r}) as d:",
+        ]
+        sent = [(row.tokens, row.n_predict) for row in self.rows]
+        if self.pending is not None:
+            sent.append(self.pending)
+        for toks, n in sent:
+            lines.append(f"    print(d.request({list(toks)!r}, {n}).describe())")
+        return "\n".join(lines)
+
+
+def request_failure(e: RequestFailed, d: Differential) -> ServerMismatch:
+    """A request the server did not answer usably, as the failure it is: the server died (``server_crash``,
+    a crash: exit 3), did not answer in time (``hang``) or answered an error (``http_error``); the program
+    replays the requests up to that one."""
+    toks, n = d.pending or ((), 0)
+    what = f"request #{len(d.rows) + 1} (a prompt of {len(toks)} tokens, n_predict {n}): {e.describe()}"
+    if not e.alive:
+        return ServerMismatch("server_crash", what, d.program(), kind="crash")
+    if e.kind == "timeout":
+        return ServerMismatch("hang", what, d.program())
+    return ServerMismatch("http_error", what, d.program())
+
+
+NEAR_TIE_LOGPROB = 0.02  # greedy choices closer than this flip with the cache path's rounding
+
+
+def check_output(fresh: ServerProcess, row: Row) -> str | None:
+    """Compare a completion with a fresh server's; None if equal, "near-tie", or what differs.
+
+    A prompt served partly from a slot, a cache entry or a checkpoint is evaluated in other batch
+    shapes and cell layouts than from scratch, which moves logits in the last bits (the finding
+    ``kv-layout-dependent-logits`` and its batch-shape twin). Where the fresh server's two best
+    tokens are within :data:`NEAR_TIE_LOGPROB` and the cached path took the second, the greedy
+    choice flipped on a tie: ``"near-tie"`` (the known finding ``greedy-flip-on-cache-path``).
+    """
+    r = fresh.completion(list(row.tokens), row.n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False,
+                         n_probs=2)  # fmt: skip
+    want = tuple(int(t) for t in r.get("tokens") or ())
+    if want == row.generated:
+        return None
+    i = next((k for k, (a, b) in enumerate(zip(want, row.generated, strict=False)) if a != b), None)
+    probs = r.get("completion_probabilities") or []
+    # the server withholds the entries of tokens that end inside a UTF-8 sequence: align by id
+    ids = [int(p["id"]) for p in probs]
+    offset = next((o for o in range(len(want) - len(ids) + 1) if list(want[o : o + len(ids)]) == ids), None)
+    if i is not None and offset is not None and 0 <= i - offset < len(probs):
+        top = probs[i - offset].get("top_logprobs") or []
+        if len(top) >= 2 and int(top[1]["id"]) == row.generated[i]:
+            gap = float(top[0]["logprob"]) - float(top[1]["logprob"])
+            if gap < NEAR_TIE_LOGPROB:
+                return "near-tie"
+    return f"{row.describe()}: generated {list(row.generated)}, a fresh server generates {list(want)}"
+
+
+class ServerMismatch(PropertyFailure):
+    """The server and the model disagree, or the server failed a request; ``name`` is the property,
+    ``program`` replays it, ``kind`` is ``violation`` or ``crash`` (the server died)."""
+
+    def __init__(self, name: str, message: str, program: str, kind: str = "violation") -> None:
+        super().__init__(name, message)
+        self.program = program
+        self.kind = kind
+
+
+@dataclass
+class MachineStats:
+    requests: int = 0
+    cache_hits: int = 0  # cache_n > 0
+    output_checks: int = 0
+    evictions: int = 0  # predicted by the model and seen in the server's log, request by request
+    cache_loads: int = 0
+    near_tie_flips: int = 0  # the known finding greedy-flip-on-cache-path
+    drafted: int = 0  # draft tokens the server proposed (speculative configurations)
+
+
+def server_machine(
+    cfg: ServerConfig,
+    binary: Path,
+    semantics: str,
+    stats: MachineStats,
+    log_dir: str | None,
+    binary_expr: str = "build_server('pr')",
+) -> type:
+    """A Hypothesis state machine class driving ``cfg`` on ``binary`` against the model in ``semantics``."""
+
+    class ServerMachine(RuleBasedStateMachine):
+        def __init__(self) -> None:
+            super().__init__()
+            self.d = Differential(cfg, binary, semantics, log_dir, binary_expr=binary_expr)
+            self.d.__enter__()
+            self.fresh = ServerProcess(
+                binary,
+                cfg.server_args(),
+                model=model_path(cfg.arch),
+                n_parallel=1,
+                ctx_size=cfg.n_ctx,
+                cache_ram=0,
+                ctx_checkpoints=cfg.ctx_checkpoints,
+                log_path=None if log_dir is None else unique_log(log_dir, f"{cfg.name}-fresh"),
+            )
+            self.fresh.start()
+            self.sent: list[tuple[int, ...]] = []
+
+        def teardown(self) -> None:
+            cache = self.d.model.prompt_cache
+            if cache is not None:
+                stats.evictions += cache.evictions
+                stats.cache_loads += cache.loads
+            try:
+                self.fresh.stop()
+            finally:
+                self.d.close()
+
+        def _bases(self) -> list[tuple[int, ...]]:
+            m = self.d.model
+            out = [s.prompt.tokens for s in m.slots]
+            if m.prompt_cache is not None:
+                out += [e.prompt.tokens for e in m.prompt_cache.states]
+            return out + self.sent
+
+        @rule(
+            source=st.integers(0, 7),
+            keep=st.integers(0, 24),
+            n_new=st.sampled_from([0, 1, 8, 40, 120, 300, 700]),
+            seed=st.integers(0, 255),
+            n_predict=st.integers(1, 6),
+        )
+        def request(self, source: int, keep: int, n_new: int, seed: int, n_predict: int) -> None:
+            """A prompt: 0-100 % (in 24ths) of a slot's, a cache entry's or an earlier prompt, then new tokens."""
+            bases = self._bases()
+            base = bases[source % len(bases)] if bases else ()
+            head = base[: len(base) * keep // 24]
+            new = tuple(3 + (seed * 31 + i * 17) % 256 for i in range(n_new))
+            tokens = (head + new)[-(cfg.n_ctx // cfg.n_parallel - 16) :] or (1,)
+            row = self.d.request(tokens, n_predict)
+            self.sent.append(tokens)
+            stats.requests += 1
+            stats.cache_hits += row.cache_n > 0
+            stats.drafted += row.draft_n
+            if not row.ok:
+                raise ServerMismatch("cache_n", row.describe(), self.d.program())
+            try:
+                problem = check_output(self.fresh, row)
+            except RequestFailed as e:
+                kind = "crash" if not e.alive else "violation"
+                raise ServerMismatch("http_error" if e.alive else "server_crash",
+                                     f"the fresh reference server, asked {row.describe()}: {e}", self.d.program(),
+                                     kind) from None  # fmt: skip
+            stats.output_checks += 1
+            if problem == "near-tie":
+                stats.near_tie_flips += 1
+            elif problem is not None:
+                raise ServerMismatch("output", problem, self.d.program())
+
+        @precondition(lambda self: len(self.sent) > 0)
+        @rule(i=st.integers(0, 50))
+        def repeat(self, i: int) -> None:
+            """Send an earlier prompt again (a cache hit or a slot hit)."""
+            tokens = self.sent[i % len(self.sent)]
+            row = self.d.request(tokens, 2)
+            stats.requests += 1
+            stats.cache_hits += row.cache_n > 0
+            if not row.ok:
+                raise ServerMismatch("cache_n", row.describe(), self.d.program())
+
+    ServerMachine.__name__ = f"Server_{cfg.name.replace('-', '_')}"
+    return ServerMachine
+
+
+SERVER_PROFILES: dict[str, dict[str, int]] = {
+    "ci": {"max_examples": 12, "steps": 10},
+    "fuzz": {"max_examples": 100, "steps": 25},
+}
+
+
+def server_configs() -> list[ServerConfig]:
+    """The differential's configurations: every memory kind, unified and per-slot KV."""
+    return [
+        ServerConfig("llama"),
+        ServerConfig("jamba", kv_unified=True),
+        ServerConfig("mamba"),
+        ServerConfig("lfm2", kv_unified=True),
+        ServerConfig("gemma2"),
+        # speculative: target + draft restored together from the cache and from checkpoints
+        ServerConfig("llama", draft=True),
+        ServerConfig("jamba", draft=True, kv_unified=True),
+    ]
+
+
+Program = list[tuple[tuple[int, ...], int]]
+"""A request program: (prompt token ids, n_predict) per request, in order."""
+
+
+def full_context_program() -> tuple[ServerConfig, Program]:
+    """One slot at the model's full context (1024): a prompt that fills it, reused, then diverging."""
+    cfg = ServerConfig("jamba", n_parallel=1, n_ctx=1024, cache_ram_mib=8)
+    a = tuple(3 + (i * 7) % 250 for i in range(1016))
+    b = tuple(3 + (i * 5) % 250 for i in range(900))
+    return cfg, [(toks, 2) for toks in (a, (*a[:1000], 9, 9, 9, 9, 9, 9), b, a[:1010])]
+
+
+def eviction_program() -> tuple[ServerConfig, Program]:
+    """Evictions under --cache-ram 1 with checkpoint storage shared between slots and entries (jamba).
+
+    Eight distinct 900-token prompts through two slots overflow the 1 MiB cache several times;
+    then the first and the last ones come back (an evicted entry: a miss; a surviving one: a
+    load with its checkpoints)."""
+    cfg = ServerConfig("jamba", cache_ram_mib=1, ctx_checkpoints=4)
+    prompts = [tuple(3 + (k * 29 + i * 7) % 250 for i in range(900)) for k in range(8)]
+    tail = ((*prompts[0], 9, 9), (*prompts[-1], 9, 9), (*prompts[-3], *(8,) * 10))
+    return cfg, [(toks, 2) for toks in (*prompts, *tail)]
+
+
+def run_program(cfg: ServerConfig, program: Program, binary: Path, semantics: str, log_dir: str | None) -> list[Row]:
+    """``program`` through a :class:`Differential`; the model must predict every slot, ``cache_n`` and eviction."""
+    with Differential(cfg, binary, semantics, log_dir) as d:
+        for toks, n in program:
+            row = d.request(toks, n)
+            if not row.ok:
+                raise ServerMismatch("cache_n", row.describe(), d.program())
+        return d.rows
+
+
+def full_context(binary: Path, semantics: str, log_dir: str | None) -> list[Row]:
+    """:func:`full_context_program` on ``binary`` against the model."""
+    return run_program(*full_context_program(), binary, semantics, log_dir)
+
+
+def eviction(binary: Path, semantics: str, log_dir: str | None) -> list[Row]:
+    """:func:`eviction_program` on ``binary`` against the model."""
+    return run_program(*eviction_program(), binary, semantics, log_dir)
+
+
+_LOG_SEQ = itertools.count()
+
+
+def unique_log(log_dir: str, stem: str) -> str:
+    """One log file per server started (a server's log is scanned for sanitizer reports after it exits)."""
+    return os.path.join(log_dir, f"{stem}-{next(_LOG_SEQ):05d}.log")
+
+
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:")
+
+
+def sanitizer_reports(log_dir: str) -> list[str]:
+    """The first line of every ASan, LSan or UBSan report in the server logs under ``log_dir``."""
+    reports = []
+    for name in sorted(os.listdir(log_dir)):
+        text = Path(log_dir, name).read_text(errors="replace")
+        for marker in SANITIZER_MARKERS:
+            at = text.find(marker)
+            while at >= 0:
+                reports.append(f"{name}: {text[at:].splitlines()[0]}")
+                at = text.find(marker, at + 1)
+    return reports

@@ -1,0 +1,284 @@
+"""The server backend's memory properties: a save's RSS peak with MiBs of checkpoints, and native faults in it.
+
+* :func:`save_peak`: VmHWM around one save of a slot with ~16 MiB of checkpoints (``mamba-big``),
+  beside the model's predicted transient peak, and master against pr when both are built.
+* :func:`save_fault`: the native shim preloaded into the server fails the Nth large allocation of
+  the request that saves the slot; the model, armed the same way, predicts where it must end.
+* :func:`memory_and_faults` runs both for the gate and files their rows.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from faults.native import build_shim
+from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
+from harness.errors import BadAlloc
+from harness.targets.llama_build import cached_binary
+from harness.targets.llama_server import RequestFailed, proc_status
+
+__all__ = ["DIVERGING", "FaultTrial", "memory_and_faults", "save_fault", "save_peak"]
+
+
+def _big_cfg() -> ServerConfig:
+    return ServerConfig(
+        "mamba-big",
+        n_parallel=1,
+        cache_ram_mib=512,
+        ctx_checkpoints=16,
+        checkpoint_min_step=16,
+        n_ctx=4096,
+        n_batch=256,
+        n_ubatch=64,
+    )
+
+
+def _build_up(d: Differential, n_extend: int) -> None:
+    """A 600-token prompt extended ``n_extend`` times on slot 0: many checkpoints of ~1 MiB each."""
+    base = [3 + (i * 7) % 250 for i in range(600)]
+    ext = [3 + (i * 11) % 250 for i in range(40 * n_extend)]
+    for k in range(n_extend):
+        row = d.request(base + ext[: 40 * k], 1)
+        if not row.ok:
+            raise ServerMismatch("cache_n", row.describe(), d.program())
+
+
+DIVERGING = [200 + (i * 3) % 50 for i in range(300)]
+
+
+def save_peak(binary: Path, semantics: str, *, n_extend: int = 8, log_dir: str | None = None) -> dict[str, int]:
+    """RSS high-water mark of a real server around one prompt save with MiBs of checkpoints.
+
+    ``mamba-big`` (about 1 MiB of recurrent state per sequence) on one slot: a 600-token prompt
+    extended ``n_extend`` times leaves the slot with many checkpoints, then a different prompt makes
+    the server save the slot to the cache. VmHWM is reset (``5 > /proc/PID/clear_refs``) right
+    before that request. The model, fed the same requests, gives its predicted peak for the save.
+    """
+    with Differential(_big_cfg(), binary, semantics, log_dir) as d:
+        _build_up(d, n_extend)
+        slot = d.model.slots[0]
+        checkpoint_bytes = sum(c.size() for c in slot.prompt.checkpoints)
+        saves: list[tuple[int, int]] = []
+        orig = slot.prompt_save
+
+        def traced(cache: Any) -> bool:
+            ok = orig(cache)
+            op = d.model.host.last_op
+            if op is not None:
+                saves.append((op.peak_excess, op.state_bytes))
+            return ok
+
+        slot.prompt_save = traced  # type: ignore[method-assign,assignment]
+        pid = d.server.pid
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        rss0 = proc_status(pid)["VmRSS"]
+        row = d.request(DIVERGING, 1)
+        if not row.ok:
+            raise ServerMismatch("cache_n", row.describe(), d.program())
+        hwm = proc_status(pid)["VmHWM"]
+        model_peak, state_bytes = saves[0] if saves else (0, 0)
+        return {
+            "rss_peak_bytes": hwm - rss0,
+            "model_peak_bytes": model_peak,
+            "checkpoint_bytes": checkpoint_bytes,
+            "state_bytes": state_bytes,
+            "n_checkpoints": len(d.model.prompt_cache.states[-1].prompt.checkpoints) if d.model.prompt_cache else 0,
+        }
+
+
+def _log_text(d: Differential) -> str:
+    return d.server.log_path.read_text(errors="replace") if d.server.log_path else ""
+
+
+@dataclass
+class FaultTrial:
+    build: str  # which llama-server: pr, master, or the user's tree/binary
+    nth: int
+    predicted: str  # "skipped" (bad_alloc caught, no entry), "crash" (bad_alloc escapes), "completed"
+    predicted_site: str
+    observed: str
+    detail: str = ""
+
+    @property
+    def ok(self) -> bool:
+        return self.predicted == self.observed
+
+
+def save_fault(
+    binary: Path, label: str, semantics: str, nth: int, *, n_extend: int = 3, log_dir: str | None = None
+) -> FaultTrial:
+    """Fail the ``nth`` large (>= 512 KiB) native allocation of the request that saves a slot to the cache.
+
+    The native shim is preloaded into the server and armed through ``FAULTSHIM_ARM_FILE`` and SIGUSR2
+    right before the request; the model's seam is armed the same way (``min_size``) for the same
+    request and predicts where it must end: ``skipped`` (the save's bad_alloc handler caught it),
+    ``crash`` (std::bad_alloc escaped: the server dies) or ``completed`` (fewer large allocations).
+    After a ``skipped`` save the server must keep serving: a later request is checked too.
+    """
+    min_size = 512 * 1024
+    with tempfile.TemporaryDirectory(prefix="save-fault-") as tmp:
+        arm = os.path.join(tmp, "arm")
+        env = {
+            "LD_PRELOAD": str(build_shim()),
+            "FAULTSHIM_ARM_FILE": arm,
+            "FAULTS_STACKS": os.path.join(tmp, "st"),
+            "GGML_NO_BACKTRACE": "1",  # ggml would attach gdb to the dying server: seconds per crash
+        }
+        with Differential(_big_cfg(), binary, semantics, log_dir, env=env) as d:
+            _build_up(d, n_extend)
+            # the real server, armed right before the request
+            with open(arm, "w") as f:
+                f.write(f"{nth} 0 {min_size}\n")
+            pid = d.server.pid
+            os.kill(pid, signal.SIGUSR2)
+            generated: tuple[int, ...] = ()
+            try:
+                r = d.server.completion(DIVERGING, 1, ignore_eos=True, return_tokens=True)
+                generated = tuple(int(t) for t in r.get("tokens") or ())
+                answered = True
+            except RequestFailed:  # a dying server closes the connection first: it waited for it to finish dying
+                answered = False
+            alive = d.server.running()
+            if alive:
+                with open(arm, "w") as f:
+                    f.write("0 0 0\n")
+                os.kill(pid, signal.SIGUSR2)
+            # the model's prediction, on the same request with the seam armed the same way
+            m = d.model
+            m.host.seam.arm(nth, min_size=min_size)
+            try:
+                res = m.handle_completion(tuple(DIVERGING), n_predict=1, forced=generated)
+                m.run_until_idle()
+                fired = list(m.host.seam.fired_sites)
+                predicted = "skipped" if fired else "completed"
+            except BadAlloc as e:
+                predicted, fired, res = "crash", [e.site], None
+            finally:
+                m.host.seam.disarm()
+            site = fired[0] if fired else "-"
+            log = _log_text(d)
+            if not alive or not answered:
+                observed = "crash"
+            elif "failed to allocate memory for prompt cache state" in log:
+                observed = "skipped"
+            else:
+                observed = "completed"
+            detail = f"server {'alive' if alive else 'dead'}, request {'answered' if answered else 'failed'}"
+            if not alive and d.server.proc is not None and d.server.proc.returncode is not None:
+                rc = d.server.proc.returncode
+                detail += f" (exit {rc}{' = SIGABRT' if rc == -signal.SIGABRT else ''})"
+                if "terminate called after throwing" in (log := _log_text(d)):
+                    detail += ": " + log[log.index("terminate called after throwing") :].splitlines()[0]
+            if observed == "skipped" and res is not None:
+                # it keeps serving, and what it serves still equals a fresh server's
+                later = d.request([3 + (i * 7) % 250 for i in range(600)] + [11, 12, 13], 2)
+                detail += f"; a later request: {later.describe()}"
+                if not later.ok:
+                    observed = "wrong-after-skip"
+            return FaultTrial(label, nth, predicted, site, observed, detail)
+
+
+def memory_and_faults(
+    report: Any,
+    section: dict[str, Any],
+    label: str,
+    semantics: str,
+    binary: Path,
+    logs: str,
+    fail: Callable[[str, str, str, str, str], None],
+    out: Callable[[str], None],
+    other: tuple[str, Path, str] | None = None,
+) -> None:
+    """VmHWM around a save with ~16 MiB of checkpoints, and native faults during a save. ``other`` (label,
+    binary, semantics) is measured beside it; by default the pinned build of the other semantics, if built."""
+    mem = save_peak(binary, semantics, log_dir=logs)
+    section["rss_peak_bytes"] = mem["rss_peak_bytes"]
+    section["memory"] = {label: mem}
+    if other is None:
+        name = "pr" if semantics == "master" else "master"
+        other_bin = cached_binary(name)
+        other = None if other_bin is None else (name, other_bin, "master" if name == "master" else "shared")
+    if other is not None:
+        section["memory"][other[0]] = save_peak(other[1], other[2], log_dir=logs)
+    m = section["memory"]
+    line = (
+        f"  save with {mem['n_checkpoints']} checkpoints (C = {mem['checkpoint_bytes']} B, "
+        f"S = {mem['state_bytes']} B): "
+        + ", ".join(f"{k} RSS peak {v['rss_peak_bytes']} B (model {v['model_peak_bytes']} B)" for k, v in m.items())
+    )
+    if other is not None and {semantics, other[2]} == {"shared", "master"}:
+        pr_key, master_key = (label, other[0]) if semantics == "shared" else (other[0], label)
+        if m[pr_key]["rss_peak_bytes"] > 0:
+            ratio = m[master_key]["rss_peak_bytes"] / m[pr_key]["rss_peak_bytes"]
+            section["rss_ratio_master_over_pr"] = round(ratio, 2)
+            line += f"; master/pr = {section['rss_ratio_master_over_pr']}"
+    out(line)
+    bound = mem["state_bytes"] + mem["checkpoint_bytes"] // 2
+    if mem["rss_peak_bytes"] > bound:
+        fail(
+            "transient_peak",
+            "violation",
+            f"llama-server {label}: RSS high-water mark of one save {mem['rss_peak_bytes']} B > S + C/2 = {bound} B "
+            f"(the model predicts {mem['model_peak_bytes']} B)"
+            + ("; PR #27451: master deep-copies the checkpoints on insert" if semantics == "master" else ""),
+            "",
+            "server-memory",
+        )
+    fault_trials(report, section, label, semantics, binary, logs, fail, out)
+
+
+def fault_trials(
+    report: Any,
+    section: dict[str, Any],
+    label: str,
+    semantics: str,
+    binary: Path,
+    logs: str,
+    fail: Callable[[str, str, str, str, str], None],
+    out: Callable[[str], None],
+) -> None:
+    """Native faults: the nth large allocation of the request that saves the slot, for n = 1, 2, 3."""
+    out_of_scope: list[str] = []
+    for nth in (1, 2, 3):
+        t = save_fault(binary, label, semantics, nth, log_dir=logs)
+        section["fault_trials"] += 1
+        section["server_crashes"] += t.observed == "crash"
+        section.setdefault("faults", []).append(t.__dict__)
+        status = "ok  " if t.ok else "FAIL"
+        out(
+            f"  [{status}] fault: large allocation #{nth} of a save -> model {t.predicted} at {t.predicted_site}, "
+            f"server {t.observed} ({t.detail})"
+        )
+        if not t.ok:
+            fail("native_fault", "violation", f"{label} nth={nth}: model {t.predicted}, server {t.observed}", "",
+                 "server-faults")  # fmt: skip
+        elif t.observed == "crash" and t.predicted_site.startswith("ckpt."):
+            out_of_scope.append(f"{label} nth={nth} at {t.predicted_site}")
+        elif t.observed == "crash" and t.predicted_site.startswith("ckpt_copy"):
+            fail(
+                "no_partial_entries",
+                "crash",
+                f"llama-server {label}: std::bad_alloc in the checkpoint deep copy at {t.predicted_site} escapes "
+                "server_prompt_cache::alloc and terminates the server (PR #27451: the try must cover the whole entry "
+                f"construction) [{t.detail}]",
+                "",
+                "server-faults",
+            )
+    report.known.append(
+        {
+            "id": "checkpoint-alloc-terminates",
+            "title": "a std::bad_alloc while creating a context checkpoint (common_prompt_checkpoint::update_tgt, "
+            "outside any try in update_slots) terminates llama-server, with or without PR #27451 (out of its scope)",
+            "machine": f"llama-server {label}, native faults",
+            "status": "reproduced" if out_of_scope else "not-reproduced",
+            "count": len(out_of_scope),
+            **({"message": "; ".join(out_of_scope)} if out_of_scope else {}),
+        }
+    )
