@@ -12,9 +12,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 from fixtures.models import ARCHS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
+from harness.targets.llama_api import libllama_of, loaded_libllama
 from properties.libllama_contract import run_contract, table
 
 __all__ = ["add_arguments", "run"]
@@ -26,6 +29,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-examples", type=int, default=150, help="examples per configuration (150)")
     parser.add_argument("--steps", type=int, default=50, help="steps per example (50)")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
+    parser.add_argument("--source", metavar="DIR", type=Path,
+                        help="run on this llama.cpp tree's own libllama (built, cached, its C API checked)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,10 +40,14 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
     if args.max_examples < 1 or args.steps < 1:
         raise UsageError("--max-examples and --steps must be >= 1")
+    lib = libllama_of(args.source, log=lambda m: print(m, file=sys.stderr)) if args.source else None
+    if lib is not None:
+        print(lib)
     rep = run_contract(archs, seed=args.seed, max_examples=args.max_examples, steps=args.steps)
     print(table(rep))
     for f in rep["findings"]:
         print(f"finding {f['name']}: {f['reproducer']} ({f['upstream']})")
+    rep["libllama"] = str(loaded_libllama() or "")
     print(f"{'PASS' if rep['ok'] else 'FAIL'} in {rep['seconds']}s")
     if args.json:
         with open(args.json, "w") as fh:

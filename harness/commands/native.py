@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
+from pathlib import Path
 
 from faults.llama_native import OPS, _first_frames, sweep_llama_native
 from fixtures.models import ARCHS
 from harness.errors import UsageError
+from harness.targets.llama_api import libllama_of
 
 __all__ = ["add_arguments", "run"]
 
@@ -23,9 +26,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arch", default="llama", choices=ARCHS)
     parser.add_argument("--op", default="set", choices=OPS)
     parser.add_argument("--max-nth", type=int, default=3000)
+    parser.add_argument("--source", metavar="DIR", type=Path,
+                        help="run on this llama.cpp tree's own libllama (built, cached, its C API checked)")
 
 
 def run(args: argparse.Namespace) -> int:
+    if args.source is not None:
+        print(libllama_of(args.source, log=lambda m: print(m, file=sys.stderr)))
     if args.case:
         try:
             arch, op, n = args.case.rsplit(".", 2)
