@@ -4,7 +4,10 @@
 #   ci/fork_gate.sh install                 install the harness (editable, with the test extras)
 #   ci/fork_gate.sh build   TREE            build llama-server from TREE (cached by the tree's content)
 #   ci/fork_gate.sh server  TREE OUT        gate --backend server --source TREE  -> OUT/gate-server.{json,xml}
-#   ci/fork_gate.sh default TREE OUT        the default gate (model + libllama)   -> OUT/gate.{json,xml}
+#                                           (--base SERVER_BASE when set: a tree or a revision of TREE's git
+#                                           checkout, e.g. a pull request's base: differences are the change's)
+#   ci/fork_gate.sh default TREE OUT        the default gate (model + libllama) on TREE's own libllama
+#                                           (gate --source TREE)                  -> OUT/gate.{json,xml}
 #   ci/fork_gate.sh memory  TREE OUT        the memory figures of the server gate -> OUT/memory.{json,md}
 #   ci/fork_gate.sh all     TREE OUT        build, server, default, memory; exits with the worst exit code
 # Extra gate flags: SERVER_GATE_ARGS (e.g. "--semantics master"), GATE_ARGS (e.g. "--seed 3").
@@ -14,7 +17,7 @@ HARNESS="$(cd "$(dirname "$0")/.." && pwd)"
 PY="${PYTHON:-python}"
 export CMAKE_ARGS="${CMAKE_ARGS:--DGGML_NATIVE=OFF}"
 
-usage() { sed -n '2,12p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
+usage() { sed -n '2,15p' "$0" | sed 's/^# \{0,1\}//' >&2; exit 2; }
 need_tree() { [ -n "${1:-}" ] && [ -d "$1" ] || { echo "fork_gate: not a directory: ${1:-<missing TREE>}" >&2; exit 2; }; }
 need_out() { [ -n "${1:-}" ] || { echo "fork_gate: missing OUT directory" >&2; exit 2; }; mkdir -p "$1"; }
 abs() { (cd "$1" && pwd); }
@@ -22,7 +25,10 @@ abs() { (cd "$1" && pwd); }
 step="${1:-}"; shift || true
 case "$step" in
   install)
-    "$PY" -m pip install -q -e "$HARNESS[test]"
+    "$PY" -m pip install -q -e "$HARNESS[test]" || exit 1
+    # ccache makes a branch's base (and every rebuild) recompile only what differs; optional
+    command -v ccache >/dev/null || { command -v apt-get >/dev/null && { sudo -n apt-get install -y -qq ccache \
+      || apt-get install -y -qq ccache; } >/dev/null 2>&1; } || echo "fork_gate: no ccache (builds are slower)" >&2
     ;;
   build)
     need_tree "${1:-}"
@@ -31,16 +37,18 @@ case "$step" in
   server)
     need_tree "${1:-}"; need_out "${2:-}"
     tree="$(abs "$1")"; out="$(abs "$2")"
+    base=()
+    [ -n "${SERVER_BASE:-}" ] && base=(--base "$SERVER_BASE")
     # shellcheck disable=SC2086  # SERVER_GATE_ARGS is a list of flags
-    (cd "$HARNESS" && "$PY" -m harness gate --backend server --source "$tree" ${SERVER_GATE_ARGS:-} \
+    (cd "$HARNESS" && "$PY" -m harness gate --backend server --source "$tree" "${base[@]}" ${SERVER_GATE_ARGS:-} \
       --json "$out/gate-server.json" --junit "$out/gate-server.xml") 2>&1 | tee "$out/gate-server.log"
     ;;
   default)
-    need_out "${2:-}"
-    out="$(abs "$2")"
+    need_tree "${1:-}"; need_out "${2:-}"
+    tree="$(abs "$1")"; out="$(abs "$2")"
     # shellcheck disable=SC2086  # GATE_ARGS is a list of flags
-    (cd "$HARNESS" && "$PY" -m harness gate ${GATE_ARGS:-} --json "$out/gate.json" --junit "$out/gate.xml") 2>&1 \
-      | tee "$out/gate.log"
+    (cd "$HARNESS" && "$PY" -m harness gate --source "$tree" ${GATE_ARGS:-} --json "$out/gate.json" \
+      --junit "$out/gate.xml") 2>&1 | tee "$out/gate.log"
     ;;
   memory)
     need_out "${2:-}"

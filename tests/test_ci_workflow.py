@@ -56,7 +56,7 @@ def test_every_run_step_calls_the_script() -> None:
 
 
 def test_script_refuses_bad_arguments() -> None:
-    for args in ([], ["nonsense"], ["server", "/nonexistent", "out"], ["build"]):
+    for args in ([], ["nonsense"], ["server", "/nonexistent", "out"], ["build"], ["default", "/nonexistent", "out"]):
         r = subprocess.run([str(SCRIPT), *args], capture_output=True, text=True, check=False)
         assert r.returncode == 2, (args, r.stdout, r.stderr)
 
@@ -73,14 +73,15 @@ def test_script_runs_the_gate_on_a_local_tree(tmp_path: Path) -> None:
         **os.environ,
         "PYTHON": sys.executable,
         "SERVER_GATE_ARGS": "--max-examples 1",
-        "GATE_ARGS": "--backend synthetic --max-examples 5",
+        "GATE_ARGS": "--backend llama --arch llama --max-examples 5",
     }
     r = subprocess.run([str(SCRIPT), "all", str(tree), str(out)], capture_output=True, text=True, env=env, check=False)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     server = json.loads((out / "gate-server.json").read_text())
     assert server["passed"] and server["server"]["build"] == f"source {tree}"
     assert server["semantics"] == "shared" and server["server"]["pinned"] is True
-    assert json.loads((out / "gate.json").read_text())["passed"]
+    default = json.loads((out / "gate.json").read_text())
+    assert default["passed"] and default["llama_lib"] == str(ls.build_server("pr").parent / "libllama.so")
     for xml in ("gate-server.xml", "gate.xml"):
         assert ET.parse(out / xml).getroot().tag == "testsuite"
     memory = json.loads((out / "memory.json").read_text())
