@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import pytest
 
@@ -16,6 +17,7 @@ from harness.model import (
     ServerPromptCacheState,
     get_semantics,
 )
+from harness.targets.llama_pinned import export_pinned
 
 
 def pattern(n: int, seed: int) -> bytes:
@@ -114,3 +116,102 @@ class Kit:
 @pytest.fixture
 def kit() -> Callable[[str], Kit]:
     return Kit
+
+
+# --------------------------------------------------------------------------------------------
+# users' trees, made from the pinned sdist: copies, our patch, edits of our own
+# --------------------------------------------------------------------------------------------
+
+Edits = dict[str, list[tuple[str, str]]]
+
+#: a behaviour change of our own: ``server_prompt_cache::load`` skips entries it keeps at 0c1e570
+#: (tools/server/server-task.cpp:1814, "don't trash large prompts"): 25 % of an entry kept -> 75 %
+THRESHOLD_EDIT: Edits = {"tools/server/server-task.cpp": [("if (f_keep_cur < 0.25f) {", "if (f_keep_cur < 0.75f) {")]}
+
+_ROUTE = "    this->post_completions = [this](const server_http_req & req) {\n        auto res = create_response();\n"
+
+#: a server that fails on demand: with ``HARNESS_TEST_FAIL=http500:N`` its Nth ``POST /completion`` answers
+#: HTTP 500, with ``abort:N`` it aborts mid-request (tools/server/server-context.cpp, the route's lambda)
+FAIL_EDIT: Edits = {
+    "tools/server/server-context.cpp": [
+        ("#include <algorithm>\n", "#include <algorithm>\n#include <atomic>\n#include <cstdlib>\n"),
+        (
+            _ROUTE,
+            _ROUTE + "        static std::atomic<int> n_seen{0};\n"
+            '        if (const char * f = std::getenv("HARNESS_TEST_FAIL")) {\n'
+            "            const std::string s(f);\n"
+            "            const auto c = s.find(':');\n"
+            "            if (c != std::string::npos && ++n_seen == std::atoi(s.c_str() + c + 1)) {\n"
+            '                if (s.rfind("abort", 0) == 0) {\n'
+            "                    std::abort();\n"
+            "                }\n"
+            '                res->error(format_error_response("injected by the harness tests", ERROR_TYPE_SERVER));\n'
+            "                return res;\n"
+            "            }\n"
+            "        }\n",
+        ),
+    ]
+}
+
+#: an exported function of the bindings renamed away (unused by the server, so the tree still builds)
+RENAME_EDIT: Edits = {
+    "src/llama-adapter.cpp": [
+        ("int32_t llama_adapter_meta_count(const llama_adapter_lora * adapter) {",
+         "int32_t llama_adapter_meta_count_renamed(const llama_adapter_lora * adapter) {")
+    ]
+}  # fmt: skip
+
+
+#: a layout change in the C API: a field before ``n_ctx`` in ``llama_context_params`` and a parameter more
+#: for ``llama_n_threads`` (include/llama.h:366 and :1098)
+LAYOUT_EDIT: Edits = {
+    "include/llama.h": [
+        ("        uint32_t n_ctx;                 // text context, 0 = from model",
+         "        uint32_t n_ctx_new;\n        uint32_t n_ctx;                 // text context, 0 = from model"),
+        ("    LLAMA_API int32_t llama_n_threads(struct llama_context * ctx);",
+         "    LLAMA_API int32_t llama_n_threads(struct llama_context * ctx, int extra);"),
+    ]
+}  # fmt: skip
+
+#: payloads the semantics reader cannot tell (common/common.h:1241)
+UNKNOWN_SEMANTICS_EDIT: Edits = {
+    "common/common.h": [("    std::vector<uint8_t> data_tgt;", "    std::unique_ptr<std::vector<uint8_t>> data_tgt;")]
+}
+
+#: the users' trees the tests make, by name: (semantics of the pinned tree it starts from, edits)
+TREES: dict[str, tuple[str, Edits | None]] = {
+    "pr": ("shared", None),  # a copy of the pinned tree with our patch (hashes as the pinned pr tree)
+    "pinned": ("master", None),  # a copy of the pinned tree
+    "threshold": ("shared", THRESHOLD_EDIT),
+    "fail": ("shared", FAIL_EDIT),
+    "renamed": ("shared", RENAME_EDIT),
+    "layout": ("shared", LAYOUT_EDIT),
+    "unknown-sem": ("master", UNKNOWN_SEMANTICS_EDIT),
+}
+
+
+def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
+    """The pinned tree (``shared``: with our PR patch) exported to ``dest``, with ``edits`` applied: each
+    ``(old, new)`` replaces text that must occur exactly once (an edit that no longer applies fails loudly)."""
+    tree = export_pinned(semantics == "shared", dest)
+    for rel, pairs in (edits or {}).items():
+        text = (tree / rel).read_text()
+        for old, new in pairs:
+            assert text.count(old) == 1, f"{rel}: the edit's anchor {old[:60]!r} occurs {text.count(old)} times"
+            text = text.replace(old, new)
+        (tree / rel).write_text(text)
+    return tree
+
+
+@pytest.fixture(scope="session")
+def trees(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
+    """``trees(name)``: the user's tree :data:`TREES` names, made once per session."""
+    made: dict[str, Path] = {}
+
+    def get(name: str) -> Path:
+        if name not in made:
+            semantics, edits = TREES[name]
+            made[name] = make_tree(tmp_path_factory.mktemp("trees") / name, semantics, edits)
+        return made[name]
+
+    return get

@@ -1,0 +1,194 @@
+"""The gate on the trees its users have: made from the pinned sdist (copies, our patch, edits of our own).
+
+* the change differential (``--base``): our patch against the pinned tree changes no answer and halves the
+  save's peak; a behaviour change of our own is attributed to the change, with a short program;
+* the driver: an HTTP 500 and a server dying mid-request are classified failures with a replay, exit 1 and
+  3, the JSON written, no traceback;
+* the libllama layers on a tree's own libllama, and a library whose C API the bindings cannot drive refused;
+* a second build of a near-identical tree compiles only what differs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+
+from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
+from harness.targets.llama_api import check_libllama
+from harness.targets.llama_build import build_server, build_source, cache_root
+from harness.targets.llama_pinned import sdist_source
+
+REPO = Path(__file__).resolve().parents[1]
+Trees = Callable[[str], Path]
+
+
+def _harness(*args: str, env: dict[str, str] | None = None, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, check=False)  # fmt: skip
+
+
+def _no_traceback(r: subprocess.CompletedProcess[str]) -> None:
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+
+
+# --------------------------------------------------------------------------------------------
+# --base: the change differential
+# --------------------------------------------------------------------------------------------
+
+
+def test_our_patch_against_the_pinned_tree_changes_no_answer_and_halves_the_save_peak(
+    trees: Trees, tmp_path: Path
+) -> None:
+    tree, base = trees("pr"), trees("pinned")
+    out = tmp_path / "gate.json"
+    r = _harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "2",
+                 "--json", str(out))  # fmt: skip
+    _no_traceback(r)
+    assert r.returncode == 0, r.stdout[-4000:]
+    s = json.loads(out.read_text())["server"]
+    assert s["changes"] == 0 and s["requests"] > 50 and s["same_answers"] == s["requests"]
+    assert s["base_pinned"] and s["drift"] == []  # both pinned: the model held on every request
+    assert s["rss_ratio_base_over_tree"] > 2.0  # master's save copies the checkpoints; the PR's does not
+    assert "the change's memory difference" in r.stdout
+
+
+def test_a_behaviour_change_of_our_own_is_attributed_to_the_change_with_a_short_program(
+    trees: Trees, tmp_path: Path
+) -> None:
+    tree, base = trees("threshold"), trees("pinned")
+    out = tmp_path / "gate.json"
+    r = _harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "4",
+                 "--json", str(out))  # fmt: skip
+    _no_traceback(r)
+    assert r.returncode == 1, r.stdout[-4000:]
+    failures = json.loads(out.read_text())["failures"]
+    change = [f for f in failures if f["property"] == "change"]
+    assert change, failures
+    first = change[0]
+    assert "cache_n" in first["message"] or "cache_loads" in first["message"], first["message"]
+    n = first["program"].count("p.request(")
+    assert 1 <= n <= 6, first["program"]  # shrunk on fresh servers
+    assert f"--base {base}" in first["replay"]
+    # the program replays the difference on both servers, standalone
+    program = first["program"].replace("TREE", f"build_source(Path({str(tree)!r}))")
+    replayed = subprocess.run([sys.executable, "-c", program], cwd=REPO, capture_output=True, text=True,
+                              timeout=600, check=False)  # fmt: skip
+    assert replayed.returncode == 0, replayed.stderr[-2000:]
+    assert "->" in replayed.stdout.strip().splitlines()[-1], replayed.stdout
+
+
+# --------------------------------------------------------------------------------------------
+# a driver that survives other server versions
+# --------------------------------------------------------------------------------------------
+
+
+def test_an_http_500_and_a_server_dying_mid_request_are_failures_with_their_requests(trees: Trees) -> None:
+    binary = build_source(trees("fail"), log=lambda _m: None)
+    prompts = [[3 + (i * k) % 250 for i in range(40 + k)] for k in range(1, 5)]
+    for spec, prop, kind, at in (("http500:3", "http_error", "violation", 3), ("abort:2", "server_crash", "crash", 2)):
+        with Differential(ServerConfig("llama"), binary, env={"HARNESS_TEST_FAIL": spec}) as d, pytest.raises(
+            ServerMismatch
+        ) as err:
+            for p in prompts:
+                d.request(p, 2)
+        e = err.value
+        assert (e.name, e.kind) == (prop, kind), e
+        assert e.program.count("d.request(") == at  # the requests that got there, the failing one last
+        assert f"request #{at}" in e.message
+        if prop == "http_error":
+            assert "HTTP 500 'injected by the harness tests'" in e.message
+        else:
+            assert "the server died (exit -6 = signal 6)" in e.message
+
+
+@pytest.mark.parametrize(("spec", "rc", "prop"), [("http500:4", 1, "http_error"), ("abort:4", 3, "server_crash")])
+def test_the_gate_classifies_them_and_writes_its_json(
+    trees: Trees, tmp_path: Path, spec: str, rc: int, prop: str
+) -> None:
+    tree = trees("fail")
+    out = tmp_path / "gate.json"
+    r = _harness("gate", "--backend", "server", "--source", str(tree), "--max-examples", "1", "--json", str(out),
+                 env={"HARNESS_TEST_FAIL": spec})  # fmt: skip
+    _no_traceback(r)
+    assert r.returncode == rc, r.stdout[-3000:]
+    rep = json.loads(out.read_text())
+    mine = [f for f in rep["failures"] if f["property"] == prop]
+    assert mine and all(f["program"].count("d.request(") == 4 for f in mine), rep["failures"]
+    assert all(f["replay"].startswith("python -m harness gate --backend server --source ") for f in mine)
+    assert f"FAILED {prop}" in r.stdout and "--- replay ---" in r.stdout
+
+
+def test_unreadable_semantics_stop_before_building(trees: Trees, tmp_path: Path) -> None:
+    tree = trees("unknown-sem")
+    r = _harness("gate", "--backend", "server", "--source", str(tree), timeout=120)
+    _no_traceback(r)
+    assert r.returncode == 2
+    err = r.stderr.strip().splitlines()
+    assert len(err) == 1 and "cannot tell the semantics" in err[0] and "--semantics" in err[0], r.stderr
+    assert "build:" not in r.stdout  # refused before any build
+
+
+# --------------------------------------------------------------------------------------------
+# every layer on the user's tree
+# --------------------------------------------------------------------------------------------
+
+
+def test_the_libllama_backend_and_the_contract_run_on_the_trees_own_libllama(trees: Trees, tmp_path: Path) -> None:
+    tree = trees("pr")
+    lib = build_server("pr").parent / "libllama.so"  # a copy of the pinned tree is the pinned build
+    r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--max-examples", "20")
+    _no_traceback(r)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "the C API matches llama-cpp-python's bindings" in r.stdout
+    assert f"libllama this run loaded: {lib}" in r.stdout
+    out = tmp_path / "contract.json"
+    r = _harness("contract", "--source", str(tree), "--arch", "llama", "--max-examples", "20", "--steps", "20",
+                 "--json", str(out))  # fmt: skip
+    _no_traceback(r)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert json.loads(out.read_text())["libllama"] == str(lib)
+
+
+def test_a_libllama_the_bindings_cannot_drive_is_refused_in_one_line(trees: Trees) -> None:
+    tree = trees("renamed")
+    r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama")
+    _no_traceback(r)
+    assert r.returncode == 2
+    last = r.stderr.strip().splitlines()[-1]
+    assert "cannot drive the libllama" in last and "llama_adapter_meta_count is not exported" in last, r.stderr
+    assert "--backend server" in last  # what still runs on this tree
+
+
+def test_a_layout_change_in_the_header_is_named(trees: Trees) -> None:
+    """No build needed: the headers of a tree against the bindings, the pinned library's exports."""
+    tree = trees("layout")
+    pinned = sdist_source()
+    lib = build_server("pr").parent
+    assert check_libllama(lib, pinned, pinned).differences == ()
+    diffs = check_libllama(lib, tree, pinned).differences
+    assert any(d.startswith("struct llama_context_params is ") for d in diffs), diffs
+    assert any(d.startswith("llama_context_params.n_ctx is at offset 4") for d in diffs), diffs
+    assert "llama_n_threads takes 2 parameters in llama.h, 1 in the bindings" in diffs
+
+
+# --------------------------------------------------------------------------------------------
+# fast second builds
+# --------------------------------------------------------------------------------------------
+
+
+def test_a_near_identical_tree_recompiles_only_what_differs(trees: Trees) -> None:
+    build_server("pr")  # the stage last held some tree; the pinned pr build (cached) is the reference
+    tree = trees("threshold")
+    lines: list[str] = []
+    binary = build_source(tree, log=lines.append, force=True)
+    log = (cache_root() / "llama-server" / "logs" / f"{binary.parent.name}.log").read_text()
+    compiled = [line for line in log.splitlines() if "Building CXX object" in line or "Building C object" in line]
+    assert compiled and all("server-task.cpp" in line or "llama-server" in line for line in compiled), compiled
+    info = json.loads((binary.parent / "build-info.json").read_text())
+    assert info["staged_changes"] <= 4  # only the edited file (and what the previous stage held) was rewritten
