@@ -57,6 +57,7 @@ from harness.targets.lcp_cache import (
     seam_armed,
     state_key,
 )
+from properties.teardown import noted, settle, stages
 
 __all__ = [
     "ALLOWED_STATES",
@@ -142,10 +143,12 @@ class LcpCacheMachine(RuleBasedStateMachine):
         self.capacity = self.base + 3 * self.unit
         self.cache = self.adapter.make(self.capacity)
         self.ref: OrderedDict[Key, int] = OrderedDict()  # key -> entry size, oldest first
+        self.step_failure: BaseException | None = None  # what escaped a rule (noted)
 
     def teardown(self) -> None:
-        self.adapter.close(self.cache)
-        self.adapter.cleanup()
+        """Close the cache and clean up; after a failed rule their errors are kept beside its failure, not
+        instead of it (:mod:`properties.teardown`); both run even when the first fails."""
+        settle(self.step_failure, stages(lambda: self.adapter.close(self.cache), self.adapter.cleanup))
 
     # -- helpers
     def check(self, prop: str) -> None:
@@ -213,6 +216,7 @@ class LcpCacheMachine(RuleBasedStateMachine):
 
     # -- rules
     @rule(key=prompts)
+    @noted
     def insert(self, key: Key) -> None:
         state = self.env.state(key)
         size = self.adapter.entry_size(state)
@@ -241,11 +245,13 @@ class LcpCacheMachine(RuleBasedStateMachine):
             raise LcpViolation("eviction", f"the entry just inserted ({size} bytes, capacity {self.capacity}) is gone")
 
     @rule(query=prompts)
+    @noted
     def lookup(self, query: Key) -> None:
         self.lookup_and_continue(query)
 
     @precondition(lambda self: len(self.ref) > 0)
     @rule(i=st.integers(0, 7), cut=st.integers(0, 3), ext=st.lists(st.sampled_from(ALPHABET), max_size=3))
+    @noted
     def lookup_related(self, i: int, cut: int, ext: list[int]) -> None:
         """Look up a stored key, a prefix of it, an extension of it, or a divergent sibling."""
         keys = list(self.ref)
@@ -324,12 +330,14 @@ class LcpCacheMachine(RuleBasedStateMachine):
             )
 
     @rule(n=st.integers(0, 8))
+    @noted
     def set_capacity(self, n: int) -> None:
         """Change capacity_bytes (a third of the largest entry to four of them); enforced at the next insert."""
         self.capacity = self.base + max(self.unit // 3, n * self.unit // 2)
         self.cache.capacity_bytes = self.capacity
 
     @rule(key=prompts, nth=st.integers(1, 4), where=st.sampled_from(["size", "pickle"]))
+    @noted
     def insert_with_fault(self, key: Key, nth: int, where: str) -> None:
         if where == "pickle" and self.kind == "ram":
             where = "size"

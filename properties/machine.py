@@ -49,6 +49,7 @@ from harness.targets.libllama import LlamaProvider, close_server, load_model, ma
 from harness.targets.synthetic import make_server
 from properties import invariants as inv
 from properties.policy import ExpectedAbort, PolicyTracer
+from properties.teardown import noted, settle, stages
 
 __all__ = ["REACH", "MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
 
@@ -197,6 +198,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             *((("draft_recovery", inv.check_draft_recovery),) if self.params.draft_recovery else ()),
         ) if self.checks_on else ()
         self._reached: Counter[str] = Counter()  # this example's maxima (REACH)
+        self.step_failure: BaseException | None = None  # what escaped a rule or the invariant (noted)
         self.steps_checked = 0  # steps after which every state invariant ran and held
 
     # ---- helpers ---------------------------------------------------------------------------
@@ -249,6 +251,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
         n_predict=st.integers(1, 4),
         overlap=st.booleans(),
     )
+    @noted
     def request(
         self, source: int, keep: int, suffix: list[int], id_slot: int, n_cmpl: int, n_predict: int, overlap: bool = True
     ) -> None:
@@ -281,12 +284,14 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
     @precondition(_busy)  # the function itself, not a lambda around it: one call fewer per evaluation
     @rule()
+    @noted
     def step(self) -> None:
         """One iteration of update_slots: a prompt batch per slot, child activation, generation."""
         self._guard("update_slots", self.server.update_slots)
 
     @precondition(_busy)  # the function itself, not a lambda around it: one call fewer per evaluation
     @rule()
+    @noted
     def finish(self) -> None:
         """Run every processing slot to completion."""
         self._guard("update_slots", self.server.run_until_idle)
@@ -321,6 +326,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
     @precondition(_can_arm)
     @rule(kind=st.sampled_from(["oom-transient", "oom-persistent"]), nth=st.integers(1, 8))
+    @noted
     def arm_fault(self, kind: str, nth: int) -> None:
         """Fail the nth allocation of the next prompt save (and, if persistent, every later one).
 
@@ -332,6 +338,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
     @precondition(_can_arm_restore)
     @rule(where=st.sampled_from(["load", "restore"]), nth=st.integers(1, 2))
+    @noted
     def arm_restore_fault(self, where: str, nth: int) -> None:
         """Fail the nth state read of the next cache load or checkpoint restore (libllama returns 0).
         Not over a fault that is still untouched (:meth:`_fault_pending`)."""
@@ -340,6 +347,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
     @precondition(_can_set_limit)
     @rule(cache_ram=st.integers(1, 12))
+    @noted
     def set_limit(self, cache_ram: int) -> None:
         """Change --cache-ram (KiB here) and let update() enforce it, as the bad_alloc recovery does."""
         cache = self.server.prompt_cache
@@ -381,12 +389,14 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
     @precondition(_refreshable_0)
     @rule()
+    @noted
     def refresh_checkpoint_0(self) -> None:
         """:meth:`refresh_checkpoint` of slot 0."""
         self.refresh_checkpoint(0)
 
     @precondition(_refreshable_1)
     @rule()
+    @noted
     def refresh_checkpoint_1(self) -> None:
         """:meth:`refresh_checkpoint` of slot 1."""
         self.refresh_checkpoint(1)
@@ -413,6 +423,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     # ---- checks ----------------------------------------------------------------------------
 
     @invariant()
+    @noted
     def state_invariants(self) -> None:
         if self.crashed or self.unchanged:
             self.unchanged = False
@@ -454,6 +465,17 @@ class PromptCacheMachine(RuleBasedStateMachine):
         inv.check_draft_in_step(server, excuse_stale_checkpoint="strict-stale-checkpoint" not in self.config.known)
 
     def teardown(self) -> None:
+        """The example's statistics, then ``clear_all`` (every payload freed: ``refcount``), then the server closed.
+
+        Hypothesis runs it in a ``finally``, so also while a step's failure is on its way out, on the
+        state that failure left: its clean-up can fail there (a payload an eviction freed while a slot
+        held it is released again). After a failed step or check its errors are kept beside that failure
+        (:mod:`properties.teardown`), never instead of it; with none, its first error fails the example.
+        The server is closed even when the clean-up before it failed.
+        """
+        settle(self.step_failure, stages(self._count, self._clear, self._close))
+
+    def _count(self) -> None:
         if self.observe_reach:
             self._target()
         t = type(self)
@@ -468,12 +490,18 @@ class PromptCacheMachine(RuleBasedStateMachine):
         for key, secs in self.policy.seconds.items():
             t.stats_seconds[key] += secs  # type: ignore[assignment]
         t.peaks.extend(self.tracer.peaks)
+
+    def _clear(self) -> None:
         if not self.crashed:
+            t = type(self)
             self.server.host.seam.disarm()
             t0 = time.perf_counter()
             inv.clear_all(self.server)
             t.stats_seconds["refcount"] += time.perf_counter() - t0  # type: ignore[assignment]
             t.stats_checked["refcount"] += 1
+
+    def _close(self) -> None:
+        t = type(self)
         stats = t.llama_stats
         for ctx in (self.server.ctx_tgt, self.server.ctx_dft):
             stats["restore_checks"] += getattr(ctx, "restore_checks", 0)

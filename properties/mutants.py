@@ -68,6 +68,17 @@ class _EvictForgetsRelease(ServerPromptCache):
         self.states.pop(0)
 
 
+class _EvictFreesShared(ServerPromptCache):
+    """refcount: evicting the oldest entry frees its checkpoints' payloads outright, though a slot still holds them."""
+
+    def _pop_front(self) -> None:
+        for c in self.states[0].prompt.checkpoints.items:
+            for p in c.payloads():
+                while p.holders > 1:  # the entry's release below drops the last holder: freed
+                    p.release()
+        super()._pop_front()
+
+
 class _HalfBuiltEntry(ServerPromptCache):
     """no_partial_entries: the entry is appended before its checkpoints are copied."""
 
@@ -327,6 +338,7 @@ MUTANTS: dict[str, Mutant] = {
         _m("size-omits-checkpoints", "accounting", _SizeOmitsCheckpoints),
         _m("update-in-place", "immutability", _UpdateInPlace),
         _m("evict-forgets-release", "refcount", _EvictForgetsRelease),
+        _m("evict-frees-shared", "refcount", _EvictFreesShared),
         _m("half-built-entry", "no_partial_entries", _HalfBuiltEntry),
         _m("load-keeps-entry", "load_transfer", _LoadKeepsEntry),
         # on a transformer: no checkpoints, so the entry a prefix leaves behind is all that differs (3-4 steps)
@@ -430,6 +442,7 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
                 "shrink_seconds": round(phase("shrink"), 2),
                 "steps": f.steps,
                 "program": f.program,
+                "teardown": f.teardown,
             }
     return {
         "name": name,

@@ -23,7 +23,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, seed, settings
@@ -41,6 +41,7 @@ from hypothesis.stateful import RULE_MARKER, RuleBasedStateMachine, get_state_ma
 
 from harness.errors import PropertyFailure, UsageError
 from properties.machine import MachineConfig, TargetCrash, machine_class
+from properties.teardown import teardown_errors
 
 __all__ = [
     "PROFILES",
@@ -330,6 +331,7 @@ class Failure:
     replay: str
     machine: str
     steps: int
+    teardown: list[str] = field(default_factory=list)  # what teardown then raised, beside the failure
 
 
 @dataclass
@@ -456,7 +458,8 @@ def run_machine(
     ``shrinks`` limits Hypothesis' shrinker on a synthetic machine (:data:`SHRINKS`); a machine on a
     real target shrinks as long as Hypothesis likes (``corrupt-checkpoint-restore``: a shrink cut
     short after 1 s left a program :func:`tidy` cut to 9 steps, a whole one 6). Then :func:`tidy`
-    cuts the program of either.
+    cuts the program of either. ``teardown`` is what the failing example's teardown raised after it
+    (:mod:`properties.teardown`), kept beside the failure.
     """
     cls = machine_class(cfg)
     cls.stats_checked.clear()
@@ -470,13 +473,13 @@ def run_machine(
     failure: Failure | None = None
     try:
         run_seeded(cls, cfg_settings, seed_value, shrinks=None if cfg.arch else shrinks)
-    except PropertyFailure as e:
+    except Exception as e:  # a property, or a bug of the harness or the model itself: still reproducible
         program, steps = _program(cfg, getattr(e, "__notes__", []))
-        kind = "crash" if isinstance(e, TargetCrash) else "violation"
-        failure = Failure(e.name, kind, e.message, program, replay, cfg.class_name, steps)
-    except Exception as e:  # a bug of the harness or the model itself: still a reproducible failure
-        program, steps = _program(cfg, getattr(e, "__notes__", []))
-        failure = Failure("crash", "error", f"{type(e).__name__}: {e}", program, replay, cfg.class_name, steps)
+        if isinstance(e, PropertyFailure):
+            prop, kind, msg = e.name, "crash" if isinstance(e, TargetCrash) else "violation", e.message
+        else:
+            prop, kind, msg = "crash", "error", f"{type(e).__name__}: {e}"
+        failure = Failure(prop, kind, msg, program, replay, cfg.class_name, steps, teardown_errors(e))
     result = MachineResult(
         cfg, time.perf_counter() - t0, failure, Counter(cls.stats_checked), Counter(cls.stats_seconds), list(cls.peaks)
     )

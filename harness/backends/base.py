@@ -101,6 +101,7 @@ class GateReport:
                     "machine": f.machine,
                     "program": f.program,
                     "replay": f.replay,
+                    "teardown": f.teardown,  # what teardown raised after the failure, kept beside it
                 }
                 for f in self.failures
             ],

@@ -38,6 +38,7 @@ from properties.lcp_machine import (
 )
 from properties.machine import MachineConfig
 from properties.run import run_seeded
+from properties.teardown import teardown_errors
 
 __all__ = ["DEFAULT_EXAMPLES", "MACHINE_ARCHS", "LcpCacheBackend", "run_lcp_gate"]
 
@@ -84,10 +85,11 @@ class _GateRun:
             self.findings[name]["also"].append(f"{where}: {evidence}")  # the first sighting per further layer
             self.out(f"  known finding {name} also shown by {where}: {evidence}")
 
-    def fail(self, prop: str, message: str, machine: str, program: str = "") -> None:
+    def fail(self, prop: str, message: str, machine: str, program: str = "", teardown: list[str] | None = None) -> None:
         self.failures.append(
-            {"property": prop, "message": message, "machine": machine, "program": program, "replay": self.replay}
-        )
+            {"property": prop, "message": message, "machine": machine, "program": program, "replay": self.replay,
+             "teardown": teardown or []}
+        )  # fmt: skip
 
     def machines(self, arch: str, n: int) -> None:
         """The machine on ``arch``, again after each known finding it shows, until it passes or fails."""
@@ -110,12 +112,12 @@ class _GateRun:
                         self.found(v.finding, v.message, f"machine {cls.__name__}")
                         self.tolerate.add(v.finding)
                         continue
-                    self.fail(v.prop, v.message, cls.__name__, program)
+                    self.fail(v.prop, v.message, cls.__name__, program, teardown_errors(v))
                     self.out(f"  FAIL {v.prop}: {v.message}\n{program}\n  replay: {self.replay}")
                     return
                 except Exception as e:
                     program = "\n".join(getattr(e, "__notes__", []))
-                    self.fail("crash", f"{type(e).__name__}: {e}", cls.__name__, program)
+                    self.fail("crash", f"{type(e).__name__}: {e}", cls.__name__, program, teardown_errors(e))
                     self.out(f"  FAIL crash: {type(e).__name__}: {e}\n{program}\n  replay: {self.replay}")
                     return
         finally:
@@ -245,8 +247,9 @@ def _run_lcp(report: GateReport, variant: str, cache: str, seed: int, max_exampl
         )
     for f in res["failures"]:
         failure = Failure(
-            f["property"], "violation", f["message"], f.get("program", ""), f["replay"], f.get("machine", "lcp"), 0
-        )
+            f["property"], "violation", f["message"], f.get("program", ""), f["replay"], f.get("machine", "lcp"), 0,
+            list(f.get("teardown", [])),
+        )  # fmt: skip
         report.machines.append(MachineResult(MachineConfig(variant), res["seconds"], failure, Counter(), Counter(), []))
 
 

@@ -97,6 +97,8 @@ def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
     for f in report.failures:
         out("")
         out(f"FAILED {f.property} ({f.kind}) in {f.machine}: {f.message}")
+        for t in f.teardown:  # beside the failure, not instead of it
+            out(f"  teardown also failed after it: {t}")
         if f.program:
             out("--- shrunk program (paste into python from the repository root) ---")
             out(f.program)
@@ -126,7 +128,8 @@ def _write_junit(report: GateReport, path: str) -> None:
         for f in report.failures:
             if f.property == name:
                 el = ET.SubElement(case, "failure", message=f.message)
-                el.text = f"{f.program}\n\n{f.replay}"
+                later = "".join(f"\n\nteardown also failed after it: {t}" for t in f.teardown)
+                el.text = f"{f.program}\n\n{f.replay}{later}"
     ET.ElementTree(suite).write(path, encoding="unicode", xml_declaration=True)
 
 
