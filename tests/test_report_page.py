@@ -23,7 +23,7 @@ def test_the_pages_headings_are_numbered_once_in_order() -> None:
     assert headings == [title for _key, title in SECTIONS]
     numbers = [int(h.split(".", 1)[0]) for h in headings]
     assert numbers == list(range(1, len(SECTIONS) + 1)), headings
-    nav = [html.unescape(t) for t in re.findall(r'<nav>(.*?)</nav>', render({}))[0].split("</a>") if t]
+    nav = [html.unescape(t) for t in re.findall(r"<nav>(.*?)</nav>", render({}))[0].split("</a>") if t]
     assert [re.sub(r"<a [^>]*>", "", t) for t in nav] == headings
 
 
