@@ -52,13 +52,20 @@ def verdict(report: dict) -> str:
     return f"FAIL {f.get('property')} in {f.get('machine')}: {str(f.get('message'))[:120]}"
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--seeds", default="0-99")
-    ap.add_argument("--semantics", dest="variant", default="shared", choices=["shared", "master"])
-    ap.add_argument("--out", type=Path, default=Path("artifacts/gate-seeds"))
+def build_parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m ci.gate_seeds", description=__doc__.splitlines()[0])
+    ap.add_argument("--seeds", default="0-99", metavar="LIST", help="seeds to run: 0-99, 3,5 or a mix (default 0-99)")
+    ap.add_argument("--semantics", dest="variant", default="shared", choices=["shared", "master"],
+                    help="the gate's semantics (default shared)")  # fmt: skip
+    ap.add_argument("--out", type=Path, default=Path("artifacts/gate-seeds"), metavar="DIR",
+                    help="one seed-N.json per seed, kept: a seed already there is not run again "
+                    "(default artifacts/gate-seeds)")  # fmt: skip
     ap.add_argument("--rerun", action="store_true", help="run seeds whose JSON already exists again")
-    args = ap.parse_args(argv)
+    return ap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
     args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for seed in parse_seeds(args.seeds):

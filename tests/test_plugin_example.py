@@ -1,6 +1,6 @@
-"""The README's example of a test written with the harness's pytest plugin ("Writing your own tests").
+"""The example of a test written with the harness's pytest plugin, in docs/writing-tests.md.
 
-Kept identical to the README's block (tests/test_pytest_plugin.py checks that), so the suite runs it.
+Kept identical to that page's block (tests/test_pytest_plugin.py checks that), so the suite runs it.
 """
 
 import pytest

@@ -1,5 +1,6 @@
 """The pytest plugin (harness.pytest_plugin): the marker fails what breaks an invariant, the fixtures work,
-the server fixture always stops its process and skips or refuses clearly, and the README's example is the suite's."""
+the server fixture always stops its process and skips or refuses clearly, and the example in
+docs/writing-tests.md is the suite's."""
 
 from __future__ import annotations
 
@@ -88,10 +89,9 @@ def test_marker_is_registered(pytester: pytest.Pytester) -> None:
     result.stdout.fnmatch_lines(["@pytest.mark.prompt_cache_invariants(strict_peak=True): *"])
 
 
-def test_readme_example_is_the_suite_example() -> None:
-    readme = (ROOT / "README.md").read_text()
-    section = readme[readme.index("## Writing your own tests") :]
-    block = re.search(r"```python\n(.*?)```", section, re.S)
+def test_the_documented_example_is_the_suite_example() -> None:
+    page = (ROOT / "docs" / "writing-tests.md").read_text()
+    block = re.search(r"```python\n(.*?)```", page, re.S)
     assert block is not None
     example = (ROOT / "tests" / "test_plugin_example.py").read_text()
     assert block.group(1) == example[example.index("import pytest") :]

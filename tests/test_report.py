@@ -119,7 +119,8 @@ def test_page_renders_offline_in_headless_chromium(built: tuple[Path, dict[str, 
             browser.close()
     assert requests == [url], f"the page requested more than itself: {requests}"
     assert headings == [title for _key, title in SECTIONS]
-    # the figures of sections 1-4 and the flame graphs: each drawn with a real size
+    # the figures of the curves, the charge, the update cost and the breakdown, and the flame graphs: each drawn
+    # with a real size
     assert len(sizes) >= 6 and all(w > 100 and h > 50 for w, h in sizes), sizes
     assert "not measured in this run" in text  # the size axis was left out of the test plan, and says so
 

@@ -23,7 +23,7 @@ import matplotlib
 matplotlib.use("Agg")
 import matplotlib.pyplot as plt
 
-__all__ = ["SECTIONS", "render", "svg_of"]
+__all__ = ["SECTIONS", "numbered", "render", "section", "svg_of"]
 
 plt.rcParams.update({"svg.fonttype": "none", "font.size": 9, "axes.grid": True, "grid.alpha": 0.3})
 
@@ -33,19 +33,34 @@ LAYER_TITLES = {
     "llama": "libllama under memray",
     "server": "llama-server VmHWM",
 }
-SECTIONS = (
+# the sections in the order the page shows them; their numbers come from this order, never from the titles
+_ORDER = (
     ("summary", "Summary"),
-    ("peak-count", "1. Transient peak of one save vs number of checkpoints"),
-    ("peak-size", "1. Transient peak of one save vs checkpoint size"),
-    ("charge", "2. Logical --cache-ram charge vs physical bytes"),
-    ("update-cost", "3. The PR's cost: a fresh buffer per checkpoint update"),
-    ("breakdown", "4. Where measurement and theory disagree: the server's peak, broken down"),
+    ("peak-count", "Transient peak of one save vs number of checkpoints"),
+    ("peak-size", "Transient peak of one save vs checkpoint size"),
+    ("charge", "Logical --cache-ram charge vs physical bytes"),
+    ("update-cost", "The PR's cost: a fresh buffer per checkpoint update"),
+    ("breakdown", "Where measurement and theory disagree: the server's peak, broken down"),
     ("flame", "memray captures of the saves"),
-    ("sweep", "5. Allocation-failure sweep"),
-    ("mutants", "5. Mutation matrix"),
-    ("findings", "5. Known findings and their reproducers"),
-    ("environment", "5. Environment and how to rerun"),
+    ("sweep", "Allocation-failure sweep"),
+    ("mutants", "Mutation matrix"),
+    ("findings", "Known findings and their reproducers"),
+    ("environment", "Environment and how to rerun"),
 )
+
+
+def numbered(order: Sequence[tuple[str, str]]) -> tuple[tuple[str, str], ...]:
+    """(key, "N. title") for each section, N its place in ``order`` from 1: each number once, in order."""
+    return tuple((key, f"{n}. {title}") for n, (key, title) in enumerate(order, 1))
+
+
+SECTIONS = numbered(_ORDER)  # (key, numbered title): the page's headings and its table of contents
+_NUMBER = {key: n for n, (key, _title) in enumerate(_ORDER, 1)}
+
+
+def section(key: str) -> str:
+    """How the page's text refers to a section: "section N", N the section's number on the page."""
+    return f"section {_NUMBER[key]}"
 
 
 def svg_of(fig: Any) -> str:
@@ -220,11 +235,11 @@ def _curve_table(rows: Sequence[dict[str, Any]], x: str) -> str:
     return _table(head, out) + (
         "<p class='note'>theory: S + C (master) or S (shared); libllama adds the harness's two copies of S. "
         "'model, whole request': the model's peak over the server request that saves, which goes on to process "
-        "a 300-token prompt (section 4). Save time: model and libllama in this process (libllama under memray), "
-        "the server's from its log (slot selection to the cache lookup). Not explained yet: master with one or two "
-        "checkpoints measures one checkpoint (about 1.1 MB) above the model when the request goes on to create "
-        "checkpoints (it matches with a 3-token prompt, and with 8 or more checkpoints); suspected glibc not reusing "
-        "the freed slot checkpoint for the new one, not isolated.</p>"
+        f"a 300-token prompt ({section('breakdown')}). Save time: model and libllama in this process (libllama "
+        "under memray), the server's from its log (slot selection to the cache lookup). Not explained yet: master "
+        "with one or two checkpoints measures one checkpoint (about 1.1 MB) above the model when the request goes "
+        "on to create checkpoints (it matches with a 3-token prompt, and with 8 or more checkpoints); suspected "
+        "glibc not reusing the freed slot checkpoint for the new one, not isolated.</p>"
     )
 
 
@@ -287,8 +302,8 @@ def render(report: dict[str, Any]) -> str:
         "3 MiB: S and two checkpoints). The logical charge is the same in both semantics, and so are the bytes "
         "at rest. Here the peaks are the same too: each request saves a slot holding two checkpoints and then "
         "creates two new ones for its own prompt, so the PR's saving on the save (C) is spent again by the "
-        "request (section 4 shows the same effect on the gate's save). The PR lowers a request's peak by C minus "
-        "the checkpoints the request creates, when that is positive. Physical bytes at rest, measured: "
+        f"request ({section('breakdown')} shows the same effect on the gate's save). The PR lowers a request's "
+        "peak by C minus the checkpoints the request creates, when that is positive. Physical bytes at rest, measured: "
         "libllama (this process runs the model's server logic on real contexts; its malloc heap in use after "
         "each request, over the first) and the server's VmRSS.</p>" + fig_charge(charge)
         + _table(["semantics", "request", "entries", "evictions", "logical", "unique", "peak live (model)",
