@@ -26,6 +26,7 @@ from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
 from harness.targets.llama_build import server_build
+from harness.targets.llama_probe import probe
 
 __all__ = ["add_arguments", "run"]
 
@@ -59,6 +60,7 @@ def run(args: argparse.Namespace) -> int:
         build = server_build(
             flavour="asan" if args.asan else ("master" if args.semantics == "master" else "pr"), log=log
         )
+    print("  " + probe(build.binary, log=log).line(), file=sys.stderr)  # the request form its version answers
     semantics = build.semantics or (args.semantics or "shared")
     print(f"concurrent: build={build.origin} semantics={semantics} traces={args.traces} seed={args.seed} "
           "(shared machine: timings vary, the order is read from the server's log)")  # fmt: skip

@@ -25,6 +25,7 @@ from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.soak import CACHE_RAM_MIB, SoakSettings, soak
 from harness.targets.llama_build import server_build
+from harness.targets.llama_probe import probe
 
 __all__ = ["add_arguments", "run"]
 
@@ -63,6 +64,7 @@ def run(args: argparse.Namespace) -> int:
         build = server_build(source=args.source, log=log)
     else:
         build = server_build(flavour="master" if args.semantics == "master" else "pr", log=log)
+    print("  " + probe(build.binary, log=log).line(), file=sys.stderr)  # the request form its version answers
     per_phase = args.minutes * 60 / (2 * len(archs))
     st = SoakSettings(per_phase, cache_ram_mib=args.cache_ram, rss_bound_mib=args.rss_bound, seed=args.seed)
     print(f"soak: build={build.origin} models={','.join(archs)} {per_phase:.0f}s per phase (faults off, then on), "
