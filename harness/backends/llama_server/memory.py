@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import signal
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -143,8 +144,12 @@ def save_fault(
                 r = d.server.completion(DIVERGING, 1, ignore_eos=True, return_tokens=True)
                 generated = tuple(int(t) for t in r.get("tokens") or ())
                 answered = True
-            except RequestFailed:  # a dying server closes the connection first: it waited for it to finish dying
+            except RequestFailed:
                 answered = False
+            if not answered:  # a dying server closes the connection first: let it finish dying
+                deadline = time.monotonic() + 10
+                while d.server.running() and time.monotonic() < deadline:
+                    time.sleep(0.05)
             alive = d.server.running()
             if alive:
                 with open(arm, "w") as f:
