@@ -92,7 +92,8 @@ def test_cmake_args() -> None:
         "-DLLAMA_BUILD_UI=OFF",
         "-DGGML_NATIVE=OFF",
         "-DCMAKE_BUILD_TYPE=Release",
-        "-DBUILD_SHARED_LIBS=OFF",
+        "-DBUILD_SHARED_LIBS=ON",  # libllama.so beside the server: llama-cpp-python and an interposer use it
+        "-DCMAKE_BUILD_RPATH_USE_ORIGIN=ON",
         "-DLLAMA_OPENSSL=OFF",
     ):
         assert arg in master

@@ -118,13 +118,21 @@ def test_sanitizer_reports_are_found_in_every_server_log(tmp_path: Path) -> None
 
 
 def test_gate_on_a_binary_built_elsewhere(pr_binary: Path, tmp_path: Path) -> None:
-    """--server-bin: a llama-server copied out of the cache (no build-info.json beside it) runs the full
-    backend; its source is unknown, so the run says the model is pinned to 0c1e570 and asks for the
-    semantics; with them it passes, and a divergence would carry that note."""
+    """--server-bin: a llama-server copied out of the cache with its shared libraries, as a build directory
+    elsewhere holds them (no build-info.json beside it), runs the full backend; its source is unknown, so the
+    run says the model is pinned to 0c1e570 and asks for the semantics; with them it passes, and a divergence
+    would carry that note. The binary alone cannot start: one line naming the missing library, exit 2."""
     binary = tmp_path / "bin" / "llama-server"
     binary.parent.mkdir()
     shutil.copy2(pr_binary, binary)
     repo = Path(__file__).resolve().parent.parent
+    alone = [sys.executable, "-m", "harness", "gate", "--backend", "server", "--server-bin", str(binary),
+             "--semantics", "shared"]  # fmt: skip
+    r = subprocess.run(alone, capture_output=True, text=True, cwd=repo, check=False)
+    assert r.returncode == 2 and "Traceback" not in r.stderr
+    assert "error while loading shared libraries: libllama-server-impl.so" in r.stderr.strip().splitlines()[-1]
+    for lib in pr_binary.parent.glob("lib*.so*"):
+        shutil.copy2(lib, binary.parent / lib.name, follow_symlinks=False)
     base = [sys.executable, "-m", "harness", "gate", "--backend", "server", "--server-bin", str(binary)]
     r = subprocess.run(base, capture_output=True, text=True, cwd=repo, check=False)
     assert r.returncode == 2 and "cannot tell the semantics of the binary" in r.stderr
