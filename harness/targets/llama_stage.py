@@ -60,13 +60,15 @@ def sync_stage(files: Mapping[str, Path | bytes], stage: Path) -> int:
                 changed += 1
             continue
         data = item.read_bytes() if isinstance(item, Path) else item
-        mode = (os.stat(item).st_mode & 0o777) if isinstance(item, Path) else 0o644
+        # what a build sees: the content and the executable bit (a checkout's umask is not a change)
+        mode = 0o755 if isinstance(item, Path) and os.stat(item).st_mode & 0o111 else 0o644
         digest = f"F {mode:o} {hashlib.sha256(data).hexdigest()}"
         new[rel] = digest
         if old.get(rel) == digest and dest.is_file() and not dest.is_symlink():
             continue
-        if rel not in old and dest.is_file() and not dest.is_symlink() and dest.read_bytes() == data:
-            os.chmod(dest, mode)  # an interrupted sync left it right: keep its mtime
+        same = (old.get(rel, "").split(" ")[-1] == digest.split(" ")[-1]) if rel in old else None
+        if dest.is_file() and not dest.is_symlink() and (same or (same is None and dest.read_bytes() == data)):
+            os.chmod(dest, mode)  # the same content (an interrupted sync, or only the x bit moved): keep its mtime
             continue
         _remove(dest)
         dest.parent.mkdir(parents=True, exist_ok=True)
