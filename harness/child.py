@@ -52,7 +52,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, NoReturn
 
-from harness.interrupt import in_forked_child, shielded, track, untrack
+from harness.interrupt import check, in_forked_child, shielded, track, untrack
 
 __all__ = [
     "STACKS_ENV",
@@ -409,6 +409,7 @@ def spawn(argv: Sequence[str], *, stderr_path: str, env: Mapping[str, str] | Non
 
 def read_lines(children: Sequence[Spawned], timeout: float) -> list[tuple[Spawned, str]]:
     """Wait up to ``timeout`` s for output of any child; every complete line read, with its child."""
+    check()  # a Ctrl-C Python swallowed (in a finalizer) still ends the wait
     live = [c for c in children if not c.eof]
     if not live:
         time.sleep(max(0.0, min(timeout, 0.05)))

@@ -12,7 +12,10 @@ enters it too, so a campaign keeps its promise as a library) takes SIGINT and SI
   stop its servers and kill its children, it prints what it has (a campaign's summary) and exits 130.
   Inside :func:`shielded` (starting a child and recording its pid, writing a report, the cleanup and
   the summary) the first is held and raised when the section ends, so a child is never started
-  without being known, and a cleanup or a summary is never cut in the middle.
+  without being known, and a cleanup or a summary is never cut in the middle. It is never lost:
+  a KeyboardInterrupt raised inside ``fork``'s at-fork hooks (``subprocess`` with ``preexec_fn``
+  runs logging's) or inside a finalizer is swallowed by Python ("Exception ignored in ..."); starting
+  a child is shielded, and the loops that wait call :func:`check`, which raises it again.
 * **The second ends the process at once**: every live child process group this process started is
   SIGKILLed, one line goes to stderr, and the exit code is 130 (``os._exit``: no cleanup that could wait).
 
@@ -38,6 +41,7 @@ from harness.errors import EXIT_INTERRUPTED
 
 __all__ = [
     "SIGNALS",
+    "check",
     "guard",
     "in_forked_child",
     "interrupted",
@@ -79,6 +83,14 @@ def interrupted() -> bool:
 
 def _raise(signum: int, frame: FrameType | None) -> None:
     raise KeyboardInterrupt
+
+
+def check() -> None:
+    """Raise the Ctrl-C again if one came and the run goes on: Python swallows a KeyboardInterrupt raised
+    inside a finalizer, a weakref callback or an at-fork hook ("Exception ignored in ..."), so the loops
+    that must end on Ctrl-C (waiting for children, a soak's sampler) call this once per turn."""
+    if _state.received and not _state.shield and threading.current_thread() is threading.main_thread():
+        raise KeyboardInterrupt
 
 
 def take_signals() -> None:

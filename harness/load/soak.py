@@ -45,7 +45,7 @@ from typing import Any
 from faults.native import RemoteShim
 from fixtures.models import model_path
 from harness.errors import ServerStartError
-from harness.interrupt import interrupted
+from harness.interrupt import check, interrupted
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
 from harness.targets.llama_server import ServerProcess, proc_status
@@ -345,6 +345,7 @@ def _run(
     try:
         while time.monotonic() < deadline and not stop.is_set():
             time.sleep(1.0)
+            check()  # a Ctrl-C Python swallowed in a finalizer still ends the phase
             _sample(live, res, t0)
             if not live.server.running():
                 _crashed(live, shim, res, out)

@@ -28,7 +28,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from harness.errors import ServerStartError
-from harness.interrupt import interrupted, shielded, track, untrack
+from harness.interrupt import check, interrupted, shielded, track, untrack
 from harness.targets.llama_build import build_server, log_tail
 
 __all__ = ["ServerProcess", "ServerStartError", "proc_status"]
@@ -249,6 +249,7 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise self._fail(f"did not become healthy within {self.startup_timeout:.0f}s")
             time.sleep(0.1)
+            check()
 
     def stop(self) -> int | None:
         """SIGTERM the process group, SIGKILL after ``stop_timeout`` (at once after a Ctrl-C); the exit code."""
