@@ -1,19 +1,23 @@
 """``python -m harness``: see :mod:`harness.cli`.
 
 SIGINT and SIGTERM are taken first (a script's background job inherits SIGINT ignored), and a Ctrl-C
-during the imports exits 130 like one during a command.
+during the imports exits 130 like one during a command. An interrupted command ends without the
+interpreter's teardown (:func:`harness.interrupt.exit_now`).
 """
 
 import sys
 
 from harness.errors import EXIT_INTERRUPTED
-from harness.interrupt import take_signals
+from harness.interrupt import exit_now, take_signals
 
 take_signals()
 try:
     from harness.cli import main
 except KeyboardInterrupt:
     print("interrupted", file=sys.stderr)
-    sys.exit(EXIT_INTERRUPTED)
+    exit_now(EXIT_INTERRUPTED)
 
-sys.exit(main())
+rc = main()
+if rc == EXIT_INTERRUPTED:  # cleaned up and said so: end now, not after the interpreter's teardown
+    exit_now(rc)
+sys.exit(rc)

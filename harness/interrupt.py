@@ -30,18 +30,22 @@ This module imports nothing of the project but :mod:`harness.errors`: everything
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import os
 import signal
+import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
+from typing import NoReturn
 
 from harness.errors import EXIT_INTERRUPTED
 
 __all__ = [
     "SIGNALS",
     "check",
+    "exit_now",
     "guard",
     "in_forked_child",
     "interrupted",
@@ -91,6 +95,18 @@ def check() -> None:
     that must end on Ctrl-C (waiting for children, a soak's sampler) call this once per turn."""
     if _state.received and not _state.shield and threading.current_thread() is threading.main_thread():
         raise KeyboardInterrupt
+
+
+def exit_now(code: int) -> NoReturn:
+    """End an interrupted process whose cleanup is done: its ``atexit`` handlers, its output flushed, and then
+    ``os._exit``, without the interpreter's teardown of every imported library (0.4 s of CPU, seconds on a
+    loaded machine: the larger part of a Ctrl-C's latency)."""
+    with contextlib.suppress(Exception):
+        atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def take_signals() -> None:
