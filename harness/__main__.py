@@ -13,11 +13,11 @@ from harness.interrupt import exit_now, take_signals
 take_signals()
 try:
     from harness.cli import main
-except KeyboardInterrupt:
-    print("interrupted", file=sys.stderr)
-    exit_now(EXIT_INTERRUPTED)
 
-rc = main()
+    rc = main()
+except KeyboardInterrupt:  # in the imports, or before main's guard
+    print("interrupted", file=sys.stderr)
+    rc = EXIT_INTERRUPTED
 if rc == EXIT_INTERRUPTED:  # cleaned up and said so: end now, not after the interpreter's teardown
     exit_now(rc)
 sys.exit(rc)

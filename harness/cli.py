@@ -69,14 +69,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return EXIT_USAGE
-    run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][0].run
     try:
-        with guard():
+        with guard():  # from the parsing on: a Ctrl-C anywhere is this one exit
+            parser = build_parser()
+            args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+            if not getattr(args, "command", None):
+                parser.print_help()
+                return EXIT_USAGE
+            run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][0].run
             rc = run(args)
             return EXIT_INTERRUPTED if interrupted() else rc  # a Ctrl-C held through the end still counts
     except HarnessError as e:
