@@ -23,6 +23,8 @@ from harness.load.soak import LiveServer
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
 ROOT = Path(__file__).resolve().parents[1]
 
 

@@ -22,6 +22,8 @@ from harness.backends.llama_server import (
 )
 from harness.targets.llama_build import build_server
 
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def pr_binary() -> Path:
