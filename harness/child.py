@@ -27,6 +27,9 @@ the caller's current size (``fork`` resets it) rather than include the set-up. I
   inherits its parent's stacks file (faulthandler and the shim keep it open): its ``stacks`` are
   what it appended there.
 
+A tool that runs to its end with its output in a file (a build step) goes through :func:`run_logged`:
+its own session too, SIGINT and then SIGKILL for its group when the caller is interrupted.
+
 A child that must run *beside* the caller (the workers of a fuzz campaign) is started with
 :func:`spawn` instead: it returns at once with a :class:`Spawned` whose stdout is read line by line
 without blocking (:func:`read_lines`). The same promises hold: its own session, its whole process
@@ -56,6 +59,7 @@ from harness.interrupt import check, in_forked_child, shielded, track, untrack
 
 __all__ = [
     "STACKS_ENV",
+    "TOOL_GRACE",
     "WATCHDOG_ENV",
     "ChildResult",
     "Spawned",
@@ -63,11 +67,13 @@ __all__ = [
     "child_stacks_file",
     "read_lines",
     "run_child",
+    "run_logged",
     "spawn",
 ]
 
 STACKS_ENV = "FAULTS_STACKS"
 WATCHDOG_ENV = "FAULTS_WATCHDOG"
+TOOL_GRACE = 2.0  # seconds a tool interrupted by Ctrl-C has to clean up (run_logged) before SIGKILL
 _stacks_file: IO[str] | None = None  # kept open for faulthandler for the child's lifetime
 
 
@@ -306,6 +312,39 @@ def child_setup(*, watchdog: bool = True) -> None:
     seconds = os.environ.get(WATCHDOG_ENV)
     if watchdog and seconds:
         faulthandler.dump_traceback_later(float(seconds), exit=True, file=child_stacks_file())
+
+
+# ---- a tool run to its end ------------------------------------------------------------------------
+
+
+def run_logged(argv: Sequence[str], out: IO[str], *, cwd: str | os.PathLike[str] | None = None) -> int:
+    """Run a tool (a build step) to its end, its output to the file ``out``; its exit code.
+
+    Its own session, tracked, dying with the caller (so a ``kill -INT`` of the caller reaches it, not only
+    a terminal's Ctrl-C): when this returns by an exception (Ctrl-C) its group gets SIGINT, so that a build
+    tool removes what it had half written (ninja does), then SIGKILL after :data:`TOOL_GRACE` seconds.
+    """
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        with shielded():  # a Ctrl-C now is raised once the tool is known, inside this try
+            proc = subprocess.Popen(
+                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )  # fmt: skip
+            track(proc.pid)
+        return proc.wait()
+    finally:
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=TOOL_GRACE)
+            _kill_pid_group(proc.pid)  # what is left of its group, and the tool itself
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+            untrack(proc.pid)
 
 
 # ---- children beside the caller -----------------------------------------------------------------

@@ -135,3 +135,33 @@ def test_sigint_inherited_ignored_is_heard_again() -> None:
         """
     r = _py(code, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     assert r.returncode == 0 and r.stdout.split() == ["True", "heard"], r
+
+
+def test_a_build_tool_gets_sigint_to_clean_up_then_its_group_is_killed(tmp_path: Path) -> None:
+    """``run_logged`` (the build steps): ``kill -INT`` of the harness reaches the tool in its own group."""
+    log = tmp_path / "tool.log"
+    code = f"""
+        from harness.child import run_logged
+        from harness.interrupt import guard
+        tool = "trap 'echo cleaned up; exit 3' INT; echo started; sleep 120 & echo $! > {tmp_path}/sleep.pid; wait"
+        with open({str(log)!r}, "w") as out, guard():
+            try:
+                run_logged(["sh", "-c", tool], out)
+            except KeyboardInterrupt:
+                print("interrupted", flush=True)
+        """
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    proc = subprocess.Popen([sys.executable, "-c", textwrap.dedent(code)], stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        deadline = time.monotonic() + 60
+        while not (log.exists() and "started" in log.read_text() and (tmp_path / "sleep.pid").exists()):
+            assert time.monotonic() < deadline and proc.poll() is None, "the tool did not start"
+            time.sleep(0.05)
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGINT)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and out.strip() == "interrupted"
+    assert "cleaned up" in log.read_text()  # the tool heard SIGINT
+    assert _gone(int((tmp_path / "sleep.pid").read_text())), "the tool's background child outlived it"

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.child import run_logged
 from harness.errors import BuildError, HarnessError, UsageError
 
 __all__ = [
@@ -283,7 +284,7 @@ def _run_logged(cmd: Sequence[str], log_path: Path, failure: str, cwd: Path | No
         fh.write(f"\n$ {shlex.join(cmd)}\n")
         fh.flush()
         try:
-            rc = subprocess.run(list(cmd), stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, check=False).returncode
+            rc = run_logged(cmd, fh, cwd=cwd)  # its own group: a Ctrl-C stops the compilers too
         except OSError as e:
             raise BuildError(f"{failure}: cannot run {cmd[0]}: {e}") from e
     if rc != 0:
