@@ -5,8 +5,9 @@ The house, from the ground floor up. A module may import only from its own floor
 test ``tests/test_architecture.py`` reads every import and fails on a loop or an upward import.
 
 1. ``harness.errors`` (the error root and exit codes), ``harness.findings`` (the one registry of
-   known upstream findings), ``harness.child`` (the one helper every child process runs through),
-   ``fixtures`` (generated inputs: tiny GGUF models). They import nothing of the project above them.
+   known upstream findings), ``harness.interrupt`` (Ctrl-C: the first ends a run cleanly, the second
+   at once), ``harness.child`` (the one helper every child process runs through), ``fixtures``
+   (generated inputs: tiny GGUF models). They import nothing of the project above them.
 2. ``harness.model``: the reference model of llama-server's prompt cache, slots and checkpoints
    pinned to llama.cpp 0c1e570, in ``master`` and ``shared`` (PR #27451) semantics.
 3. ``harness.targets``: one adapter module per real or synthetic target (``synthetic``,

@@ -12,6 +12,9 @@ the caller's current size (``fork`` resets it) rather than include the set-up. I
   :class:`ChildResult` (``status`` ``"signalled"`` or ``"timeout"``), never an exception. The child
   runs in its own session; on timeout, on Ctrl-C, and in every case in ``finally``, its whole
   process group is killed and the child is reaped, so neither it nor a grandchild outlives the run.
+  It is started inside :func:`harness.interrupt.shielded` and tracked while it lives
+  (:func:`harness.interrupt.track`): a Ctrl-C never falls between its start and its caller knowing
+  it, and a second Ctrl-C kills it at once with the process.
 * **What it printed.** ``stdout`` and ``stderr`` of either kind of child are captured (a forked
   child's file descriptors 1 and 2 are redirected, so C libraries' output is captured too); a
   function's return value is the exit status (``None``: 0), an exception escaping it is printed to
@@ -23,6 +26,9 @@ the caller's current size (``fork`` resets it) rather than include the set-up. I
   file on a fatal signal. :attr:`ChildResult.stacks` holds whatever was written. A forked child
   inherits its parent's stacks file (faulthandler and the shim keep it open): its ``stacks`` are
   what it appended there.
+
+A tool that runs to its end with its output in a file (a build step) goes through :func:`run_logged`:
+its own session too, SIGINT and then SIGKILL for its group when the caller is interrupted.
 
 A child that must run *beside* the caller (the workers of a fuzz campaign) is started with
 :func:`spawn` instead: it returns at once with a :class:`Spawned` whose stdout is read line by line
@@ -49,8 +55,11 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import IO, NoReturn
 
+from harness.interrupt import check, in_forked_child, shielded, track, untrack
+
 __all__ = [
     "STACKS_ENV",
+    "TOOL_GRACE",
     "WATCHDOG_ENV",
     "ChildResult",
     "Spawned",
@@ -58,11 +67,13 @@ __all__ = [
     "child_stacks_file",
     "read_lines",
     "run_child",
+    "run_logged",
     "spawn",
 ]
 
 STACKS_ENV = "FAULTS_STACKS"
 WATCHDOG_ENV = "FAULTS_WATCHDOG"
+TOOL_GRACE = 2.0  # seconds a tool interrupted by Ctrl-C has to clean up (run_logged) before SIGKILL
 _stacks_file: IO[str] | None = None  # kept open for faulthandler for the child's lifetime
 
 
@@ -117,18 +128,21 @@ def run_child(
         if preload is not None:
             child_env["LD_PRELOAD"] = preload
         t0 = time.monotonic()
-        proc = subprocess.Popen(
-            list(argv),
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            env=child_env,
-            start_new_session=True,
-            text=True,
-            errors="replace",
-        )
+        proc: subprocess.Popen[str] | None = None
         timed_out = False
         try:
+            with shielded():  # a Ctrl-C now is raised once the child is known, inside this try
+                proc = subprocess.Popen(
+                    list(argv),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.PIPE,
+                    stderr=subprocess.PIPE,
+                    env=child_env,
+                    start_new_session=True,
+                    text=True,
+                    errors="replace",
+                )
+                track(proc.pid)
             try:
                 out, err = proc.communicate(timeout=timeout)
             except subprocess.TimeoutExpired:
@@ -136,16 +150,19 @@ def run_child(
                 _kill_group(proc)
                 out, err = proc.communicate(timeout=10)
         finally:
-            _kill_group(proc)
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait(timeout=10)
+            if proc is not None:
+                _kill_group(proc)
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait(timeout=10)
+                untrack(proc.pid)
         elapsed = time.monotonic() - t0
         try:
             with open(stacks, errors="replace") as f:
                 stack_text = f.read()
         except OSError:
             stack_text = ""
+    assert proc is not None  # started, or the try above raised
     return _result(list(argv), proc.returncode, timed_out, out, err, stack_text, elapsed)
 
 
@@ -182,18 +199,23 @@ def _run_forked(fn: Callable[[], int | None], timeout: float) -> ChildResult:
             with contextlib.suppress(Exception):
                 stream.flush()  # or the child would write the parent's pending output again
         t0 = time.monotonic()
-        pid = os.fork()
-        if pid == 0:
-            _forked(fn, out_f.fileno(), err_f.fileno(), inherited, stacks_f.fileno())
         exited = False
+        pid = 0
         try:
+            with shielded():  # a Ctrl-C now is raised once the child is known, inside this try
+                pid = os.fork()
+                if pid == 0:
+                    _forked(fn, out_f.fileno(), err_f.fileno(), inherited, stacks_f.fileno())
+                track(pid)
             exited = _wait_exit(pid, timeout)
         finally:
-            _kill_pid_group(pid)  # grandchildren, and the child itself on timeout or Ctrl-C
-            if not exited:  # also when it was stopped before its setsid made the group
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(pid, signal.SIGKILL)
-            _, status = os.waitpid(pid, 0)
+            if pid:
+                _kill_pid_group(pid)  # grandchildren, and the child itself on timeout or Ctrl-C
+                if not exited:  # also when it was stopped before its setsid made the group
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                _, status = os.waitpid(pid, 0)
+                untrack(pid)
         elapsed = time.monotonic() - t0
         out, err = _read_all(out_f), _read_all(err_f)
         stacks = _read_from(inherited, offset) if inherited else _read_all(stacks_f)
@@ -205,6 +227,7 @@ def _forked(fn: Callable[[], int | None], out_fd: int, err_fd: int, stacks: str 
     """The forked child: its own session, output to the capture files, ``fn``'s status; never returns."""
     code = 1
     try:
+        in_forked_child()
         os.setsid()
         os.dup2(out_fd, 1)
         os.dup2(err_fd, 2)
@@ -291,6 +314,46 @@ def child_setup(*, watchdog: bool = True) -> None:
         faulthandler.dump_traceback_later(float(seconds), exit=True, file=child_stacks_file())
 
 
+# ---- a tool run to its end ------------------------------------------------------------------------
+
+
+def run_logged(
+    argv: Sequence[str],
+    out: IO[str],
+    *,
+    cwd: str | os.PathLike[str] | None = None,
+    env: Mapping[str, str] | None = None,
+) -> int:
+    """Run a tool (a build step) to its end, its output to the file ``out``; its exit code.
+
+    Its own session, tracked, dying with the caller (so a ``kill -INT`` of the caller reaches it, not only
+    a terminal's Ctrl-C): when this returns by an exception (Ctrl-C) its group gets SIGINT, so that a build
+    tool removes what it had half written (ninja does), then SIGKILL after :data:`TOOL_GRACE` seconds.
+    """
+    proc: subprocess.Popen[bytes] | None = None
+    try:
+        with shielded():  # a Ctrl-C now is raised once the tool is known, inside this try
+            proc = subprocess.Popen(
+                list(argv), stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, cwd=cwd,
+                env=None if env is None else {**os.environ, **env},
+                start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+            )  # fmt: skip
+            track(proc.pid)
+        return proc.wait()
+    finally:
+        if proc is not None:
+            if proc.poll() is None:
+                with contextlib.suppress(ProcessLookupError, PermissionError):
+                    os.killpg(proc.pid, signal.SIGINT)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    proc.wait(timeout=TOOL_GRACE)
+            _kill_pid_group(proc.pid)  # what is left of its group, and the tool itself
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait(timeout=10)
+            untrack(proc.pid)
+
+
 # ---- children beside the caller -----------------------------------------------------------------
 
 
@@ -309,7 +372,7 @@ class Spawned:
         self.stderr_path = stderr_path
         self._buf = b""
         self.eof = False
-        with open(stderr_path, "wb") as err:
+        with open(stderr_path, "wb") as err, shielded():  # known before a Ctrl-C is raised
             self.proc = subprocess.Popen(
                 self.argv,
                 stdin=subprocess.DEVNULL,
@@ -319,6 +382,7 @@ class Spawned:
                 start_new_session=True,
                 preexec_fn=_die_with_parent if sys.platform == "linux" else None,
             )
+            track(self.proc.pid)
         assert self.proc.stdout is not None
         self.fd = self.proc.stdout.fileno()
         os.set_blocking(self.fd, False)
@@ -356,17 +420,26 @@ class Spawned:
         except OSError:
             return ""
 
-    def kill(self) -> None:
-        """Kill the child's whole process group and reap it (idempotent)."""
+    def kill(self, *, close: bool = True) -> None:
+        """Kill the child's whole process group and reap it (idempotent). ``close=False`` keeps its stdout
+        open: what it wrote before it died can still be read (:meth:`drain`)."""
         _kill_pid_group(self.proc.pid)
         if self.proc.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 self.proc.kill()
         with contextlib.suppress(subprocess.TimeoutExpired):
             self.proc.wait(timeout=10)
-        if self.proc.stdout is not None:
+        untrack(self.proc.pid)
+        if close and self.proc.stdout is not None:
             with contextlib.suppress(OSError):
                 self.proc.stdout.close()
+            self.eof = True
+
+    def drain(self) -> list[str]:
+        """The lines still unread of a child that is dead (:meth:`kill` with ``close=False``)."""
+        if self.proc.stdout is None or self.proc.stdout.closed:
+            return []
+        return self._read()
 
     def __enter__(self) -> Spawned:
         return self
@@ -382,6 +455,7 @@ def spawn(argv: Sequence[str], *, stderr_path: str, env: Mapping[str, str] | Non
 
 def read_lines(children: Sequence[Spawned], timeout: float) -> list[tuple[Spawned, str]]:
     """Wait up to ``timeout`` s for output of any child; every complete line read, with its child."""
+    check()  # a Ctrl-C Python swallowed (in a finalizer) still ends the wait
     live = [c for c in children if not c.eof]
     if not live:
         time.sleep(max(0.0, min(timeout, 0.05)))

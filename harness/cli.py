@@ -3,8 +3,9 @@
 The commands are the modules of :mod:`harness.commands`, imported here directly; this module only
 lists them, parses the command line and maps errors to exit codes. Any
 :class:`~harness.errors.HarnessError` that escapes a command is printed as one line and ends the
-run with the exit code it carries (the table is in :mod:`harness.errors`); Ctrl-C exits 130 after
-the children are cleaned up.
+run with the exit code it carries (the table is in :mod:`harness.errors`). Every command runs inside
+:func:`harness.interrupt.guard`: Ctrl-C (or SIGTERM) exits 130 after the children are cleaned up, a
+second Ctrl-C at once.
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ from harness.commands import (
     sweep,
 )
 from harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, HarnessError
+from harness.interrupt import guard, interrupted
 
 __all__ = ["COMMANDS", "build_parser", "main"]
 
@@ -67,14 +69,16 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = build_parser()
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
-    if not getattr(args, "command", None):
-        parser.print_help()
-        return EXIT_USAGE
-    run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][0].run
     try:
-        return run(args)
+        with guard():  # from the parsing on: a Ctrl-C anywhere is this one exit
+            parser = build_parser()
+            args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+            if not getattr(args, "command", None):
+                parser.print_help()
+                return EXIT_USAGE
+            run: Callable[[argparse.Namespace], int] = COMMANDS[args.command][0].run
+            rc = run(args)
+            return EXIT_INTERRUPTED if interrupted() else rc  # a Ctrl-C held through the end still counts
     except HarnessError as e:
         print(f"error: {e}", file=sys.stderr)
         return e.exit_code

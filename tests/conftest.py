@@ -1,12 +1,22 @@
-"""Shared builders for the unit tests: hand-made checkpoints, prompts, cache entries, and a ledger check."""
+"""Shared builders for the unit tests: hand-made checkpoints, prompts, cache entries, and a ledger check.
+
+And the llama-server builds, before the first test: a module whose tests run the real server says so
+(``pytestmark = pytest.mark.llama_server_builds``), and when one of its tests is selected, both pinned
+builds (``shared`` and ``master``) are made or found in the cache once, after collection, with a line
+each. A cold build takes minutes (9 and 4.5 on 2 cores): inside a test it would trip pytest's
+``faulthandler_timeout`` and print every thread's stack; here no test's timer runs.
+"""
 
 from __future__ import annotations
 
+import sys
+import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
 
+from harness.errors import HarnessError
 from harness.model import (
     CheckpointList,
     CommonPromptCheckpoint,
@@ -17,7 +27,38 @@ from harness.model import (
     ServerPromptCacheState,
     get_semantics,
 )
+from harness.targets.llama_build import build_server, cached_binary
 from harness.targets.llama_pinned import export_pinned
+
+BUILDS = (("shared", "pr"), ("master", "master"))
+
+
+def pytest_collection_finish(session: pytest.Session) -> None:
+    if session.config.option.collectonly or not any(
+        item.get_closest_marker("llama_server_builds") for item in session.items
+    ):
+        return
+    reporter = session.config.pluginmanager.get_plugin("terminalreporter")
+
+    def say(line: str) -> None:
+        if reporter is not None:
+            reporter.write_line(line)
+        else:
+            print(line, file=sys.stderr)
+
+    for semantics, flavour in BUILDS:
+        if cached_binary(flavour) is not None:
+            say(f"llama-server builds for the server tests: {semantics} cached")
+            continue
+        say(f"llama-server builds for the server tests: building {semantics} now, before the tests "
+            "(minutes on 2 cores; once, then cached)")  # fmt: skip
+        t0 = time.monotonic()
+        try:
+            build_server(flavour, log=lambda m: say(f"  build: {m}"))
+        except HarnessError as e:  # the tests that need it fail with the same one line
+            say(f"llama-server builds for the server tests: {semantics} failed: {e}")
+            continue
+        say(f"llama-server builds for the server tests: {semantics} built in {time.monotonic() - t0:.0f} s")
 
 
 def pattern(n: int, seed: int) -> bytes:

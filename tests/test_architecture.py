@@ -17,6 +17,7 @@ PACKAGES = ("harness", "properties", "faults", "fixtures", "ci")
 FLOORS: list[tuple[str, int]] = [
     ("harness.errors", 0),
     ("harness.findings", 0),
+    ("harness.interrupt", 0),  # Ctrl-C: one handler, the live children's process groups
     ("harness.child", 0),
     ("fixtures", 0),
     ("harness.model", 1),

@@ -20,6 +20,8 @@ import pytest
 
 from harness.targets import llama_build as ls
 
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW = REPO / "ci" / "github" / "prompt-cache-gate.yml"
 SCRIPT = REPO / "ci" / "fork_gate.sh"

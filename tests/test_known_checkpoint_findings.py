@@ -13,6 +13,8 @@ import pytest
 from properties.invariants import Violation
 from properties.machine import MachineConfig, machine_class
 
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
 
 def _f1(known: frozenset[str]) -> None:
     # F1 needs prompts that do not share a first token: the main runs start every prompt with BOS

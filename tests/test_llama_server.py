@@ -25,6 +25,8 @@ from harness.targets import llama_pinned
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess, ServerStartError
 
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
 REPO = Path(__file__).resolve().parent.parent
 PROMPT = "The quick brown fox jumps over the lazy dog. " * 3
 

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
+import signal
 import subprocess
 import sys
 import threading
@@ -22,6 +24,8 @@ from harness.load.outputs import Divergences
 from harness.load.soak import LiveServer
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
+
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -179,6 +183,52 @@ def test_soak_detects_a_broken_rss_bound(pr_binary: Path, tmp_path: Path) -> Non
         assert any(f.name.startswith("soak-mamba-") and f.stat().st_size > 0 for f in kept.iterdir())
     finally:
         shutil.rmtree(kept, ignore_errors=True)
+
+
+def _descendants(pid: int) -> set[int]:
+    out: set[int] = set()
+    todo = [pid]
+    while todo:
+        p = todo.pop()
+        with contextlib.suppress(OSError), open(f"/proc/{p}/task/{p}/children") as f:
+            kids = {int(k) for k in f.read().split()}
+            out |= kids
+            todo += kids
+    return out
+
+
+def _alive(pids: set[int]) -> set[int]:
+    alive = set()
+    for p in pids:
+        with contextlib.suppress(OSError), open(f"/proc/{p}/stat") as f:
+            if f.read().rsplit(")", 1)[1].split()[0] != "Z":
+                alive.add(p)
+    return alive
+
+
+@pytest.mark.parametrize("argv", [["soak", "--minutes", "2", "--arch", "mamba"], ["concurrent", "--traces", "2"]])
+def test_ctrl_c_under_load_stops_every_server_and_exits_130(pr_binary: Path, argv: list[str]) -> None:
+    """The clients are sending, two servers run (the one under load and the fresh one): Ctrl-C ends it all."""
+    proc = subprocess.Popen([sys.executable, "-m", "harness", *argv], cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True)  # fmt: skip
+    seen: set[int] = set()
+    try:
+        deadline = time.monotonic() + 240
+        while len(_alive(seen)) < 2:  # both servers started (their model loaded or loading)
+            seen |= _descendants(proc.pid)
+            assert proc.poll() is None and time.monotonic() < deadline, "the servers did not start"
+            time.sleep(0.02)
+        time.sleep(2.0)  # requests in flight
+        seen |= _descendants(proc.pid)
+        t0 = time.monotonic()
+        proc.send_signal(signal.SIGINT)
+        _, err = proc.communicate(timeout=30)
+        took = time.monotonic() - t0
+    finally:
+        proc.kill()
+    assert proc.returncode == 130 and "Traceback" not in err, err
+    assert took < 30
+    assert not _alive(seen), "a server or child outlived the command"
 
 
 def test_busy_slot_by_id_reproducer_shows_the_wrong_answer_on_the_pr_server(pr_binary: Path) -> None:

@@ -15,6 +15,8 @@ from faults.rlimit import LimitedRun
 from harness.pytest_plugin import NativeFaults
 from harness.targets.llama_build import cached_binary
 
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
 pytest_plugins = ["pytester"]
 
 ROOT = Path(__file__).resolve().parents[1]

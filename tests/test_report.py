@@ -21,6 +21,8 @@ from harness.commands.mutants import kill
 from harness.measure.page import SECTIONS
 from harness.measure.report import Options, Plan, build_report
 
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 
 # The tolerances, stated once. The same save measured two ways:

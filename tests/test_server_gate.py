@@ -21,6 +21,8 @@ from harness.backends.llama_server.differential import (
 from harness.backends.llama_server.memory import save_fault, save_peak
 from harness.targets.llama_build import build_server
 
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
 
 @pytest.fixture(scope="module")
 def pr_binary() -> Path:

@@ -9,8 +9,12 @@ until the budget is spent.
 Nothing found is lost: a worker saves the shrunk example and then the failure record in the
 database before it sends the event; the campaign then rewrites the ``--json`` report, and only
 then prints the failure. A kill -9 of the campaign loses nothing it printed (the workers die with
-it: ``PR_SET_PDEATHSIG``). Ctrl-C (or SIGTERM) ends the campaign: every worker's process group is
-killed in ``finally``, and the summary is printed with what was found so far.
+it: ``PR_SET_PDEATHSIG``). Ctrl-C (or SIGTERM) ends the campaign at any moment of its life
+(:mod:`harness.interrupt`): every worker's process group is killed, the events they had already
+written are read and the failures they had saved but not sent are taken from the database (a
+failure still being shrunk is not saved yet, and is lost), then the summary is printed once with
+what was found. A worker is recorded before a Ctrl-C can be raised; a second Ctrl-C kills every
+worker and exits at once (130).
 """
 
 from __future__ import annotations
@@ -19,20 +23,23 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import sys
 import tempfile
 import time
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
-from types import FrameType
 from typing import Any, Protocol
+
+from hypothesis.database import ExampleDatabase
 
 from harness.campaign.machines import Plan, check_ready, machines
 from harness.campaign.replay import Verdict, replay_records
 from harness.campaign.store import FailureRecord, failures, open_db
 from harness.campaign.worker import EVENT
 from harness.child import Spawned, read_lines, spawn
+from harness.interrupt import guard, interrupted, shielded
 
 __all__ = ["GRACE", "CampaignState", "MachineStat", "View", "run_campaign"]
 
@@ -136,20 +143,6 @@ def _write_json(path: str | None, state: CampaignState) -> None:
     os.replace(tmp, path)
 
 
-@contextlib.contextmanager
-def _sigterm_interrupts() -> Iterator[None]:
-    """SIGTERM (a CI timeout, ``kill``) ends the campaign like Ctrl-C: children killed, summary printed."""
-
-    def handler(signum: int, frame: FrameType | None) -> None:
-        raise KeyboardInterrupt
-
-    old = signal.signal(signal.SIGTERM, handler)
-    try:
-        yield
-    finally:
-        signal.signal(signal.SIGTERM, old)
-
-
 def run_campaign(
     plan: Plan,
     db_spec: str,
@@ -168,33 +161,78 @@ def run_campaign(
     budget = f"{examples} examples per machine" if examples is not None else f"{minutes:g} minutes"
     stats = {s.name: MachineStat(s.name, s.backend) for s in specs}
     state = CampaignState(db_spec, plan, max(1, min(workers, len(specs))), budget, stats)
-    view.start(state)
     children: list[Spawned] = []
-    with _sigterm_interrupts(), tempfile.TemporaryDirectory(prefix="fuzz-campaign-") as tmp:
+    with guard(), tempfile.TemporaryDirectory(prefix="fuzz-campaign-") as tmp:
         try:
+            view.start(state)
             earlier = failures(db)
             if earlier:
                 view.line(f"replaying the {len(earlier)} failure(s) the database holds first:")
                 state.replayed = replay_records(db, earlier, view.line)
             deadline = None if minutes is None else time.time() + 60 * minutes
-            children = _spawn(state, specs, db_spec, deadline, examples, tmp)
+            _spawn(state, specs, db_spec, deadline, examples, tmp, children)
             _follow(state, children, view, deadline, json_path, interval)
         except KeyboardInterrupt:
             state.interrupted = True
         finally:
-            for c in children:
-                c.kill()
-            _write_json(json_path, state)
-    view.stop(state)
+            with shielded(reraise=False):  # a first Ctrl-C now ends nothing early: cleanup, then the summary
+                _stop(state, children, db, view, json_path)
+                state.interrupted = state.interrupted or interrupted()
+                view.stop(state)
     return state
 
 
+def _stop(
+    state: CampaignState, children: list[Spawned], db: ExampleDatabase, view: View, json_path: str | None
+) -> None:
+    """Kill the workers; after a Ctrl-C, what they wrote before they died and what they saved without telling."""
+    for c in children:
+        c.kill(close=False)
+    if state.interrupted or interrupted() or state.broken_workers:
+        for i, c in enumerate(children):
+            for line in c.drain():
+                if line.startswith(EVENT):
+                    with contextlib.suppress(ValueError, KeyError, TypeError):
+                        _event(state, i, json.loads(line[len(EVENT) :]), set(), view, json_path)
+        _unreported(state, children, db, view, json_path)
+    for c in children:
+        c.kill()
+    _write_json(json_path, state)
+
+
+def _unreported(
+    state: CampaignState, children: list[Spawned], db: ExampleDatabase, view: View, json_path: str | None
+) -> None:
+    """Failures a worker of this campaign saved in the database but was stopped before it sent."""
+    ours = {f"{socket.gethostname()}:{c.pid}" for c in children}
+    known = {r.id for r in state.failures} | {v.record.id for v in state.replayed}
+    try:
+        saved = failures(db)
+    except Exception as e:  # a database gone away at the end: say so, the records stay where they are
+        state.notes.append(f"could not read the database for failures saved but not reported: {e}")
+        return
+    for rec in saved:
+        if rec.where in ours and rec.id not in known:
+            state.failures.append(rec)
+            if rec.machine in state.machines:
+                state.machines[rec.machine].failures.append(rec.id)
+            state.notes.append(f"{rec.id} was saved by a worker stopped before it reported it")
+            _write_json(json_path, state)
+            view.failure(state, rec)
+
+
 def _spawn(
-    state: CampaignState, specs: list[Any], db_spec: str, deadline: float | None, examples: int | None, tmp: str
-) -> list[Spawned]:
+    state: CampaignState,
+    specs: list[Any],
+    db_spec: str,
+    deadline: float | None,
+    examples: int | None,
+    tmp: str,
+    children: list[Spawned],
+) -> None:
+    """Start the workers into ``children``, each one in it before a Ctrl-C can be raised."""
     env = dict(os.environ)
     env["PYTHONPATH"] = ROOT + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
-    children = []
     for i in range(state.workers):
         job = {
             "plan": state.plan.to_json(),
@@ -205,8 +243,8 @@ def _spawn(
             "worker": i,
         }
         argv = [sys.executable, "-m", "harness.campaign.worker", json.dumps(job)]
-        children.append(spawn(argv, stderr_path=os.path.join(tmp, f"worker-{i}.stderr"), env=env))
-    return children
+        with shielded():
+            children.append(spawn(argv, stderr_path=os.path.join(tmp, f"worker-{i}.stderr"), env=env))
 
 
 def _follow(
@@ -226,7 +264,8 @@ def _follow(
             break
         for child, line in read_lines(children, max(0.05, min(1.0, next_view - time.monotonic()))):
             if line.startswith(EVENT):
-                _event(state, children.index(child), json.loads(line[len(EVENT) :]), done, view, json_path)
+                with shielded():  # the report and the failure's lines whole, then the Ctrl-C
+                    _event(state, children.index(child), json.loads(line[len(EVENT) :]), done, view, json_path)
         if time.monotonic() >= next_view:
             view.update(state)
             next_view = time.monotonic() + interval

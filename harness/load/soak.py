@@ -27,7 +27,7 @@ a new tail, without pause. A sampler reads, every second, the server's ``VmRSS``
 Reported per model and phase: requests/s, p50/p99 latency, the RSS curve (one sample a second),
 the cache's size and entries, evictions, fault trials and how many the server survived. Every loop
 is bounded by the phase's deadline and :data:`MAX_REQUESTS`; servers are stopped on failure and
-Ctrl-C.
+Ctrl-C (killed at once, so that the clients' requests end with them).
 """
 
 from __future__ import annotations
@@ -44,6 +44,7 @@ from typing import Any
 from faults.native import RemoteShim
 from fixtures.models import model_path
 from harness.errors import ServerStartError
+from harness.interrupt import check, interrupted
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
 from harness.targets.llama_server import RequestFailed, ServerProcess, proc_status
@@ -343,6 +344,7 @@ def _run(
     try:
         while time.monotonic() < deadline and not stop.is_set():
             time.sleep(1.0)
+            check()  # a Ctrl-C Python swallowed in a finalizer still ends the phase
             _sample(live, res, t0)
             if not live.server.running():
                 _crashed(live, shim, res, out)
@@ -355,6 +357,8 @@ def _run(
                 next_fault = time.monotonic() + FAULT_PERIOD_S
     finally:
         stop.set()
+        if interrupted():  # the clients' requests end with the server, not after their timeouts
+            live.server.stop()
         for t in threads:
             t.join(live.server.request_timeout)
     res.seconds = time.monotonic() - t0

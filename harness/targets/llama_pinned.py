@@ -25,6 +25,7 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from harness.child import run_logged as run_tool
 from harness.errors import BuildError, HarnessError, UsageError
 from harness.targets.llama_semantics import infer_semantics
 from harness.targets.llama_tree import cache_root, file_lock, source_files, tree_hash, walk_tree
@@ -72,8 +73,7 @@ def run_logged(cmd: Sequence[str], log_path: Path, failure: str, cwd: Path | Non
         fh.write(f"\n$ {shlex.join(cmd)}\n")
         fh.flush()
         try:
-            rc = subprocess.run(list(cmd), stdout=fh, stderr=subprocess.STDOUT, cwd=cwd, check=False,
-                                env=None if env is None else {**os.environ, **env}).returncode  # fmt: skip
+            rc = run_tool(cmd, fh, cwd=cwd, env=env)  # its own group: a Ctrl-C stops the compilers too
         except OSError as e:
             raise BuildError(f"{failure}: cannot run {cmd[0]}: {e}") from e
     if rc != 0:

@@ -2,8 +2,9 @@
 
 :class:`ServerProcess` starts it on ``127.0.0.1`` and a free port, waits for ``GET /health``, and
 always stops it again (context exit, exceptions, Ctrl-C, ``atexit``; the server also dies with the
-process that started it). A server that will not start, or a port in use, is one
-:class:`~harness.errors.ServerStartError` line with the tail of the server's log.
+process that started it). After a Ctrl-C it is SIGKILLed at once rather than asked to stop, and a
+second Ctrl-C kills it with the process (:mod:`harness.interrupt`). A server that will not start,
+or a port in use, is one :class:`~harness.errors.ServerStartError` line with the tail of the server's log.
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ from types import TracebackType
 from typing import IO, Any
 
 from harness.errors import RequestFailed, ServerStartError
+from harness.interrupt import check, interrupted, shielded, track, untrack
 from harness.targets.llama_build import build_server, log_tail
 
 __all__ = [
@@ -220,16 +222,18 @@ class ServerProcess:
         self._log_fh.write(f"$ {' '.join(cmd)}\n".encode())
         self._log_fh.flush()
         try:
-            self.proc = subprocess.Popen(
-                cmd, stdin=subprocess.DEVNULL, stdout=self._log_fh, stderr=subprocess.STDOUT, env=env,
-                start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
-            )  # fmt: skip
-        except OSError as e:
-            self._close_log()
-            raise self._fail(f"could not be started: {e}") from None
-        with _LIVE_LOCK:
-            _LIVE.add(self)
-        try:
+            with shielded():  # a Ctrl-C now is raised once the server is known (and then stops it)
+                try:
+                    self.proc = subprocess.Popen(
+                        cmd, stdin=subprocess.DEVNULL, stdout=self._log_fh, stderr=subprocess.STDOUT, env=env,
+                        start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                    )  # fmt: skip
+                except OSError as e:
+                    self._close_log()
+                    raise self._fail(f"could not be started: {e}") from None
+                track(self.proc.pid)
+                with _LIVE_LOCK:
+                    _LIVE.add(self)
             self._wait_healthy()
         except BaseException:
             self.stop()
@@ -253,9 +257,10 @@ class ServerProcess:
             if time.monotonic() > deadline:
                 raise self._fail(f"did not become healthy within {self.startup_timeout:.0f}s")
             time.sleep(0.1)
+            check()
 
     def stop(self) -> int | None:
-        """SIGTERM the process group, SIGKILL after ``stop_timeout``; returns the exit code."""
+        """SIGTERM the process group, SIGKILL after ``stop_timeout`` (at once after a Ctrl-C); the exit code."""
         proc = self.proc
         rc: int | None = None
         if proc is not None and self._stopped:
@@ -263,7 +268,10 @@ class ServerProcess:
         if proc is not None:
             self._stopped = True
             try:
-                if proc.poll() is None:
+                if proc.poll() is None and interrupted():  # no grace: the run is ending
+                    self._signal(proc, signal.SIGKILL)
+                    proc.wait()
+                elif proc.poll() is None:
                     self._signal(proc, signal.SIGTERM)
                     try:
                         proc.wait(self.stop_timeout)
@@ -278,6 +286,7 @@ class ServerProcess:
                 raise
             finally:
                 rc = proc.returncode
+                untrack(proc.pid)
                 with _LIVE_LOCK:
                     _LIVE.discard(self)
                 self._close_log()
