@@ -4,12 +4,15 @@ And the llama-server builds, before the first test: a module whose tests run the
 (``pytestmark = pytest.mark.llama_server_builds``), and when one of its tests is selected, both pinned
 builds (``shared`` and ``master``) are made or found in the cache once, after collection, with a line
 each. A cold build takes minutes (9 and 4.5 on 2 cores): inside a test it would trip pytest's
-``faulthandler_timeout`` and print every thread's stack; here no test's timer runs.
+``faulthandler_timeout`` and print every thread's stack; here no test's timer runs. A module whose tests
+build users' trees (``pytest.mark.user_trees``) gets those trees made and built there too (:data:`BUILT`).
 """
 
 from __future__ import annotations
 
+import shutil
 import sys
+import tempfile
 import time
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -27,7 +30,7 @@ from harness.model import (
     ServerPromptCacheState,
     get_semantics,
 )
-from harness.targets.llama_build import build_server, cached_binary
+from harness.targets.llama_build import build_server, build_source, cached_binary
 from harness.targets.llama_pinned import export_pinned
 
 BUILDS = (("shared", "pr"), ("master", "master"))
@@ -59,6 +62,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             say(f"llama-server builds for the server tests: {semantics} failed: {e}")
             continue
         say(f"llama-server builds for the server tests: {semantics} built in {time.monotonic() - t0:.0f} s")
+    if any(item.get_closest_marker("user_trees") for item in session.items):
+        _build_users_trees(session, say)
 
 
 def pattern(n: int, seed: int) -> bytes:
@@ -244,15 +249,46 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
     return tree
 
 
+BUILT = ("threshold", "fail", "renamed")
+"""The users' trees the tests build (the others are the pinned builds, or are only read)."""
+_MADE = pytest.StashKey[dict[str, Path]]()
+_ROOT = pytest.StashKey[Path]()
+
+
+def _trees_root(config: pytest.Config) -> Path:
+    if _ROOT not in config.stash:
+        config.stash[_ROOT] = Path(tempfile.mkdtemp(prefix="harness-trees-"))
+        config.stash[_MADE] = {}
+    return config.stash[_ROOT]
+
+
+def _tree(config: pytest.Config, name: str) -> Path:
+    root = _trees_root(config)
+    made = config.stash[_MADE]
+    if name not in made:
+        semantics, edits = TREES[name]
+        made[name] = make_tree(root / name, semantics, edits)
+    return made[name]
+
+
+def _build_users_trees(session: pytest.Session, say: Callable[[str], None]) -> None:
+    for name in BUILT:
+        t0 = time.monotonic()
+        try:
+            build_source(_tree(session.config, name), log=lambda _m: None)
+        except HarnessError as e:  # the tests that need it fail with the same one line
+            say(f"users' trees for the tests: {name} failed: {e}")
+            continue
+        say(f"users' trees for the tests: {name} built or cached in {time.monotonic() - t0:.0f} s")
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if _ROOT in session.config.stash:
+        shutil.rmtree(session.config.stash[_ROOT], ignore_errors=True)
+
+
 @pytest.fixture(scope="session")
-def trees(tmp_path_factory: pytest.TempPathFactory) -> Callable[[str], Path]:
-    """``trees(name)``: the user's tree :data:`TREES` names, made once per session."""
-    made: dict[str, Path] = {}
-
-    def get(name: str) -> Path:
-        if name not in made:
-            semantics, edits = TREES[name]
-            made[name] = make_tree(tmp_path_factory.mktemp("trees") / name, semantics, edits)
-        return made[name]
-
-    return get
+def trees(request: pytest.FixtureRequest) -> Callable[[str], Path]:
+    """``trees(name)``: the user's tree :data:`TREES` names, made once per session (built before the first
+    test when the module is marked ``user_trees``)."""
+    return lambda name: _tree(request.config, name)

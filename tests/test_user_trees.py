@@ -24,6 +24,8 @@ from harness.targets.llama_api import check_libllama
 from harness.targets.llama_build import build_server, build_source, cache_root
 from harness.targets.llama_pinned import sdist_source
 
+pytestmark = [pytest.mark.llama_server_builds, pytest.mark.user_trees]  # built before the first test (conftest)
+
 REPO = Path(__file__).resolve().parents[1]
 Trees = Callable[[str], Path]
 
