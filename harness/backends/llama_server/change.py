@@ -35,6 +35,8 @@ from harness.backends.llama_server.differential import (
     Program,
     ServerConfig,
     ServerMismatch,
+    prompt_from,
+    request_rule,
     unique_log,
 )
 from harness.targets.llama_server import RequestFailed, ServerProcess
@@ -345,19 +347,10 @@ def change_machine(
             if step.base.generated:
                 self.held.append(tokens + step.base.generated)  # what the slot now holds
 
-        @rule(
-            source=st.integers(0, 7),
-            keep=st.integers(0, 24),
-            n_new=st.sampled_from([0, 1, 8, 40, 120, 300, 700]),
-            seed=st.integers(0, 255),
-            n_predict=st.integers(1, 6),
-        )
+        @request_rule
         def request(self, source: int, keep: int, n_new: int, seed: int, n_predict: int) -> None:
-            """A prompt: 0-100 % (in 24ths) of one sent or held earlier, then new tokens (as the differential)."""
-            base_toks = self.held[-1 - source % len(self.held)] if self.held else ()
-            head = base_toks[: len(base_toks) * keep // 24]
-            new = tuple(3 + (seed * 31 + i * 17) % 256 for i in range(n_new))
-            self._send((head + new)[-(cfg.n_ctx // cfg.n_parallel - 16) :] or (1,), n_predict)
+            """A prompt: 0-100 % (in 24ths) of one sent or held earlier (latest first), then new tokens."""
+            self._send(prompt_from(self.held[::-1], cfg, source, keep, n_new, seed), n_predict)
 
         @precondition(lambda self: len(self.p.sent) > 0)
         @rule(i=st.integers(0, 50))

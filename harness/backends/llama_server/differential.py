@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -56,7 +56,9 @@ __all__ = [
     "eviction_program",
     "full_context",
     "full_context_program",
+    "prompt_from",
     "request_failure",
+    "request_rule",
     "run_program",
     "sanitizer_reports",
     "server_configs",
@@ -322,6 +324,28 @@ class MachineStats:
     drafted: int = 0  # draft tokens the server proposed (speculative configurations)
 
 
+def request_rule(f: Callable[..., None]) -> Callable[..., None]:
+    """The request rule's arguments, shared by the differential and the change differential (the same
+    programs): which base, how much of it (24ths), how many new tokens, their seed, ``n_predict``."""
+    decorated: Callable[..., None] = rule(
+        source=st.integers(0, 7),
+        keep=st.integers(0, 24),
+        n_new=st.sampled_from([0, 1, 8, 40, 120, 300, 700]),
+        seed=st.integers(0, 255),
+        n_predict=st.integers(1, 6),
+    )(f)
+    return decorated
+
+
+def prompt_from(bases: Sequence[tuple[int, ...]], cfg: ServerConfig, source: int, keep: int, n_new: int,
+                seed: int) -> tuple[int, ...]:  # fmt: skip
+    """0-100 % (``keep`` 24ths) of the ``source``-th base, then ``n_new`` new tokens; fitted to a slot's context."""
+    base = bases[source % len(bases)] if bases else ()
+    head = base[: len(base) * keep // 24]
+    new = tuple(3 + (seed * 31 + i * 17) % 256 for i in range(n_new))
+    return (head + new)[-(cfg.n_ctx // cfg.n_parallel - 16) :] or (1,)
+
+
 def server_machine(
     cfg: ServerConfig,
     binary: Path,
@@ -367,20 +391,10 @@ def server_machine(
                 out += [e.prompt.tokens for e in m.prompt_cache.states]
             return out + self.sent
 
-        @rule(
-            source=st.integers(0, 7),
-            keep=st.integers(0, 24),
-            n_new=st.sampled_from([0, 1, 8, 40, 120, 300, 700]),
-            seed=st.integers(0, 255),
-            n_predict=st.integers(1, 6),
-        )
+        @request_rule
         def request(self, source: int, keep: int, n_new: int, seed: int, n_predict: int) -> None:
             """A prompt: 0-100 % (in 24ths) of a slot's, a cache entry's or an earlier prompt, then new tokens."""
-            bases = self._bases()
-            base = bases[source % len(bases)] if bases else ()
-            head = base[: len(base) * keep // 24]
-            new = tuple(3 + (seed * 31 + i * 17) % 256 for i in range(n_new))
-            tokens = (head + new)[-(cfg.n_ctx // cfg.n_parallel - 16) :] or (1,)
+            tokens = prompt_from(self._bases(), cfg, source, keep, n_new, seed)
             row = self.d.request(tokens, n_predict)
             self.sent.append(tokens)
             stats.requests += 1
