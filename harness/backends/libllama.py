@@ -17,7 +17,8 @@ sequence whose restored K/V a deferred cross-stream ``seq_cp`` overwrote is the 
 ``cache-load-into-pending-child-copy``, and one of a token whose window the restored SWA cells no longer
 cover is ``swa-restore-window-short`` (``finding_diffs``; the provider tracks both states).
 
-The target is :mod:`harness.targets.libllama`.
+The target is :mod:`harness.targets.libllama`. Campaign machines: one per fixtures model (:func:`llama_machines`),
+40 steps, batch 5.
 
 Size: ``_run_llama`` is the one place that orders the llama backend's phases (machines per model, full
 context, memray, native faults, draft recovery) and their report rows.
@@ -36,7 +37,17 @@ from hypothesis import settings
 from faults.kinds import Outcome
 from faults.llama_native import OPS, sweep_llama_native
 from fixtures.models import ARCHS, draft_path, model_path
-from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
+from harness.backends.base import (
+    Backend,
+    Failure,
+    GateOptions,
+    GateReport,
+    MachineResult,
+    MachineSpec,
+    Out,
+    Plan,
+    model_spec,
+)
 from harness.errors import PropertyFailure
 from harness.findings import FINDINGS, finding
 from harness.targets.libllama import PENDING_CP_FINDING, SWA_WINDOW_FINDING, load_model
@@ -141,6 +152,12 @@ class LlamaBackend(Backend):
         report.extra.setdefault("llama_lib", str(loaded) if loaded else None)
         if loaded is not None:
             out(f"  libllama this run loaded: {loaded}")
+
+    def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
+        return [model_spec(c, self.name, 40, 5) for c in llama_machines(plan.semantics, plan.archs)]
+
+    def campaign_models(self, plan: Plan) -> tuple[frozenset[str], bool]:
+        return frozenset(plan.archs or ARCHS), True
 
 
 def _run_llama(
