@@ -62,9 +62,16 @@ NATIVE_FINDINGS = [f for f in FINDINGS.values() if f.backend == "llama" and f.pr
 
 
 def classify_native(op: str, group: dict[str, Any]) -> str | None:
-    """The known finding a native-fault group belongs to, or None (an unexpected outcome: a gate failure)."""
+    """The known finding a native-fault group belongs to, or None (an unexpected outcome: a gate failure).
+
+    ``site`` is where the crash's own stack first enters libllama/ggml; ``alloc_sites``, where each failed
+    allocation of the group was observed to be made (:mod:`faults.sites`). ``state-io-alloc-outside-try`` is
+    the io object allocated in ``llama_context::state_seq_{get,set}_data`` before its try: an abort whose
+    failed allocation was made anywhere else is not that finding, whatever the abort's stack shows."""
     outcome, site = group["outcome"], group["site"]
-    if op != "decode" and outcome == Outcome.ABORTED and "state_seq_" in site:
+    allocs = [a for a in group.get("alloc_sites", []) if a]
+    in_io = all(a.split(":", 1)[-1].startswith("llama_context::state_seq_") for a in allocs)
+    if op != "decode" and outcome == Outcome.ABORTED and "state_seq_" in site and in_io:
         return "state-io-alloc-outside-try"
     if op == "decode" and outcome == Outcome.ABORTED:
         return "decode-bad-alloc-terminates"
@@ -340,7 +347,8 @@ def _run_llama_native(
                     seen[known].append(g["first_case"])
                     continue
                 msg = (
-                    f"{g['outcome']} ({g['detail']}) at {g['site']} ({g['count']} allocations, first {g['first_case']})"
+                    f"{g['outcome']} ({g['detail']}) at {g['site']} ({g['count']} allocations, first {g['first_case']}"
+                    f"; failed allocation made at {', '.join(g.get('alloc_sites') or ['?'])})"
                 )
                 f = Failure(
                     "native_fault",
