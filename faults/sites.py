@@ -28,7 +28,7 @@ import re
 import shutil
 import subprocess
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from harness.model.sites import upstream
 
@@ -92,12 +92,12 @@ def allocation_text(text: str) -> str:
 def parse_stacks(text: str) -> list[Stack]:
     """Every stack the shim wrote in ``text``, in order (other lines, e.g. faulthandler's, are skipped)."""
     out: list[Stack] = []
-    head: dict[str, object] | None = None
+    head: Stack | None = None  # the stack being read, its frames in ``frames``
     frames: list[Frame] = []
 
     def close() -> None:
         if head is not None:
-            out.append(Stack(frames=tuple(frames), **head))  # type: ignore[arg-type]
+            out.append(replace(head, frames=tuple(frames)))
 
     for line in text.splitlines():
         line = line.strip()
@@ -106,10 +106,10 @@ def parse_stacks(text: str) -> list[Stack]:
             close()
             frames = []
             if a:
-                head = {"kind": "allocation", "nth": int(a[1]), "size": int(a[2]), "allocator": a[3]}
+                head = Stack("allocation", (), nth=int(a[1]), size=int(a[2]), allocator=a[3])
             else:
                 assert s is not None
-                head = {"kind": "signal", "signal": s[1]}
+                head = Stack("signal", (), signal=s[1])
             continue
         m = _FRAME.match(line) if head is not None else None
         if m is None:
