@@ -42,9 +42,16 @@ def markdown(s: dict[str, Any]) -> str:
     if s["rss_ratio_master_over_pr"] is not None:
         lines += ["", f"master/pr RSS peak ratio: {s['rss_ratio_master_over_pr']}"]
     if s["fault_trials"]:
-        lines += ["", "| large allocation # of a save | model | server | detail |", "|---|---|---|---|"]
+        lines += [
+            "",
+            "| large allocation # of a save | model | server | observed site (where the allocation failed) | detail |",
+            "|---|---|---|---|---|",
+        ]
         for t in s["fault_trials"]:
-            lines.append(f"| {t.get('nth')} | {t.get('predicted')} | {t.get('observed')} | {t.get('detail')} |")
+            lines.append(
+                f"| {t.get('nth')} | {t.get('predicted')} at {t.get('predicted_site')} | {t.get('observed')} "
+                f"| {t.get('observed_site', '?')} | {t.get('detail')} |"
+            )
     return "\n".join(lines) + "\n"
 
 

@@ -31,8 +31,10 @@ and cannot reach.
     (or ``FAULTSHIM_NTH`` at load) / ``faultshim_disarm()``; malloc/calloc/realloc and the
     aligned allocators' ``nth`` call returns NULL and ``operator new`` throws ``std::bad_alloc``.
     *Accepted*: the program catches it; a SIGABRT or SIGSEGV is a finding reported with its
-    stacks. *Reaches*: native code (libstdc++, libllama and ggml's buffers, C extensions, the
-    interpreter); :mod:`faults.llama_native` sweeps libllama's state calls and decode with it.
+    stacks. *Observed*: the shim writes the failed allocation's call stack when it fails it, and
+    :mod:`faults.sites` names its site (the first llama.cpp frame past the allocator). *Reaches*:
+    native code (libstdc++, libllama and ggml's buffers, C extensions, the interpreter);
+    :mod:`faults.llama_native` sweeps libllama's state calls and decode with it.
     *Cannot reach*: mmap-only or statically linked allocators.
 
 Outcomes are one :class:`faults.kinds.Outcome` everywhere: ``ok``, ``accepted-error``, ``violation``,

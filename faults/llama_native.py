@@ -25,6 +25,11 @@ Each trial's outcome is a :class:`faults.kinds.Outcome`, its layer's word first 
 ``crash-out-of-scope``  ``python-error``: the failed allocation was Python's own (``MemoryError``
                         around the call), not libllama's
 
+Every trial also records where the allocation that failed was made (``alloc_site``, observed: the call
+stack the shim wrote when it failed it, reduced by :func:`faults.sites.site_of` to its first llama.cpp
+frame, ``libllama.so:llama_context::state_seq_get_data``; ``-`` when none failed), beside ``site``, the
+first libllama/ggml frame of the crash's own stack (where a ``bad_alloc`` escaped, or the SIGSEGV).
+
 One child process (``python -m faults.llama_native --child``, under the shim) loads the model once
 and runs each trial in a forked copy of itself (:func:`harness.child.run_child` with a function),
 so a trial that aborts takes only itself down; when the child itself dies, the next child resumes
@@ -48,6 +53,7 @@ from typing import Any
 
 from faults.kinds import Outcome, died
 from faults.native import ShimControl, run_native
+from faults.sites import Symbolizer, allocation_text, observe
 from fixtures.models import model_path
 from harness.child import ChildResult, child_setup, run_child
 from harness.targets.libllama import LlamaProvider, load_model
@@ -67,6 +73,7 @@ class NativeTrial:
     outcome: Outcome
     detail: str = ""
     stacks: str = ""
+    alloc_site: str = ""  # where the failed allocation was made (``-``: none failed; ``""``: not recorded)
 
 
 @dataclass
@@ -90,8 +97,11 @@ class LlamaNativeReport:
         for t in self.findings:
             site = _site(t.stacks)
             first = {"outcome": t.outcome, "detail": t.detail, "site": site, "first_case": t.case, "count": 0}
-            row = rows.setdefault((t.outcome, site), {**first, "stack": _first_frames(t.stacks)})
+            first["alloc_site"] = t.alloc_site
+            row = rows.setdefault((t.outcome, site), {**first, "stack": _first_frames(t.stacks), "alloc_sites": []})
             row["count"] += 1
+            if t.alloc_site not in row["alloc_sites"]:
+                row["alloc_sites"].append(t.alloc_site)
         return list(rows.values())
 
     def to_json(self) -> dict[str, Any]:
@@ -147,6 +157,7 @@ def sweep_llama_native(
     if op not in OPS:
         raise ValueError(f"unknown op {op!r}; choose from {', '.join(OPS)}")
     report = LlamaNativeReport(arch, op)
+    symbolizer = Symbolizer()  # one for the sweep: each address is named once
     nth = first
     while nth <= max_nth:
         # ggml's own crash backtrace attaches gdb to the dying process: seconds per trial; the shim
@@ -157,7 +168,7 @@ def sweep_llama_native(
             timeout=timeout,
             env=env,
         )
-        done = _parse(report, child)
+        done = _parse(report, child, symbolizer)
         last = max((t.nth for t in report.trials), default=nth - 1)
         if done:
             return report
@@ -169,6 +180,7 @@ def sweep_llama_native(
                     _death(child),
                     child.describe() + (": " + child.stderr.strip().splitlines()[-1] if child.stderr.strip() else ""),
                     child.stacks,
+                    observe(allocation_text(child.stacks), symbolizer=symbolizer).fault(),
                 )
             )
             nth = last + 2
@@ -184,7 +196,7 @@ def _death(child: ChildResult) -> Outcome:
     return died(child)
 
 
-def _parse(report: LlamaNativeReport, child: ChildResult) -> bool:
+def _parse(report: LlamaNativeReport, child: ChildResult, symbolizer: Symbolizer) -> bool:
     done = False
     for line in child.stdout.splitlines():
         if not line.startswith(_RESULT):
@@ -196,6 +208,7 @@ def _parse(report: LlamaNativeReport, child: ChildResult) -> bool:
             Outcome(row["outcome"]),
             row.get("detail", ""),
             row.get("stacks", ""),
+            observe(row.get("alloc_stacks", ""), symbolizer=symbolizer).fault(),
         )
         report.trials.append(t)
         if t.outcome == Outcome.OK:
@@ -210,7 +223,6 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
     import ctypes
 
     import llama_cpp as ll
-
 
     child_setup()
     shim = ShimControl()
@@ -286,16 +298,21 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
     # one forked process per trial: a trial that aborts takes only itself down
     for nth in range(start, stop + 1):
         done = run_child(functools.partial(forked_trial, nth), timeout=_TRIAL_TIMEOUT)
-        sys.stdout.write(done.stdout)  # the trial's row, for the runner
+        # the trial's row, for the runner, with the stack of the allocation the shim failed in it
+        alloc = allocation_text(done.stacks)
+        for line in done.stdout.splitlines(keepends=True):
+            if line.startswith(_RESULT):
+                line = _RESULT + json.dumps({**json.loads(line[len(_RESULT) :]), "alloc_stacks": alloc}) + "\n"
+            sys.stdout.write(line)
         sys.stderr.write(done.stderr)
         if done.crashed:
             row = {"nth": nth, "outcome": died(done), "detail": done.describe(), "stacks": done.stacks}
-            print(_RESULT + json.dumps(row), flush=True)
+            print(_RESULT + json.dumps({**row, "alloc_stacks": alloc}), flush=True)
         elif done.returncode == _COMPLETED:
             return 0  # the trial printed its row: the call completed with no fault fired
         elif done.returncode != 0:
             row = {"nth": nth, "outcome": Outcome.KILLED, "detail": f"trial exited with {done.returncode}"}
-            print(_RESULT + json.dumps(row), flush=True)
+            print(_RESULT + json.dumps({**row, "alloc_stacks": alloc}), flush=True)
         sys.stdout.flush()
     return 0
 

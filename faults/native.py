@@ -21,7 +21,9 @@ What this module promises:
 * :class:`RemoteShim` arms the shim inside a process that cannot call us (``llama-server``): it gives
   the environment to start that process with, and :meth:`~RemoteShim.arm` writes
   ``"NTH PERSISTENT MIN_SIZE"`` to the arm file and sends SIGUSR2, so that the process's ``nth``
-  allocation of at least ``min_size`` bytes (:data:`LARGE_ALLOCATION` unless given) fails.
+  allocation of at least ``min_size`` bytes (:data:`LARGE_ALLOCATION` unless given) fails;
+  :meth:`~RemoteShim.observe` says where it failed (:func:`faults.sites.observe` of what the shim wrote
+  since that arming: the failed allocation's call stack, a fatal signal's).
 * :func:`run_new_demo` classifies the demo's run as a :class:`faults.kinds.Outcome`:
   ``accepted-error`` (it caught and printed the ``bad_alloc``), ``aborted`` (SIGABRT with a stack),
   ``ok`` (the fault did not fire), ``killed`` (another signal, or a hang) or ``crash`` (it exited
@@ -44,6 +46,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from faults.kinds import Outcome
+from faults.sites import Observation, observe
 from harness.child import ChildResult, run_child
 from harness.errors import Unavailable, UsageError
 
@@ -176,7 +179,8 @@ class RemoteShim:
             ...                           # a request that saves a slot to the cache
             fired = shim.disarm(srv.pid)  # how many allocations failed meanwhile
 
-    A crash's C stack (the shim writes it on SIGABRT/SIGSEGV) is in :meth:`stacks`.
+    A crash's C stack (the shim writes it on SIGABRT/SIGSEGV) is in :meth:`stacks`, and the stack of every
+    allocation the shim failed too; :meth:`observe` reads the failed allocation's site from them.
     """
 
     def __init__(self, directory: str | os.PathLike[str]) -> None:
@@ -184,6 +188,7 @@ class RemoteShim:
         self.directory.mkdir(parents=True, exist_ok=True)
         self.arm_file = self.directory / "faultshim.arm"
         self.stacks_file = self.directory / "faultshim.stacks"
+        self._armed_at = 0  # the stacks file's length at the last arm: what the shim wrote since is its trial
 
     def env(self) -> dict[str, str]:
         """The environment the process must start with (builds the shim on first use)."""
@@ -199,6 +204,7 @@ class RemoteShim:
         ``persistent``, every later one)."""
         if nth < 1:
             raise ValueError(f"nth must be >= 1, got {nth}")
+        self._armed_at = self.stacks_file.stat().st_size if self.stacks_file.exists() else 0
         self._signal(pid, f"{nth} {int(persistent)} {min_size}")
 
     def disarm(self, pid: int, timeout: float = 5.0) -> int | None:
@@ -223,6 +229,15 @@ class RemoteShim:
             return self.stacks_file.read_text(errors="replace")
         except FileNotFoundError:
             return ""
+
+    def observe(self, modules: Mapping[str, str] | None = None) -> Observation:
+        """Where the allocation that failed since the last :meth:`arm` was made, and the fatal signal if the
+        process died (``modules``: paths of modules by file name, for frames dladdr left unnamed)."""
+        try:
+            text = self.stacks_file.read_bytes()[self._armed_at :].decode(errors="replace")
+        except FileNotFoundError:
+            text = ""
+        return observe(text, modules)
 
     def _signal(self, pid: int, line: str) -> None:
         # SIGUSR2 kills a process that has no handler for it: make sure it runs with our environment

@@ -17,7 +17,7 @@ test ``tests/test_architecture.py`` reads every import and fails on a loop or an
 5. ``faults``: fault kinds, the one :class:`~faults.kinds.Outcome` vocabulary and the injectors.
 6. ``harness.backends``: one gate runner per backend, all listed in
    :data:`harness.backends.BACKENDS` with one signature; a new engine is a target module plus a
-   backend module.
+   backend module, which also says which fuzz-campaign machines it has.
 7. ``harness.campaign`` (fuzz campaigns: worker processes, example databases, the live view,
    replay), ``harness.measure`` (measurements and the reporters that turn them into pages and
    tables: the memory report, the bench) and ``harness.load`` (concurrent clients and soak runs

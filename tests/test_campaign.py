@@ -24,9 +24,14 @@ from pathlib import Path
 
 import pytest
 
+from harness.backends import BACKENDS
+from harness.backends.base import Backend, MachineSpec, Plan, model_spec
+from harness.campaign import machines as campaign_machines
 from harness.campaign.store import failures, open_db
 from harness.cli import main
+from harness.errors import UsageError
 from harness.model.semantics import SHARED
+from properties.machine import MachineConfig
 from properties.mutants import MUTANTS
 from properties.mutants import config as mutant_config
 
@@ -375,3 +380,46 @@ def test_bad_input_is_one_line_and_exit_2_before_any_work(
     captured = capsys.readouterr()
     assert captured.err.startswith(message) and captured.err.count("\n") == 1
     assert captured.out == ""  # nothing started: no header, no worker
+
+
+class _ToyBackend(Backend):
+    """A backend the campaign modules never heard of: registered in BACKENDS only."""
+
+    name = "toy"
+
+    def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
+        return [model_spec(MachineConfig(plan.semantics, "recurrent"), self.name, 7, 3)]
+
+    def campaign_models(self, plan: Plan) -> tuple[frozenset[str], bool]:
+        return frozenset({"mamba"}), True
+
+
+def test_a_backend_says_which_campaign_machines_it_has(monkeypatch: pytest.MonkeyPatch) -> None:
+    """One home per backend: a backend registered in BACKENDS is fuzzable with no edit of the campaign."""
+    monkeypatch.setitem(BACKENDS, "toy", _ToyBackend())
+    made: list[str] = []
+    monkeypatch.setattr(campaign_machines, "model_path", made.append)
+    monkeypatch.setattr(campaign_machines, "draft_path", lambda: made.append("draft"))
+    plan = Plan(("synthetic", "toy"), only=("*_recurrent",))
+    specs = campaign_machines.machines(plan)
+    assert [(s.name, s.backend, s.steps, s.batch) for s in specs] == [
+        ("Shared_recurrent", "synthetic", 60, 30),
+        ("Shared_recurrent", "toy", 7, 3),
+    ]
+    assert specs[1].cls().__name__ == "Shared_recurrent"
+    campaign_machines.check_ready(plan)
+    assert made == ["mamba", "draft"]  # the models the toy backend said its machines load
+    monkeypatch.setattr(_ToyBackend, "campaign_machines", lambda self, plan: [])
+    with pytest.raises(UsageError, match="the toy backend has no campaign machines"):
+        campaign_machines.machines(plan)
+
+
+def test_every_backend_names_its_own_machines() -> None:
+    for name, backend in BACKENDS.items():
+        try:
+            specs = backend.campaign_machines(Plan((name,)))
+        except UsageError as e:  # the server backend without a cached build
+            assert name == "server" and "no llama-server build" in str(e)
+            continue
+        assert specs and {s.backend for s in specs} == {name}
+        assert len({s.name for s in specs}) == len(specs)

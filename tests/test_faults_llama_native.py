@@ -29,7 +29,12 @@ def test_get_sweep_reaches_completion_and_names_each_case() -> None:
     assert rep.trials[3].case == "llama.get.4"
     (group,) = rep.groups()
     assert group["site"].startswith("llama_context::state_seq_get_data")
+    # observed, from the stack the shim wrote when it failed the allocation: the io object's make_unique
+    assert group["alloc_sites"] == ["libllama.so:llama_context::state_seq_get_data"]
     assert classify_native("get", group) == "state-io-alloc-outside-try"
+    # every trial says where its allocation failed: deeper in the state writer for the reported ones
+    assert all(t.alloc_site.startswith("libllama.so:llama_") for t in rep.trials[:-1])
+    assert len({t.alloc_site for t in rep.trials[1:-1]}) > 1 and rep.trials[-1].alloc_site == "-"
 
 
 def test_one_case_replays_alone() -> None:
@@ -63,6 +68,24 @@ def test_unknown_op_is_refused() -> None:
 )
 def test_classification(op: str, outcome: str, site: str, known: str | None) -> None:
     assert classify_native(op, {"outcome": outcome, "site": site}) == known
+
+
+@pytest.mark.parametrize(
+    ("alloc_sites", "known"),
+    [
+        (["libllama.so:llama_context::state_seq_get_data"], "state-io-alloc-outside-try"),
+        # the abort's stack is the same, but the allocation that failed was not the io object's
+        (["libllama.so:llama_kv_cache::state_write_data"], None),
+        (["libllama.so:llama_context::state_seq_get_data", "libggml-base.so:ggml_new_tensor_impl"], None),
+    ],
+)
+def test_classification_reads_where_the_allocation_failed(alloc_sites: list[str], known: str | None) -> None:
+    group = {
+        "outcome": Outcome.ABORTED,
+        "site": "llama_context::state_seq_get_data(int, ...)",
+        "alloc_sites": alloc_sites,
+    }
+    assert classify_native("get", group) == known
 
 
 def test_an_unlisted_native_outcome_fails_the_gate(monkeypatch: pytest.MonkeyPatch) -> None:

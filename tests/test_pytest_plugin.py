@@ -188,6 +188,9 @@ def test_llama_server_with_native_faults(llama_server: object, native_faults: Na
     assert native_faults.disarm(srv.pid) == 1 and srv.running()
     assert srv.log_path is not None
     assert "failed to allocate memory for prompt cache state: std::bad_alloc" in srv.log_path.read_text()
+    seen = native_faults.observe()  # where it failed, from the stack the shim wrote then
+    assert seen.failed == 1 and seen.signal is None
+    assert seen.site is not None and seen.site.function == "server_prompt_cache::alloc", seen.frames
 
 
 def test_native_faults_refuse_a_process_started_without_the_shim(

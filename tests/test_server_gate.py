@@ -7,6 +7,7 @@ import os
 import shutil
 import subprocess
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -91,12 +92,36 @@ def test_fault_in_the_checkpoint_copy_kills_master_and_not_pr(pr_binary: Path, m
     m1 = save_fault(master_binary, "master", "master", 1)
     p1 = save_fault(pr_binary, "pr", "shared", 1)
     assert (m1.predicted, m1.observed) == ("skipped", "skipped") == (p1.predicted, p1.observed)
+    assert m1.ok and p1.ok and m1.seen.site is not None and m1.seen.site.function == "server_prompt_cache::alloc"
     assert "a later request" in p1.detail
     m2 = save_fault(master_binary, "master", "master", 2)
-    assert (m2.predicted, m2.observed, m2.predicted_site) == ("crash", "crash", "ckpt_copy.tgt")
+    assert (m2.predicted, m2.observed, m2.predicted_site) == ("crash", "crash", "ckpt_copy.tgt") and m2.ok
+    # observed, not inferred: the allocation failed in the cache entry's construction, and the abort came from there
+    assert m2.seen.site is not None and m2.seen.site.function == "server_prompt_cache::alloc"
+    assert m2.seen.signal == "SIGABRT" and m2.seen.died_at == m2.seen.site
     assert "SIGABRT" in m2.detail
     p2 = save_fault(pr_binary, "pr", "shared", 2)
     assert p2.ok and not p2.predicted_site.startswith("ckpt_copy")
+
+
+def test_a_fault_trial_names_the_site_it_observed(pr_binary: Path) -> None:
+    """The message names where the server's allocation failed, read from the call stack the shim wrote when it
+    failed it (file:function: the PR's static helper has its file in the symbol table), and, apart, what the
+    model predicted; the same observation against another prediction disagrees and says both."""
+    t = save_fault(pr_binary, "pr", "shared", 2)
+    msg = t.message()
+    assert t.observed == "crash" and t.ok, msg
+    assert t.observed_site == "common.cpp:common_prompt_checkpoint_capture"
+    assert msg.startswith("observed: common.cpp:common_prompt_checkpoint_capture (crash: allocation #2 of "), msg
+    assert "SIGABRT" in msg  # how it died, from the abort's own backtrace and the log
+    assert msg.endswith(
+        "; model predicted: crash at ckpt.update_tgt (common_prompt_checkpoint::update_tgt, common/common.cpp:2298)"
+    ), msg
+    assert any("common_prompt_checkpoint::update_tgt(llama_context*, int, unsigned int)" in f for f in t.seen.frames)
+    wrong = replace(t, predicted_site="ckpt_copy.tgt")  # what the model said in the report this test answers
+    assert (wrong.predicted, wrong.observed) == ("crash", "crash") and not wrong.ok
+    assert wrong.message().startswith("observed: common.cpp:common_prompt_checkpoint_capture (crash: ")
+    assert "; model predicted: crash at ckpt_copy.tgt (server_prompt_cache::alloc, " in wrong.message()
 
 
 def test_no_server_is_left_behind(pr_binary: Path) -> None:

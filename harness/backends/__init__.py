@@ -11,7 +11,8 @@
 
 Adding an engine or a tree: write its target module and its runner module (a
 :class:`~harness.backends.base.Backend` subclass) and list the runner here. The gate loops over the
-selected backends with one signature, ``run(report, options, out)``.
+selected backends with one signature, ``run(report, options, out)``; a fuzz campaign asks each selected
+backend for its machines, ``campaign_machines(plan)``, and the models they load, ``campaign_models(plan)``.
 
 May import: everything below the backends (``properties``, ``faults``, ``harness.targets``,
 ``harness.model``, ``harness.findings``, ``harness.errors``, ``fixtures``); never the commands.

@@ -9,6 +9,12 @@ rows and its own JSON section (``report.extra[...]``).
 ``Backend.flags`` names the backend-specific options it reads; ``python -m harness gate`` rejects
 an option no selected backend reads, naming the backend that would.
 
+Campaigns too: a backend says which state machines a fuzz campaign runs on it
+(:meth:`Backend.campaign_machines`, one :class:`MachineSpec` per machine, for a campaign's
+:class:`Plan`) and which fixtures models they load (:meth:`Backend.campaign_models`);
+:mod:`harness.campaign.machines` only asks the selected backends. A new backend is one module and
+one line in :data:`harness.backends.BACKENDS`.
+
 May import: ``harness.model``, ``harness.targets``, ``properties``, ``faults``, ``harness.findings``,
 ``harness.errors``, ``fixtures``.
 """
@@ -20,10 +26,23 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from properties.invariants import INVARIANTS
-from properties.run import Failure, MachineResult
+from hypothesis.stateful import RuleBasedStateMachine
 
-__all__ = ["Backend", "Failure", "GateOptions", "GateReport", "MachineResult", "Out"]
+from properties.invariants import INVARIANTS
+from properties.machine import MachineConfig, machine_class
+from properties.run import Failure, MachineResult, program_of
+
+__all__ = [
+    "Backend",
+    "Failure",
+    "GateOptions",
+    "GateReport",
+    "MachineResult",
+    "MachineSpec",
+    "Out",
+    "Plan",
+    "model_spec",
+]
 
 Out = Callable[[str], None]
 
@@ -114,9 +133,78 @@ class GateReport:
         }
 
 
+@dataclass(frozen=True)
+class Plan:
+    """What a fuzz campaign covers: backends, semantics, a mutant, archs, targeting, a ``--machine`` filter."""
+
+    backends: tuple[str, ...] = ("synthetic",)
+    semantics: str = "shared"
+    mutant: str | None = None
+    archs: tuple[str, ...] | None = None
+    target: bool = True  # Hypothesis' target phase on (hypothesis.target() guidance)
+    only: tuple[str, ...] | None = None  # fnmatch patterns of machine names
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "backends": list(self.backends),
+            "semantics": self.semantics,
+            "mutant": self.mutant,
+            "archs": None if self.archs is None else list(self.archs),
+            "target": self.target,
+            "only": None if self.only is None else list(self.only),
+        }
+
+    @classmethod
+    def from_json(cls, d: dict[str, Any]) -> Plan:
+        return cls(
+            tuple(d["backends"]), d["semantics"], d["mutant"], None if d["archs"] is None else tuple(d["archs"]),
+            d["target"], None if d.get("only") is None else tuple(d["only"]),
+        )  # fmt: skip
+
+
+@dataclass
+class MachineSpec:
+    """One machine of a campaign: ``name`` is its class name (the example database keys on it).
+
+    ``batch`` is the number of examples a worker asks of one run before it moves on to its next
+    machine (the worker adapts it to a few seconds per run). The Hypothesis class is built lazily,
+    in the process that runs it, once.
+    """
+
+    name: str
+    backend: str
+    steps: int
+    batch: int
+    make: Callable[[], type[RuleBasedStateMachine]]
+    header: Callable[[], list[str]]  # the lines that make the class, above a printed program
+    _cls: type[RuleBasedStateMachine] | None = field(default=None, repr=False)
+
+    def cls(self) -> type[RuleBasedStateMachine]:
+        if self._cls is None:
+            self._cls = self.make()
+        return self._cls
+
+    def program(self, notes: list[str]) -> str:
+        lines = [n for n in notes if n.startswith("state")]
+        return "\n".join(self.header() + lines)
+
+
+def model_spec(cfg: MachineConfig, backend: str, steps: int, batch: int) -> MachineSpec:
+    """The campaign machine of one :class:`~properties.machine.MachineConfig` (the model's machines)."""
+    return MachineSpec(
+        cfg.class_name,
+        backend,
+        steps,
+        batch,
+        lambda: machine_class(cfg),
+        lambda: program_of(cfg, [])[0].splitlines(),
+    )
+
+
 class Backend:
     """One backend of the gate. Subclasses set ``name`` (the ``--backend`` value) and ``flags`` (the
-    backend-specific options it reads) and implement :meth:`run`."""
+    backend-specific options it reads) and implement :meth:`run`; a backend with fuzz-campaign
+    machines also implements :meth:`campaign_machines` (and :meth:`campaign_models` if they load models)."""
 
     name: ClassVar[str]
     flags: ClassVar[frozenset[str]] = frozenset()
@@ -124,3 +212,15 @@ class Backend:
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         raise NotImplementedError
+
+    def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
+        """The machines a fuzz campaign of ``plan`` runs on this backend, in a stable order ([]: it has none).
+
+        Cheap (no class is built) and called before any work starts, in the campaign and in every worker:
+        what this backend cannot run here (a build that is not cached) raises
+        :class:`~harness.errors.UsageError` with one line."""
+        return []
+
+    def campaign_models(self, plan: Plan) -> tuple[frozenset[str], bool]:
+        """The fixtures models (by arch) its campaign machines load, and whether they need the draft model."""
+        return frozenset(), False

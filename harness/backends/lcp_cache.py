@@ -9,6 +9,9 @@ failure goes into ``"failures"`` with its shrunk program and a replay command. T
 child-process layers of :mod:`faults.lcp`: CPython allocation failures swept over
 ``cache[key] = state``, and ``RLIMIT_AS`` in a forked child around a re-insert. Every temporary
 directory is removed. JSON: ``"llama_cpp_cache"``.
+
+Campaign machines: the RAM and the disk cache on each of :data:`MACHINE_ARCHS`, known findings
+modelled as upstream behaves (as the gate does once it has seen them), 20 steps, batch 5.
 """
 
 from __future__ import annotations
@@ -20,10 +23,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from hypothesis.stateful import RuleBasedStateMachine
+
 from faults.kinds import Outcome
 from faults.lcp import run_rlimit, sweep_pymem
 from faults.pymem import pymem_unavailable
-from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
+from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, MachineSpec, Out, Plan
 from harness.findings import finding
 from harness.targets.lcp_cache import CACHES, CacheAdapter, ModelEnv
 from properties.lcp_machine import (
@@ -260,3 +265,29 @@ class LcpCacheBackend(Backend):
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         _run_lcp(report, opts.semantics, opts.cache, opts.seed, opts.max_examples, out)
+
+    def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
+        return [_campaign_spec(cache, arch) for cache in CACHES for arch in MACHINE_ARCHS]
+
+    def campaign_models(self, plan: Plan) -> tuple[frozenset[str], bool]:
+        return frozenset(MACHINE_ARCHS), False
+
+
+def _campaign_spec(cache: str, arch: str) -> MachineSpec:
+    tolerate = frozenset(f.id for f in KNOWN_LCP_FINDINGS if cache in f.scope)
+    name = f"LcpCache_{cache}_{arch}"
+
+    def make() -> type[RuleBasedStateMachine]:
+        cls = machine_class(ModelEnv(arch), CacheAdapter(cache), tolerate, Stats())
+        cls.__name__ = cls.__qualname__ = name  # the database key is made from it
+        return cls
+
+    def header() -> list[str]:
+        return [
+            "from harness.targets.lcp_cache import CacheAdapter, ModelEnv",
+            "from properties import lcp_machine",
+            f"{name} = lcp_machine.machine_class(ModelEnv({arch!r}), CacheAdapter({cache!r}), "
+            f"frozenset({sorted(tolerate)!r}), lcp_machine.Stats())",
+        ]
+
+    return MachineSpec(name, LcpCacheBackend.name, STEPS, 5, make, header)

@@ -17,7 +17,8 @@ sequence whose restored K/V a deferred cross-stream ``seq_cp`` overwrote is the 
 ``cache-load-into-pending-child-copy``, and one of a token whose window the restored SWA cells no longer
 cover is ``swa-restore-window-short`` (``finding_diffs``; the provider tracks both states).
 
-The target is :mod:`harness.targets.libllama`.
+The target is :mod:`harness.targets.libllama`. Campaign machines: one per fixtures model (:func:`llama_machines`),
+40 steps, batch 5.
 
 Size: ``_run_llama`` is the one place that orders the llama backend's phases (machines per model, full
 context, memray, native faults, draft recovery) and their report rows.
@@ -36,7 +37,17 @@ from hypothesis import settings
 from faults.kinds import Outcome
 from faults.llama_native import OPS, sweep_llama_native
 from fixtures.models import ARCHS, draft_path, model_path
-from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
+from harness.backends.base import (
+    Backend,
+    Failure,
+    GateOptions,
+    GateReport,
+    MachineResult,
+    MachineSpec,
+    Out,
+    Plan,
+    model_spec,
+)
 from harness.errors import PropertyFailure
 from harness.findings import FINDINGS, finding
 from harness.targets.libllama import PENDING_CP_FINDING, SWA_WINDOW_FINDING, load_model
@@ -51,9 +62,16 @@ NATIVE_FINDINGS = [f for f in FINDINGS.values() if f.backend == "llama" and f.pr
 
 
 def classify_native(op: str, group: dict[str, Any]) -> str | None:
-    """The known finding a native-fault group belongs to, or None (an unexpected outcome: a gate failure)."""
+    """The known finding a native-fault group belongs to, or None (an unexpected outcome: a gate failure).
+
+    ``site`` is where the crash's own stack first enters libllama/ggml; ``alloc_sites``, where each failed
+    allocation of the group was observed to be made (:mod:`faults.sites`). ``state-io-alloc-outside-try`` is
+    the io object allocated in ``llama_context::state_seq_{get,set}_data`` before its try: an abort whose
+    failed allocation was made anywhere else is not that finding, whatever the abort's stack shows."""
     outcome, site = group["outcome"], group["site"]
-    if op != "decode" and outcome == Outcome.ABORTED and "state_seq_" in site:
+    allocs = [a for a in group.get("alloc_sites", []) if a]
+    in_io = all(a.split(":", 1)[-1].startswith("llama_context::state_seq_") for a in allocs)
+    if op != "decode" and outcome == Outcome.ABORTED and "state_seq_" in site and in_io:
         return "state-io-alloc-outside-try"
     if op == "decode" and outcome == Outcome.ABORTED:
         return "decode-bad-alloc-terminates"
@@ -141,6 +159,12 @@ class LlamaBackend(Backend):
         report.extra.setdefault("llama_lib", str(loaded) if loaded else None)
         if loaded is not None:
             out(f"  libllama this run loaded: {loaded}")
+
+    def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
+        return [model_spec(c, self.name, 40, 5) for c in llama_machines(plan.semantics, plan.archs)]
+
+    def campaign_models(self, plan: Plan) -> tuple[frozenset[str], bool]:
+        return frozenset(plan.archs or ARCHS), True
 
 
 def _run_llama(
@@ -323,7 +347,8 @@ def _run_llama_native(
                     seen[known].append(g["first_case"])
                     continue
                 msg = (
-                    f"{g['outcome']} ({g['detail']}) at {g['site']} ({g['count']} allocations, first {g['first_case']})"
+                    f"{g['outcome']} ({g['detail']}) at {g['site']} ({g['count']} allocations, first {g['first_case']}"
+                    f"; failed allocation made at {', '.join(g.get('alloc_sites') or ['?'])})"
                 )
                 f = Failure(
                     "native_fault",

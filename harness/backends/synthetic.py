@@ -6,17 +6,24 @@ machine per known finding of this backend, each with the pattern that reaches th
 upstream bug switched on (``MachineConfig.known``): a finding is ``reproduced`` when that machine
 fails on exactly the property the finding names, and a failure on any other property is a new
 failure of the gate.
+
+Campaign machines: the gate's ``fuzz`` profile (:func:`properties.run.machines_for`), 60 steps, batch
+30; with a mutant, that mutant's own machine first, then the others on its semantics, so that a
+campaign can be seen to find a planted bug.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 
 from hypothesis import settings
 
-from harness.backends.base import Backend, GateOptions, GateReport, Out
+from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec, Out, Plan, model_spec
 from harness.findings import finding
 from properties.machine import MachineConfig
+from properties.mutants import config as mutant_config
+from properties.mutants import resolve
 from properties.run import SHRINKS, machines_for, make_settings, run_machine
 
 __all__ = ["KNOWN_MACHINES", "SyntheticBackend"]
@@ -71,6 +78,19 @@ class SyntheticBackend(Backend):
             out(f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks {r.seconds:6.1f}s")
         if self.known:
             run_known(report, opts.semantics, cfg_settings, opts.seed, replay, SHRINKS[opts.profile])
+
+    def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
+        if plan.mutant is None:
+            configs = machines_for(plan.semantics, "fuzz")
+        else:
+            configs = [mutant_config(plan.mutant)] + [
+                replace(c, semantics=plan.mutant, resolve=resolve) for c in machines_for("shared", "fuzz")
+            ]
+        out: list[MachineSpec] = []
+        for c in configs:
+            if c.class_name not in {s.name for s in out}:
+                out.append(model_spec(c, self.name, 60, 30))
+        return out
 
 
 def run_known(

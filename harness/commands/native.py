@@ -45,7 +45,8 @@ def run(args: argparse.Namespace) -> int:
     else:
         rep = sweep_llama_native(args.arch, args.op, max_nth=args.max_nth)
     for t in rep.trials:
-        print(f"{t.case:<24} {t.outcome:<12} {t.detail}")
+        where = f"  (allocation failed at {t.alloc_site})" if t.alloc_site not in ("", "-") else ""
+        print(f"{t.case:<24} {t.outcome:<12} {t.detail}{where}")
         if t.stacks:
             print("    " + _first_frames(t.stacks, 20).replace("\n", "\n    "))
     print(json.dumps(rep.to_json()))

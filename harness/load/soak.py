@@ -42,6 +42,7 @@ from pathlib import Path
 from typing import Any
 
 from faults.native import RemoteShim
+from faults.sites import modules_beside
 from fixtures.models import model_path
 from harness.errors import ServerStartError
 from harness.interrupt import check, interrupted
@@ -103,6 +104,7 @@ class PhaseResult:
     crash_details: list[str] = field(default_factory=list)
     fault_trials: int = 0  # arms that failed an allocation
     fault_times: list[float] = field(default_factory=list)  # seconds into the phase when each one fired
+    fault_sites: list[str] = field(default_factory=list)  # where each one's allocation failed (faults.sites)
     decode_failed: list[tuple[int, ...]] = field(default_factory=list)  # prompts answered "decode() failed"
     fault_survived: int = 0
     violations: list[str] = field(default_factory=list)
@@ -140,6 +142,7 @@ class PhaseResult:
             "crash_details": self.crash_details[:5],
             "fault_trials": self.fault_trials,
             "fault_times_s": [round(t, 1) for t in self.fault_times],
+            "fault_sites": self.fault_sites,
             "fault_survived": self.fault_survived,
             "violations": self.violations[:20],
             "rss_curve": [[round(t, 1), r, c, e] for t, r, c, e in self.rss_curve],
@@ -395,6 +398,9 @@ def _crashed(live: LiveServer, shim: RemoteShim | None, res: PhaseResult, out: C
         frames = [ln.strip() for ln in (shim.stacks() if shim else "").splitlines() if "(" in ln][:4]
         what = "no message; log ends: " + " | ".join(lines[-2:]) + ("; stack: " + " < ".join(frames) if frames else "")
     res.crashes += 1
+    if shim is not None:  # where the allocation armed last failed, from the stack the shim wrote then
+        seen = shim.observe(modules_beside(live.server.binary))
+        what += f"; {seen.describe()}" + (f" at {seen.fault()}" if seen.failed else "")
     detail = f"exit {rc}: {what} (log {live.server.log_path})"
     res.crash_details.append(detail)
     if shim is None:
@@ -425,6 +431,7 @@ def _fault_trial(live: LiveServer, shim: RemoteShim, res: PhaseResult, armed: th
         return
     res.fault_trials += 1
     res.fault_times.append(at)
+    res.fault_sites.append(shim.observe(modules_beside(live.server.binary)).fault())
     try:
         live.server.completion([5, 6, 7, 8], 2, ignore_eos=True)
         res.fault_survived += live.server.running()

@@ -19,7 +19,7 @@ against ``BASE`` (upstream drift, reported once and not failing unless ``BASE`` 
 memory properties on ``TREE`` with ``BASE``'s figures beside them.
 
 Every failure, including a request the server answered with an HTTP error or not at all, is one row with its
-property, the request program that replays it and the gate's replay line.
+property, the request program that replays it and the gate's replay line. Campaign machines: :mod:`.campaign`.
 """
 
 from __future__ import annotations
@@ -34,7 +34,8 @@ from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 
-from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, Out
+from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, MachineSpec, Out, Plan
+from harness.backends.llama_server import campaign
 from harness.backends.llama_server.change import ChangeFound, ChangePair, ChangeStats, change_machine, shrink
 from harness.backends.llama_server.differential import (
     NEAR_TIE_LOGPROB,
@@ -101,6 +102,12 @@ class ServerBackend(Backend):
                                out, how)  # fmt: skip
         else:
             run_server_backend(report, build, semantics, opts.profile, opts.seed, opts.max_examples, out, how)
+
+    def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
+        return campaign.campaign_machines(plan, self.name)
+
+    def campaign_models(self, plan: Plan) -> tuple[frozenset[str], bool]:
+        return campaign.campaign_models(), True
 
 
 def _base_tree(base: str, tree: Path) -> Path:

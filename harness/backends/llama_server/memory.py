@@ -9,18 +9,20 @@
 
 from __future__ import annotations
 
-import os
+import re
 import signal
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from faults.native import build_shim
+from faults.native import RemoteShim
+from faults.sites import Observation, modules_beside
 from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
 from harness.errors import BadAlloc
+from harness.model.sites import upstream
 from harness.targets.llama_build import cached_binary
 from harness.targets.llama_server import RequestFailed, proc_status
 
@@ -100,16 +102,66 @@ def _log_text(d: Differential) -> str:
 
 @dataclass
 class FaultTrial:
+    """One native fault in a real server's save, as seen and as the model predicted it.
+
+    ``observed`` is how the request ended (``skipped``, ``crash``, ``completed``, ``wrong-after-skip``) and
+    ``seen`` what the shim saw: where the allocation that failed was made, from the call stack it wrote at
+    that moment, and a fatal signal's own stack (:mod:`faults.sites`); ``how`` is how the server took it.
+    The trial agrees with the model only when the outcome and the site agree
+    (:data:`harness.model.sites.SITES` maps the model's site names to the upstream functions).
+    """
+
     build: str  # which llama-server: pr, master, or the user's tree/binary
     nth: int
     predicted: str  # "skipped" (bad_alloc caught, no entry), "crash" (bad_alloc escapes), "completed"
-    predicted_site: str
+    predicted_site: str  # the model's site name (alloc.state_tgt, ckpt_copy.tgt, ...), "-": none fails
     observed: str
     detail: str = ""
+    seen: Observation = field(default_factory=Observation)
+    how: str = ""  # how the server took the fault: "... SIGABRT in ...; terminate called after ...", "caught: ..."
+
+    @property
+    def observed_site(self) -> str:
+        """``file:function`` or ``library:function`` of the failed allocation (``-``: none failed)."""
+        return self.seen.fault()
+
+    @property
+    def site_agrees(self) -> bool:
+        return self.seen.agrees_with(self.predicted_site)
 
     @property
     def ok(self) -> bool:
-        return self.predicted == self.observed
+        return self.predicted == self.observed and self.site_agrees
+
+    def predicted_where(self) -> str:
+        """``ckpt_copy.tgt`` with the upstream function it mirrors and its line at 0c1e570."""
+        up = upstream(self.predicted_site)
+        return self.predicted_site if up is None else f"{self.predicted_site} ({up.function}, {up.where})"
+
+    def message(self) -> str:
+        """``observed: <site> (<how it died>); model predicted: <outcome> at <site>``."""
+        return (
+            f"observed: {self.observed_site} ({self.observed}: {self.how}); "
+            f"model predicted: {self.predicted} at {self.predicted_where()}"
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "build": self.build,
+            "nth": self.nth,
+            "predicted": self.predicted,
+            "predicted_site": self.predicted_site,
+            "observed": self.observed,
+            "observed_site": self.observed_site,
+            "site_agrees": self.site_agrees,
+            "ok": self.ok,
+            "how": self.how,
+            "detail": self.detail,
+            "message": self.message(),
+            "died_of": self.seen.signal,
+            "died_in": None if self.seen.died_at is None else str(self.seen.died_at),
+            "stack": self.seen.frames,
+        }
 
 
 def save_fault(
@@ -118,27 +170,21 @@ def save_fault(
     """Fail the ``nth`` large (>= 512 KiB) native allocation of the request that saves a slot to the cache.
 
     The native shim is preloaded into the server and armed through ``FAULTSHIM_ARM_FILE`` and SIGUSR2
-    right before the request; the model's seam is armed the same way (``min_size``) for the same
-    request and predicts where it must end: ``skipped`` (the save's bad_alloc handler caught it),
-    ``crash`` (std::bad_alloc escaped: the server dies) or ``completed`` (fewer large allocations).
-    After a ``skipped`` save the server must keep serving: a later request is checked too.
+    right before the request (:class:`~faults.native.RemoteShim`); the model's seam is armed the same way
+    (``min_size``) for the same request and predicts where it must end: ``skipped`` (the save's bad_alloc
+    handler caught it), ``crash`` (std::bad_alloc escaped: the server dies) or ``completed`` (fewer large
+    allocations), and at which of its sites. Where the server's allocation failed is read from the stack
+    the shim wrote when it failed it. After a ``skipped`` save the server must keep serving: a later
+    request is checked too.
     """
     min_size = 512 * 1024
     with tempfile.TemporaryDirectory(prefix="save-fault-") as tmp:
-        arm = os.path.join(tmp, "arm")
-        env = {
-            "LD_PRELOAD": str(build_shim()),
-            "FAULTSHIM_ARM_FILE": arm,
-            "FAULTS_STACKS": os.path.join(tmp, "st"),
-            "GGML_NO_BACKTRACE": "1",  # ggml would attach gdb to the dying server: seconds per crash
-        }
-        with Differential(_big_cfg(), binary, semantics, log_dir, env=env) as d:
+        shim = RemoteShim(tmp)
+        with Differential(_big_cfg(), binary, semantics, log_dir, env=shim.env()) as d:
             _build_up(d, n_extend)
             # the real server, armed right before the request
-            with open(arm, "w") as f:
-                f.write(f"{nth} 0 {min_size}\n")
             pid = d.server.pid
-            os.kill(pid, signal.SIGUSR2)
+            shim.arm(pid, nth, min_size=min_size)
             generated: tuple[int, ...] = ()
             try:
                 r = d.server.completion(DIVERGING, 1, ignore_eos=True, return_tokens=True)
@@ -152,9 +198,8 @@ def save_fault(
                     time.sleep(0.05)
             alive = d.server.running()
             if alive:
-                with open(arm, "w") as f:
-                    f.write("0 0 0\n")
-                os.kill(pid, signal.SIGUSR2)
+                shim.disarm(pid)
+            seen = shim.observe(modules_beside(binary))
             # the model's prediction, on the same request with the seam armed the same way
             m = d.model
             m.host.seam.arm(nth, min_size=min_size)
@@ -176,18 +221,43 @@ def save_fault(
             else:
                 observed = "completed"
             detail = f"server {'alive' if alive else 'dead'}, request {'answered' if answered else 'failed'}"
+            how = _how(observed, seen, log)
             if not alive and d.server.proc is not None and d.server.proc.returncode is not None:
                 rc = d.server.proc.returncode
                 detail += f" (exit {rc}{' = SIGABRT' if rc == -signal.SIGABRT else ''})"
-                if "terminate called after throwing" in (log := _log_text(d)):
-                    detail += ": " + log[log.index("terminate called after throwing") :].splitlines()[0]
+                if terminated := _terminate(_log_text(d)):
+                    detail += ": " + terminated
             if observed == "skipped" and res is not None:
                 # it keeps serving, and what it serves still equals a fresh server's
                 later = d.request([3 + (i * 7) % 250 for i in range(600)] + [11, 12, 13], 2)
                 detail += f"; a later request: {later.describe()}"
                 if not later.ok:
                     observed = "wrong-after-skip"
-            return FaultTrial(label, nth, predicted, site, observed, detail)
+            return FaultTrial(label, nth, predicted, site, observed, detail, seen, how)
+
+
+def _terminate(log: str) -> str:
+    """``terminate called after throwing an instance of 'std::bad_alloc'`` from a server's log, whose other
+    threads may write into the middle of that line (then libstdc++'s ``what():`` line names it), or a
+    ``GGML_ASSERT``/``GGML_ABORT`` line; "" when the log says neither."""
+    if "terminate called after throwing an instance of" in log:
+        tail = log[log.index("terminate called after throwing an instance of") :]
+        m = re.search(r"instance of '([\w:<>, ]+)'", tail)
+        w = re.search(r"^\s*what\(\):\s*(.+)$", tail, re.M)
+        name = m[1] if m else (w[1].strip() if w else "?")
+        return f"terminate called after throwing an instance of '{name}'"
+    return next((ln.strip() for ln in log.splitlines() if "GGML_ASSERT" in ln or "GGML_ABORT" in ln), "")
+
+
+def _how(observed: str, seen: Observation, log: str) -> str:
+    """How the server took the fault, in a few words: the allocation, then what became of it."""
+    what = seen.describe()
+    if observed == "crash":
+        line = _terminate(log)
+        return what + (f"; {line}" if line else "; the server died")
+    if observed == "skipped":
+        return what + "; caught: the save was skipped (failed to allocate memory for prompt cache state)"
+    return what + ("; the request completed" if observed == "completed" else "; a later request went wrong")
 
 
 def memory_and_faults(
@@ -255,24 +325,21 @@ def fault_trials(
         t = save_fault(binary, label, semantics, nth, log_dir=logs)
         section["fault_trials"] += 1
         section["server_crashes"] += t.observed == "crash"
-        section.setdefault("faults", []).append(t.__dict__)
+        section.setdefault("faults", []).append(t.to_json())
         status = "ok  " if t.ok else "FAIL"
-        out(
-            f"  [{status}] fault: large allocation #{nth} of a save -> model {t.predicted} at {t.predicted_site}, "
-            f"server {t.observed} ({t.detail})"
-        )
+        out(f"  [{status}] fault: large allocation #{nth} of a save -> {t.message()} [{t.detail}]")
         if not t.ok:
-            fail("native_fault", "violation", f"{label} nth={nth}: model {t.predicted}, server {t.observed}", "",
+            fail("native_fault", "violation", f"llama-server {label} nth={nth}: {t.message()}", "",
                  "server-faults")  # fmt: skip
         elif t.observed == "crash" and t.predicted_site.startswith("ckpt."):
-            out_of_scope.append(f"{label} nth={nth} at {t.predicted_site}")
+            out_of_scope.append(f"{label} nth={nth}: {t.message()}")
         elif t.observed == "crash" and t.predicted_site.startswith("ckpt_copy"):
             fail(
                 "no_partial_entries",
                 "crash",
-                f"llama-server {label}: std::bad_alloc in the checkpoint deep copy at {t.predicted_site} escapes "
-                "server_prompt_cache::alloc and terminates the server (PR #27451: the try must cover the whole entry "
-                f"construction) [{t.detail}]",
+                f"llama-server {label}: std::bad_alloc in the checkpoint deep copy escapes server_prompt_cache::alloc "
+                f"and terminates the server (PR #27451: the try must cover the whole entry construction); "
+                f"{t.message()} [{t.detail}]",
                 "",
                 "server-faults",
             )
