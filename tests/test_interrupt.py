@@ -17,12 +17,17 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 
+def _as_from_a_terminal() -> None:
+    """SIGINT at its default, as a terminal starts a command: pytest itself may run as a script's background
+    job, with SIGINT ignored, and a child inherits that (the case that tests it says so with its own hook)."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 def _py(code: str, preexec_fn: Callable[[], object] | None = None) -> subprocess.CompletedProcess[str]:
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     argv = [sys.executable, "-c", textwrap.dedent(code)]
-    return subprocess.run(
-        argv, capture_output=True, text=True, timeout=60, env=env, check=False, preexec_fn=preexec_fn
-    )
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60, env=env, check=False,
+                          preexec_fn=preexec_fn or _as_from_a_terminal)  # fmt: skip
 
 
 def _gone(pid: int, seconds: float = 5) -> bool:
