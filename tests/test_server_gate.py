@@ -11,7 +11,11 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from hypothesis.errors import FlakyFailure
 
+from harness.backends.llama_server import _unflaked
 from harness.backends.llama_server.differential import (
     Differential,
     ServerConfig,
@@ -173,3 +177,23 @@ def test_gate_on_a_binary_built_elsewhere(pr_binary: Path, tmp_path: Path) -> No
     server = json.loads(out.read_text())["server"]
     assert server["build"] == f"binary {binary}" and server["pinned"] is False and server["requests"] > 0
     assert server["fault_trials"] == 3 and server["rss_peak_bytes"] > 0
+
+
+def test_a_mismatch_hypothesis_calls_flaky_is_unwrapped_not_a_traceback() -> None:
+    """A real server answers a program's request otherwise once than when Hypothesis runs the program again to
+    confirm it (PR #27451's branch: a save one build's log showed and the other's did not): Hypothesis raises
+    ``FlakyFailure``, an exception group, which the backend must open to file (or, for --base, replay) it."""
+    seen: list[int] = []
+
+    @settings(max_examples=5, database=None, derandomize=True)
+    @given(st.integers(0, 3))
+    def once(i: int) -> None:
+        seen.append(i)
+        if len(seen) == 1:
+            raise ServerMismatch("change", "TREE saves 1 where BASE 0", "d.request([1], 2)")
+
+    with pytest.raises(FlakyFailure) as err:
+        once()
+    found = _unflaked(err.value, ServerMismatch)
+    assert found is not None and found.message == "TREE saves 1 where BASE 0"
+    assert _unflaked(FlakyFailure("other", [ValueError("x")]), ServerMismatch) is None

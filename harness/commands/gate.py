@@ -253,14 +253,17 @@ def run(args: argparse.Namespace) -> int:
     ended: BaseException | None = None
     try:
         run_gate(opts, backends, report=report)
-    except (HarnessError, KeyboardInterrupt) as e:
+    except BaseException as e:  # a HarnessError, Ctrl-C, or a defect of the harness (its traceback follows)
         ended = e
         raise
     finally:
-        # the JSON (and JUnit) is written on every exit: what was found before an error or Ctrl-C is kept
+        # the JSON (and JUnit) is written on every exit: what was found before an error or Ctrl-C is kept, and
+        # a run that did not end says passed: false
         if ended is not None:
             what = "interrupted" if isinstance(ended, KeyboardInterrupt) else str(ended)
-            code = EXIT_INTERRUPTED if isinstance(ended, KeyboardInterrupt) else getattr(ended, "exit_code", EXIT_USAGE)
+            if not isinstance(ended, (HarnessError, KeyboardInterrupt)):
+                what = f"harness defect: {type(ended).__name__}: {ended}"
+            code = EXIT_INTERRUPTED if isinstance(ended, KeyboardInterrupt) else getattr(ended, "exit_code", 1)
             report.extra["ended"] = {"error": what, "exit_code": code}
             if report.failures:
                 _print_report(report, print)
