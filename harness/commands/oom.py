@@ -72,7 +72,7 @@ def _row(r: OomRun) -> list[str]:
     ]  # fmt: skip
 
 
-_HEAD = ["build", "limit", "ckpts MiB", "C", "S", "baseline", "limit MiB", "outcome", "signal", "oom_kill",
+_HEAD = ["build", "mode", "ckpts MiB", "C", "S", "baseline", "limit MiB", "outcome", "signal", "oom_kill",
          "bad_alloc", "peak+", "VmHWM+", "save s", "update ms", "resumed (cache_n)"]  # fmt: skip
 
 
