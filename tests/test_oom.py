@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.llama_server.oom import OomSettings, run_oom
+from harness.backends.llama_server.oom import OomSettings, gate_check, run_oom
 from harness.targets.llama_build import build_server
 from harness.targets.memlimit import PREFIX, cgroup_support, sweep_stale
 
@@ -100,3 +100,14 @@ def test_a_sigkilled_harness_leaves_no_server_and_no_cgroup(tmp_path: Path) -> N
             harness.send_signal(signal.SIGKILL)
             harness.wait()
         sweep_stale()
+
+
+def test_the_gate_check_files_masters_failures_as_the_prs_claims(tmp_path: Path) -> None:
+    """In the server gate master's OOM kill is ``transient_peak`` and its abort ``no_partial_entries``: the two
+    claims ``ci/expect_master.py`` expects, so the master gate still fails exactly where the PR says."""
+    fails: list[tuple[str, ...]] = []
+    section: dict[str, object] = {}
+    gate_check(section, "master", "master", build_server("master"), str(tmp_path),
+               lambda *a: fails.append(a), lambda _m: None)  # fmt: skip
+    assert {(f[0], f[1]) for f in fails} == {("transient_peak", "crash"), ("no_partial_entries", "crash")}
+    assert set(section["oom"]) == {"cgroup", "rlimit"}  # type: ignore[arg-type]

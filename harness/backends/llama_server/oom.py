@@ -40,9 +40,9 @@ from typing import Any
 from fixtures.models import BIG_SPECS, checkpoint_model_name, model_path
 from harness.errors import RequestFailed, UsageError
 from harness.targets.llama_server import ServerProcess, proc_status
-from harness.targets.memlimit import MemoryCgroup, address_space, limit_address_space
+from harness.targets.memlimit import MemoryCgroup, address_space, cgroup_support, limit_address_space
 
-__all__ = ["MODES", "OomRun", "OomSettings", "expected", "run_oom"]
+__all__ = ["MODES", "OomRun", "OomSettings", "expected", "gate_check", "run_oom"]
 
 MODES = ("cgroup", "rlimit", "none")  # none: the cgroup's ceiling only, to see the whole save's peak and time
 MIB = 1 << 20
@@ -344,3 +344,54 @@ def _classify(run: OomRun, log: str) -> None:
     else:
         run.outcome = "died"
         run.notes.append(f"died: exit {run.exit_code} ({run.exit_signal}), oom_kills {run.oom_kills}")
+
+
+def gate_check(
+    section: dict[str, Any],
+    label: str,
+    semantics: str,
+    binary: Path,
+    logs: str,
+    fail: Callable[[str, str, str, str, str], None],
+    out: Callable[[str], None],
+) -> None:
+    """The server gate's check: 4 checkpoints of 64 MiB saved under ``baseline + S + C/2`` in a memory cgroup
+    (when one can be made here; else one line says so) and under RLIMIT_AS. The property is the PR's: the save
+    fits and the next request resumes from the cache. Master breaks it as the PR says: OOM-killed in the cgroup
+    (``transient_peak``: its save carries the checkpoint copy), aborted under RLIMIT_AS (``no_partial_entries``:
+    the copy's bad_alloc escapes ``server_prompt_cache::alloc``)."""
+    modes = ["cgroup", "rlimit"]
+    if cgroup_support() is None:
+        modes = ["rlimit"]
+        out("  [skip] oom in a memory cgroup: no writable cgroup v1 memory nor v2 memory controller here")
+    section["oom"] = {}
+    for mode in modes:
+        r = run_oom(binary, label, semantics, OomSettings(checkpoints=4, size_mib=64, mode=mode), Path(logs))
+        section["oom"][mode] = r.to_json()
+        ok = r.outcome == "survived" and bool(r.resumed)
+        what = (
+            f"oom ({mode}): {r.n_checkpoints} checkpoints of {r.checkpoint_mib_log} MiB, limit baseline + S + C/2 "
+            f"= {r.limit_bytes / MIB:.0f} MiB: {r.outcome}"
+            + (
+                f" ({r.exit_signal}" + ("" if r.oom_kills is None else f", oom_kill {r.oom_kills}") + ")"
+                if r.exit_signal
+                else ""
+            )
+            + ("" if r.resumed is None else f", next request cache_n {r.cache_n}")
+        )
+        out(f"  [{'ok  ' if ok else 'FAIL'}] {what}")
+        if ok:
+            continue
+        if r.outcome == "oom-killed":
+            prop, kind = "transient_peak", "crash"
+            why = "its save needs more than S above the baseline (PR #27451: master deep-copies the checkpoints)"
+        elif r.outcome == "aborted":
+            prop, kind = "no_partial_entries", "crash"
+            why = "the bad_alloc escapes server_prompt_cache::alloc (PR #27451: the try must cover the whole entry)"
+        elif r.outcome == "survived":
+            prop, kind, why = "cache_n", "violation", "the next request did not resume from the cache entry"
+        elif r.outcome == "recovered":
+            prop, kind, why = "transient_peak", "violation", "the save met a bad_alloc though S fits under the limit"
+        else:
+            prop, kind, why = "server", "crash", "; ".join(r.notes)
+        fail(prop, kind, f"llama-server {label} {what}: {why} (log: {r.log_path})", "", "server-oom")
