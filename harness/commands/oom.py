@@ -64,8 +64,9 @@ def _mib(n: int | None) -> str:
 def _row(r: OomRun) -> list[str]:
     resumed = "-" if r.resumed is None else (f"yes ({r.cache_n})" if r.resumed else f"no ({r.cache_n})")
     sig = r.exit_signal or ("alive" if r.exit_code is None else f"exit {r.exit_code}")
+    build = r.build if r.build in ("pr", "master") else f"{r.build} [{r.semantics}]"  # a tree: what was read
     return [
-        r.build, r.mode, f"{r.n_checkpoints}x{r.checkpoint_mib_log:.1f}", _mib(r.c_bytes),
+        build, r.mode, f"{r.n_checkpoints}x{r.checkpoint_mib_log:.1f}", _mib(r.c_bytes),
         _mib(r.s_log_bytes or r.s_bytes), _mib(r.baseline_bytes), _mib(r.limit_bytes), r.outcome, sig,
         "-" if r.oom_kills is None else str(r.oom_kills), r.bad_alloc,
         _mib(r.peak_above_baseline), _mib(r.vmhwm_above_rss),

@@ -267,7 +267,7 @@ class MemoryCgroup:
 
     def __init__(self, limit_bytes: int | None = None, *, tag: str = "") -> None:
         self._initial = limit_bytes
-        self._tag = tag
+        self._tag = "".join(c if c.isalnum() or c in "_." else "_" for c in tag)[-40:]  # a directory name
         self.path: Path | None = None
         self.version = 0
         self._peak_fd: int | None = None  # v2: memory.peak is reset per open file

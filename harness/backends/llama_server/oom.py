@@ -184,10 +184,11 @@ def run_oom(
         progress(f"generated {name} ({model.stat().st_size / MIB:.0f} MiB file) in {time.monotonic() - t0:.1f} s")
     s_est = spec.state_bytes
     cache_ram_mib = -(-((st.checkpoints + 3) * s_est) // MIB) + 64  # the entry (S + C) and the next one (S) fit
-    log = log_dir / f"oom-{build}-{st.mode}-{st.size_mib}x{st.checkpoints}.log"
+    slug = re.sub(r"[^A-Za-z0-9_.]+", "_", build).strip("_")[-40:]  # "source /path/to/tree": a file name
+    log = log_dir / f"oom-{slug}-{st.mode}-{st.size_mib}x{st.checkpoints}.log"
     run.log_path = str(log)
     args = ["-cms", "4", "-b", "64", "-ub", str(st.n_ubatch), "--no-warmup", "-lv", "4"]
-    with _group(st, f"{build}-{st.mode}") as cg:
+    with _group(st, f"{slug}-{st.mode}") as cg:
         srv = ServerProcess(
             binary, args, model=model, n_parallel=1, ctx_size=1024, cache_ram=cache_ram_mib,
             ctx_checkpoints=st.checkpoints, threads=1, log_path=log, request_timeout=st.request_timeout,
