@@ -67,7 +67,10 @@ def _alive(pid: int) -> bool:
         return False
 
 
-def test_a_sigkilled_harness_leaves_no_server_and_no_cgroup(tmp_path: Path) -> None:
+@pytest.mark.parametrize("sig", [signal.SIGKILL, signal.SIGINT], ids=["kill-9", "ctrl-c"])
+def test_a_killed_or_interrupted_harness_leaves_no_server_and_no_cgroup(tmp_path: Path, sig: signal.Signals) -> None:
+    """Ctrl-C: the run removes its group itself and exits 130. kill -9: the server dies with the harness
+    (PR_SET_PDEATHSIG) and the next run's sweep removes the group."""
     before = _ours()
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     cmd = [sys.executable, "-P", "-m", "harness", "oom", "--semantics", "shared", "--size", "64", "--mode", "cgroup",
@@ -87,13 +90,16 @@ def test_a_sigkilled_harness_leaves_no_server_and_no_cgroup(tmp_path: Path) -> N
                     group, server = support[1] / name, int(procs[0])
             time.sleep(0.2)
         assert group is not None and server, "the harness never started its server inside a cgroup"
-        harness.kill()  # kill -9: no finally, no atexit
-        harness.wait()
+        harness.send_signal(sig)  # kill -9: no finally, no atexit
+        rc = harness.wait(timeout=60)
         deadline = time.monotonic() + 10
         while _alive(server) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert not _alive(server), "llama-server outlived the harness"
-        assert group.name in sweep_stale()  # what the next run does first
+        if sig == signal.SIGINT:
+            assert rc == 130 and not group.exists()
+        else:
+            assert group.name in sweep_stale()  # what the next run does first
         assert not group.exists()
     finally:
         if harness.poll() is None:
