@@ -207,14 +207,14 @@ def soak_phase(
             preexec=None if cg is None else cg.preexec,
         )  # fmt: skip
 
-    try:
+    try:  # the group goes with the phase, whatever fails before the phase's own clean-up is in place
         live = LiveServer(make, cg)
+        fresh = ServerProcess(binary, _SERVER_ARGS[:-2], model=model_path(arch), n_parallel=1, ctx_size=2048,
+                              cache_ram=0, ctx_checkpoints=4, log_path=f"{log_dir}/soak-{arch}-fresh.log")  # fmt: skip
     except BaseException:
         if cg is not None:
             cg.remove()
         raise
-    fresh = ServerProcess(binary, _SERVER_ARGS[:-2], model=model_path(arch), n_parallel=1, ctx_size=2048,
-                          cache_ram=0, ctx_checkpoints=4, log_path=f"{log_dir}/soak-{arch}-fresh.log")  # fmt: skip
     res.cache_limit_mib = float(st.cache_ram_mib)
     try:
         try:
