@@ -31,7 +31,8 @@ NOTES = """\
 chooses the build (`master` or the PR patch). The older `--variant` and `--flavour pr|master|asan` are still
 accepted and print a one-line note. A flag that no selected backend reads is refused with the backend that
 would read it. Every command ends with the same exit codes (`harness/errors.py`): 0 pass, 1 a property failed,
-2 usage or environment error, 3 the target crashed, 4 a build failed, 130 interrupted."""
+2 usage or environment error, 3 the target crashed, 4 a build failed, 5 no memory limit can be set here
+(`oom`: neither a cgroup v1 `memory` hierarchy nor a cgroup v2 memory controller is writable), 130 interrupted."""
 
 
 class _Formatter(argparse.HelpFormatter):

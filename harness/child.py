@@ -109,15 +109,20 @@ def run_child(
     env: Mapping[str, str] | None = None,
     timeout: float = 60.0,
     preload: str | None = None,
+    preexec: Callable[[], None] | None = None,
 ) -> ChildResult:
     """Run ``argv`` with ``FAULTS_STACKS`` (and ``LD_PRELOAD=preload``); never raises for its death.
 
-    ``argv`` may be a function instead: it runs in a forked child, which inherits the environment
-    and the preloaded libraries of the caller (``env`` and ``preload`` are refused).
+    ``preexec`` runs in the child between ``fork`` and ``exec`` (entering a memory cgroup, setting an
+    rlimit: :mod:`harness.targets.memlimit`). ``argv`` may be a function instead: it runs in a forked
+    child, which inherits the environment and the preloaded libraries of the caller (``env``,
+    ``preload`` and ``preexec`` are refused).
     """
     if callable(argv):
-        if env is not None or preload is not None:
-            raise ValueError("a forked child inherits the caller's environment: env and preload are for commands")
+        if env is not None or preload is not None or preexec is not None:
+            raise ValueError(
+                "a forked child inherits the caller's environment: env, preload and preexec are for commands"
+            )
         return _run_forked(argv, timeout)
     with tempfile.TemporaryDirectory(prefix="faults-child-") as tmp:
         stacks = os.path.join(tmp, "stacks.txt")
@@ -141,6 +146,7 @@ def run_child(
                     start_new_session=True,
                     text=True,
                     errors="replace",
+                    preexec_fn=preexec,
                 )
                 track(proc.pid)
             try:

@@ -25,6 +25,7 @@ from harness.commands import (
     gate,
     mutants,
     native,
+    oom,
     replay,
     report,
     rlimit,
@@ -48,6 +49,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "replay": (replay, "re-run every failure a campaign's database holds: program and verdict"),
     "build-server": (build_server, "build llama-server from the llama-cpp-python sdist (cached)"),
     "concurrent": (concurrent, "K clients against a real llama-server; the model replays the order it took"),
+    "oom": (oom, "big checkpoints saved under a real memory limit (cgroup, RLIMIT_AS): master killed, PR survives"),
     "soak": (soak, "sustained load on a real llama-server: RSS, cache size and outputs under a small --cache-ram"),
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
     "report": (report, "the memory report: one self-contained HTML page and report.json, master vs PR"),
@@ -60,7 +62,7 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m harness",
         description="Fault-injection and property-testing harness for llama-server's prompt cache.",
         epilog="exit codes: 0 pass, 1 property failed, 2 usage/environment error, 3 target crashed, "
-        "4 build failed, 130 interrupted",
+        "4 build failed, 5 no memory limit can be set here (oom), 130 interrupted",
     )
     sub = parser.add_subparsers(dest="command", metavar="<command>")
     for name, (module, help_) in COMMANDS.items():

@@ -12,6 +12,8 @@ message as one line, never a traceback). The codes are the same for every comman
 3     :data:`EXIT_CRASH`           the target crashed (an exception escaped the model, a child or
                                    a server died)
 4     :data:`EXIT_BUILD_FAILED`    fetching, patching, configuring or compiling llama-server failed
+5     :data:`EXIT_NO_MEMLIMIT`     no memory limit can be set here (no writable cgroup v1 ``memory``
+                                   nor cgroup v2 memory controller)
 130   :data:`EXIT_INTERRUPTED`     Ctrl-C; children are cleaned up, findings so far are printed
 ====  ===========================  ==============================================================
 
@@ -23,6 +25,8 @@ The tree, from the root down:
   HTTP error, or not at all (connection dropped, no answer in time, not JSON). Its callers classify it
   into a failure with the request sequence that replays it; escaping a command it is one line.
 * :class:`BuildError` (4).
+* :class:`NoMemoryLimit` (5): a run that needs a real memory limit (``python -m harness oom``) on a
+  machine where neither cgroup version's memory controller can be written.
 * :class:`PropertyFailure` (1): the base of every property failure (``Violation`` of the
   model's invariants, the llama-cpp-python cache's and the server differential's); it is also an
   ``AssertionError`` so Hypothesis shrinks it like any failed assertion. ``name`` is the property.
@@ -43,6 +47,7 @@ __all__ = [
     "EXIT_CRASH",
     "EXIT_FAILED",
     "EXIT_INTERRUPTED",
+    "EXIT_NO_MEMLIMIT",
     "EXIT_OK",
     "EXIT_USAGE",
     "BadAlloc",
@@ -50,6 +55,7 @@ __all__ = [
     "GgmlAbort",
     "HarnessError",
     "ModelLoadError",
+    "NoMemoryLimit",
     "PropertyFailure",
     "RequestFailed",
     "ServerStartError",
@@ -64,6 +70,7 @@ EXIT_FAILED = 1
 EXIT_USAGE = 2
 EXIT_CRASH = 3
 EXIT_BUILD_FAILED = 4
+EXIT_NO_MEMLIMIT = 5
 EXIT_INTERRUPTED = 130
 
 
@@ -142,6 +149,13 @@ class BuildError(HarnessError):
     """Fetching, extracting, patching, configuring or compiling failed; the message is one line."""
 
     exit_code = EXIT_BUILD_FAILED
+
+
+class NoMemoryLimit(Unavailable):
+    """Neither a cgroup v1 ``memory`` hierarchy nor a cgroup v2 memory controller is writable here: one line
+    saying why each is unusable (not root, not mounted, no controller)."""
+
+    exit_code = EXIT_NO_MEMLIMIT
 
 
 class PropertyFailure(HarnessError, AssertionError):

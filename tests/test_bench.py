@@ -15,6 +15,8 @@ from harness.cli import main
 from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from harness.measure import arms, bench_cases, saves
 from harness.measure.bench import CASES, case_names, compare, figure, table
+from harness.targets.llama_build import cached_binary
+from harness.targets.memlimit import cgroup_support
 from properties.machine import MachineConfig, machine_class
 from properties.run import machines_for, make_settings, run_seeded
 
@@ -300,3 +302,22 @@ def test_warm_saves_save_the_same_prompt_again_or_say_they_did_not() -> None:
     # the slot now holds the diverging prompt: called again, the cycle has no saved prompt to time
     with pytest.raises(UsageError, match="saved the slot's prompt 0 of 2 times"):
         saves.warm_saves(server, 2)
+
+
+def test_quick_big_saves_master_costs_s_plus_c_and_the_pr_s(tmp_path: Path) -> None:
+    # the oom scenario's --mode none at 4 x 64 MiB on both real builds: the cgroup's peak during the save
+    if cgroup_support() is None or None in (cached_binary("pr"), cached_binary("master")):
+        pytest.skip("needs a writable memory cgroup and both cached llama-server builds")
+    out = tmp_path / "b.json"
+    assert main(["bench", "--quick", "--only", "big-saves", "--json", str(out), "--md", str(tmp_path / "b.md")]) == 0
+    case = json.loads(out.read_text())["cases"]["big-saves"]
+    assert "error" not in case, case
+    figs = {f["name"]: f for f in case["figures"]}
+    pr, master = figs["shared save peak, C 257 MiB"], figs["master save peak, C 257 MiB"]
+    s, c = pr["inputs"]["s_mib"], pr["inputs"]["c_mib"]
+    assert 60 < s < 70 and 250 < c < 270 and pr["inputs"]["checkpoints"] == 4
+    assert pr["median"] < 1.2 * s < master["median"] and master["median"] > 0.9 * (s + c)
+    assert pr["inputs"]["resumed"] and master["inputs"]["outcome"] == "survived"
+    assert figs["shared save peak / S, C 257 MiB"]["goal"]["met"]
+    assert figs["master / shared save peak, C 257 MiB"]["median"] > 3
+    assert CASES["big-saves"].named_only and "big-saves" not in case_names(None)

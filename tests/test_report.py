@@ -97,6 +97,24 @@ def test_report_json_agrees_with_the_gates_figures(built: tuple[Path, dict[str, 
     assert cost["shared"]["memray_large_allocations_per_update"] > cost["master"]["memray_large_allocations_per_update"]
 
 
+def test_the_limit_section_has_master_killed_where_the_pr_resumes(built: tuple[Path, dict[str, Any]]) -> None:
+    # 4 x 64 MiB saved under baseline + S + C/2 on both real servers, in a memory cgroup and under RLIMIT_AS
+    _, report = built
+    by = {(r["semantics"], r["mode"]): r for r in report["limit"]["rows"]}
+    assert set(by) == {(s, m) for s in ("master", "shared") for m in ("cgroup", "rlimit")}, set(by)
+    for r in by.values():
+        assert r["n_checkpoints"] == 4 and 60 << 20 < r["s_bytes"] < 70 << 20 and r["c_bytes"] > 3 * r["s_bytes"]
+        assert r["limit_bytes"] == r["baseline_bytes"] + r["s_bytes"] + int(0.5 * r["c_bytes"]), r
+        assert r["outcome"] == r["expected"], r
+    for mode in ("cgroup", "rlimit"):
+        assert by[("shared", mode)]["resumed"] and by[("shared", mode)]["bad_alloc"] == "none"
+    pr, master = by[("shared", "cgroup")], by[("master", "cgroup")]
+    assert pr["peak_bytes"] <= pr["limit_bytes"] and pr["peak_above_baseline"] < 1.1 * pr["s_bytes"]
+    assert master["exit_signal"] == "SIGKILL" and master["oom_kills"] >= 1
+    assert by[("master", "rlimit")]["exit_signal"] == "SIGABRT" and by[("master", "rlimit")]["bad_alloc"] == "escaped"
+    assert any(line.startswith("under a memory limit of baseline + S + C/2") for line in report["summary"])
+
+
 def test_page_renders_offline_in_headless_chromium(built: tuple[Path, dict[str, Any]]) -> None:
     if not Path(CHROMIUM).is_file():
         pytest.skip("no chromium here (.ci/run installs Debian's)")
@@ -125,6 +143,10 @@ def test_page_renders_offline_in_headless_chromium(built: tuple[Path, dict[str, 
     # with a real size
     assert len(sizes) >= 6 and all(w > 100 and h > 50 for w, h in sizes), sizes
     assert "not measured in this run" in text  # the size axis was left out of the test plan, and says so
+    titles = [t for _k, t in SECTIONS]
+    at = [k for k, _t in SECTIONS].index("limit")
+    limit = text.split(titles[at])[2].split(titles[at + 1])[0]  # after the nav's link: the section itself
+    assert "oom-killed" in limit and "RLIMIT_AS" in limit and "resumed, cache_n" in limit and "NO (" not in limit
 
 
 @pytest.mark.parametrize(

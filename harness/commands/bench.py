@@ -20,7 +20,7 @@ import json
 import os
 
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
-from harness.measure import bench_builds, bench_cases  # noqa: F401  (registers the cases)
+from harness.measure import bench_builds, bench_cases, bench_oom  # noqa: F401  (registers the cases)
 from harness.measure.bench import CASES, compare, load_json, run_bench, table
 from properties.run import commit
 

@@ -6,8 +6,10 @@ native shim failing one large allocation every few seconds). What is sampled and
 latency, the RSS curve, cache size and entries, evictions, fault trials survived).
 
 Exit 0 when every bound held, 1 when one broke (RSS over its bound, the logged cache over its
-limit, a crash or a request error with faults off, an output unlike a fresh server's), 2 on a
-usage error, 4 when llama-server does not build. The figures come from a shared machine: compare
+limit, a crash or a request error with faults off, an OOM kill under ``--memory-limit MIB`` (the server in a
+memory cgroup; the requests that led to it written beside its log), an output unlike a fresh server's), 2 on a
+usage error, 4 when llama-server does not build, 5 when ``--memory-limit`` finds no memory cgroup to make.
+The figures come from a shared machine: compare
 runs made on the same machine only.
 """
 
@@ -26,6 +28,7 @@ from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.soak import CACHE_RAM_MIB, SoakSettings, soak
 from harness.targets.llama_build import server_build
 from harness.targets.llama_probe import probe
+from harness.targets.memlimit import MemoryCgroup, cgroup_support
 
 __all__ = ["add_arguments", "run"]
 
@@ -41,6 +44,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help=f"the server's --cache-ram (default {CACHE_RAM_MIB})")  # fmt: skip
     parser.add_argument("--rss-bound", type=float, metavar="MIB",
                         help="a fixed RSS bound instead of base + cache-ram + slack")  # fmt: skip
+    parser.add_argument("--memory-limit", type=int, metavar="MIB",
+                        help="run the soaked server in a memory cgroup with this hard limit: an OOM kill fails the "
+                        "run, with the requests that led to it")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the clients' prompts (default 0)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
@@ -56,6 +62,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
     if args.cache_ram < 1:
         raise UsageError("--cache-ram must be >= 1 MiB (0 disables the cache: nothing to soak)")
+    if args.memory_limit is not None:
+        if args.memory_limit < 8:
+            raise UsageError("--memory-limit must be >= 8 MiB (llama-server itself needs more)")
+        if cgroup_support() is None:
+            MemoryCgroup().create()  # raises the one line saying why no memory cgroup can be made here (exit 5)
 
     def log(m: str) -> None:
         print("  build: " + m, file=sys.stderr)
@@ -66,14 +77,18 @@ def run(args: argparse.Namespace) -> int:
         build = server_build(flavour="master" if args.semantics == "master" else "pr", log=log)
     print("  " + probe(build.binary, log=log).line(), file=sys.stderr)  # the request form its version answers
     per_phase = args.minutes * 60 / (2 * len(archs))
-    st = SoakSettings(per_phase, cache_ram_mib=args.cache_ram, rss_bound_mib=args.rss_bound, seed=args.seed)
+    st = SoakSettings(per_phase, cache_ram_mib=args.cache_ram, rss_bound_mib=args.rss_bound, seed=args.seed,
+                      memory_limit_mib=args.memory_limit)  # fmt: skip
     print(f"soak: build={build.origin} models={','.join(archs)} {per_phase:.0f}s per phase (faults off, then on), "
-          f"--cache-ram {args.cache_ram} MiB, seed {args.seed}; shared machine: figures are relative")  # fmt: skip
+          f"--cache-ram {args.cache_ram} MiB, seed {args.seed}"
+          + (f", in a memory cgroup limited to {args.memory_limit} MiB" if args.memory_limit else "")
+          + "; shared machine: figures are relative")  # fmt: skip
     logs = tempfile.mkdtemp(prefix="soak-")  # kept when a bound broke: the server logs say what happened
     failed = True
     try:
         results = soak(build.binary, archs, st, logs)
         violations = [f"{r.arch} faults {'on' if r.faults else 'off'}: {v}" for r in results for v in r.violations]
+        violations.sort(key=lambda v: "OOM-killed" not in v)  # the kill first, before its clients' broken requests
         report = {
             "command": "soak",
             "build": build.origin,
@@ -86,6 +101,9 @@ def run(args: argparse.Namespace) -> int:
             "requests": sum(r.requests for r in results),
             "fault_trials": sum(r.fault_trials for r in results),
             "fault_survived": sum(r.fault_survived for r in results),
+            "memory_limit_mib": args.memory_limit,
+            "oom_kills": sum(r.oom_kills for r in results),
+            "oom_programs": [p for r in results for p in r.oom_programs],
             "crashes_under_faults": sum(r.crashes for r in results if r.faults),
             "violations": violations,
             "passed": not violations,
@@ -98,7 +116,8 @@ def run(args: argparse.Namespace) -> int:
             print(f"--- replay ---\npython -m harness soak --minutes {args.minutes} "
                   + (f"--source {args.source} " if args.source else f"--semantics {args.semantics or 'shared'} ")
                   + f"--arch {' '.join(archs)} --cache-ram {args.cache_ram} --seed {args.seed}"
-                  + (f" --rss-bound {args.rss_bound}" if args.rss_bound is not None else ""))  # fmt: skip
+                  + (f" --rss-bound {args.rss_bound}" if args.rss_bound is not None else "")
+                  + (f" --memory-limit {args.memory_limit}" if args.memory_limit is not None else ""))  # fmt: skip
             return EXIT_FAILED
         print(f"PASS: {report['requests']} requests, {report['fault_trials']} fault trials, "
               f"{report['fault_survived']} survived")  # fmt: skip

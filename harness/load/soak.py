@@ -24,6 +24,12 @@ a new tail, without pause. A sampler reads, every second, the server's ``VmRSS``
   server on ``mamba``; with faults on, a prompt that reuses the tokens of a request answered
   "decode() failed" is ``decode-exception-keeps-slot-tokens``; any other difference fails).
 
+With ``memory_limit_mib`` (``--memory-limit``) the soaked server runs in a memory cgroup with that hard limit
+(:class:`harness.targets.memlimit.MemoryCgroup`; the fresh server outside it). An OOM kill, seen in the group's
+``oom_kill`` counter and the server's exit signal, fails the run in either phase; the requests the clients
+sent to that server, in order, are written beside its log (``soak-ARCH-...-oom-N.json``: the request
+program to replay) and named in the failure. The group's peak is reported.
+
 Reported per model and phase: requests/s, p50/p99 latency, the RSS curve (one sample a second),
 the cache's size and entries, evictions, fault trials and how many the server survived. Every loop
 is bounded by the phase's deadline and :data:`MAX_REQUESTS`; servers are stopped on failure and
@@ -44,11 +50,13 @@ from typing import Any
 from faults.native import RemoteShim
 from faults.sites import modules_beside
 from fixtures.models import model_path
-from harness.errors import ServerStartError
+from harness.errors import ServerStartError, UsageError
 from harness.interrupt import check, interrupted
+from harness.load.live import LiveServer, oom_killed
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
 from harness.targets.llama_server import RequestFailed, ServerProcess, proc_status
+from harness.targets.memlimit import MemoryCgroup
 
 __all__ = ["FAULT_MIN_SIZE", "LiveServer", "PhaseResult", "SoakSettings", "rss_bytes", "soak_phase"]
 
@@ -79,6 +87,7 @@ class SoakSettings:
     rss_bound_mib: float | None = None  # None: base + cache-ram + slack
     n_parallel: int = 2
     seed: int = 0
+    memory_limit_mib: int | None = None  # the soaked server in a memory cgroup with this hard limit
 
 
 @dataclass
@@ -107,6 +116,10 @@ class PhaseResult:
     fault_sites: list[str] = field(default_factory=list)  # where each one's allocation failed (faults.sites)
     decode_failed: list[tuple[int, ...]] = field(default_factory=list)  # prompts answered "decode() failed"
     fault_survived: int = 0
+    memory_limit_bytes: int | None = None
+    cgroup_peak_bytes: int | None = None
+    oom_kills: int = 0  # the cgroup's oom_kill counter at the end of the phase (over every server of it)
+    oom_programs: list[str] = field(default_factory=list)  # the request program of each OOM kill, a JSON file
     violations: list[str] = field(default_factory=list)
 
     def summary(self) -> dict[str, Any]:
@@ -144,51 +157,13 @@ class PhaseResult:
             "fault_times_s": [round(t, 1) for t in self.fault_times],
             "fault_sites": self.fault_sites,
             "fault_survived": self.fault_survived,
+            "memory_limit_bytes": self.memory_limit_bytes,
+            "cgroup_peak_bytes": self.cgroup_peak_bytes,
+            "oom_kills": self.oom_kills,
+            "oom_programs": self.oom_programs,
             "violations": self.violations[:20],
             "rss_curve": [[round(t, 1), r, c, e] for t, r, c, e in self.rss_curve],
         }
-
-
-class LiveServer:
-    """The phase's current server (replaced after a crash) and its log reader."""
-
-    def __init__(self, make: Callable[[], ServerProcess]) -> None:
-        self.make = make
-        self.lock = threading.Lock()
-        self.server = make()
-        self.offset = 0
-        self.generation = 0
-        self.restarting = threading.Event()
-
-    def restart(self) -> None:
-        """Replace a crashed server. While this runs, the clients may reach the new server before
-        its model is loaded (HTTP 503 "Loading model"): ``restarting`` and ``generation`` let them
-        count that as part of the crash, not as an error with faults off."""
-        self.restarting.set()
-        try:
-            with self.lock:
-                self.server.stop()
-                self.server = self.make()
-                self.server.start()
-                self.offset = 0
-                self.generation += 1
-        finally:
-            self.restarting.clear()
-
-    def in_crash(self, gen: int) -> bool:
-        """Whether a request sent at generation ``gen`` overlapped a restart."""
-        return self.restarting.is_set() or self.generation != gen
-
-    def new_log(self) -> str:
-        path = self.server.log_path
-        if path is None:
-            return ""
-        with path.open("rb") as f:
-            f.seek(self.offset)
-            data = f.read()
-        cut = data.rfind(b"\n") + 1
-        self.offset += cut
-        return data[:cut].decode(errors="replace")
 
 
 def _prompt(rng: random.Random, pool: list[tuple[int, ...]], n_max: int) -> tuple[int, ...]:
@@ -216,6 +191,11 @@ def soak_phase(
     res = PhaseResult(arch, faults)
     shim = RemoteShim(tempfile.mkdtemp(prefix="soak-shim-", dir=log_dir)) if faults else None
     n_log = 0
+    cg: MemoryCgroup | None = None
+    if st.memory_limit_mib is not None:
+        res.memory_limit_bytes = st.memory_limit_mib << 20
+        cg = MemoryCgroup(limit_bytes=res.memory_limit_bytes, tag=f"soak-{arch}-{'faults' if faults else 'off'}")
+        cg.create()
 
     def make() -> ServerProcess:
         nonlocal n_log
@@ -224,23 +204,42 @@ def soak_phase(
             binary, _SERVER_ARGS, model=model_path(arch), n_parallel=st.n_parallel, ctx_size=2048,
             cache_ram=st.cache_ram_mib, ctx_checkpoints=4, env=shim.env() if shim else None,
             log_path=f"{log_dir}/soak-{arch}-{'faults' if faults else 'off'}-{n_log}.log",
+            preexec=None if cg is None else cg.preexec,
         )  # fmt: skip
 
-    live = LiveServer(make)
-    fresh = ServerProcess(binary, _SERVER_ARGS[:-2], model=model_path(arch), n_parallel=1, ctx_size=2048,
-                          cache_ram=0, ctx_checkpoints=4, log_path=f"{log_dir}/soak-{arch}-fresh.log")  # fmt: skip
+    try:  # the group goes with the phase, whatever fails before the phase's own clean-up is in place
+        live = LiveServer(make, cg)
+        fresh = ServerProcess(binary, _SERVER_ARGS[:-2], model=model_path(arch), n_parallel=1, ctx_size=2048,
+                              cache_ram=0, ctx_checkpoints=4, log_path=f"{log_dir}/soak-{arch}-fresh.log")  # fmt: skip
+    except BaseException:
+        if cg is not None:
+            cg.remove()
+        raise
     res.cache_limit_mib = float(st.cache_ram_mib)
     try:
-        live.server.start()
+        try:
+            live.server.start()
+        except ServerStartError as e:
+            if cg is not None and st.memory_limit_mib is not None:
+                raise UsageError(f"--memory-limit {st.memory_limit_mib}: llama-server ({arch}) does not start "
+                                 f"under it ({e}); a larger limit") from None  # fmt: skip
+            raise
         fresh.start()
         _run(live, shim, st, res, out)
+        if cg is not None:
+            res.cgroup_peak_bytes = cg.peak()
+            res.oom_kills = cg.oom_kills()
         live.server.stop()
         _check_outputs(fresh, res)
     finally:
         try:
             live.server.stop()
         finally:
-            fresh.stop()
+            try:
+                fresh.stop()
+            finally:
+                if cg is not None:
+                    cg.remove()
     return res
 
 
@@ -301,8 +300,8 @@ def _run(
         while not stop.is_set() and time.monotonic() < deadline and res.requests < MAX_REQUESTS:
             toks = _prompt(rng, pool, 900)
             n_predict = rng.choice((2, 4, 8, 16))
-            gen = live.generation
-            t = time.monotonic()
+            gen, t = live.generation, time.monotonic()
+            live.program.append((round(t - t0, 3), k, toks, n_predict))
             try:
                 r = live.server.completion(list(toks), n_predict, ignore_eos=True, return_tokens=True)
             except RequestFailed as e:
@@ -391,6 +390,17 @@ def _sample(live: LiveServer, res: PhaseResult, t0: float) -> None:
 def _crashed(live: LiveServer, shim: RemoteShim | None, res: PhaseResult, out: Callable[[str], None]) -> None:
     proc = live.server.proc
     rc = proc.returncode if proc is not None else None
+    oom = oom_killed(live, rc, res)
+    if oom is not None:
+        res.crashes += 1
+        res.crash_details.append(oom)
+        out(f"    {oom}" + ("; restarting" if shim is not None else ""))
+        if shim is not None:
+            try:
+                live.restart()
+            except ServerStartError as e:
+                res.violations.append(f"the server could not be restarted: {e}")
+        return
     log = live.server.log_path.read_text(errors="replace") if live.server.log_path else ""
     lines = [ln.strip() for ln in log.splitlines() if ln.strip()]
     what = next((ln for ln in lines if "terminate called" in ln or "GGML_ASSERT" in ln), "")
@@ -457,6 +467,9 @@ def soak(
                 f"cache max {s['cache_max_mib']:.2f}/{s['cache_limit_mib']:.0f} MiB {s['cache_max_entries']} "
                 f"entries, {s['evictions']} evictions; {s['output_checks']} outputs checked"
             )
+            if r.memory_limit_bytes is not None:
+                peak = (r.cgroup_peak_bytes or 0) >> 20
+                line += f"; limit {r.memory_limit_bytes >> 20} MiB, cgroup peak {peak} MiB, {r.oom_kills} OOM kills"
             if faults:
                 line += f"; faults: {r.fault_trials} trials, {r.fault_survived} survived, {r.crashes} crashes"
                 if r.decode_failure_divergences:

@@ -39,6 +39,7 @@ _ORDER = (
     ("peak-count", "Transient peak of one save vs number of checkpoints"),
     ("peak-size", "Transient peak of one save vs checkpoint size"),
     ("charge", "Logical --cache-ram charge vs physical bytes"),
+    ("limit", "Under a memory limit: big checkpoints saved at baseline + S + C/2"),
     ("update-cost", "The PR's cost: a fresh buffer per checkpoint update"),
     ("breakdown", "Where measurement and theory disagree: the server's peak, broken down"),
     ("flame", "memray captures of the saves"),
@@ -273,6 +274,49 @@ def _breakdown_body(b: dict[str, Any]) -> str:
     )
 
 
+def _limit_body(lim: dict[str, Any]) -> str:
+    """One row per build, mode and size: the limit and its derivation, the peak against it, what happened."""
+    rows = lim.get("rows", [])
+    if not rows:
+        return "<p>not measured in this run</p>"
+    head = ["build", "limit kind", "checkpoints", "S", "C", "baseline", "limit", "peak (of the limit)", "outcome",
+            "signal / oom_kill", "bad_alloc", "next request", "save time", "as PR #27451 says"]  # fmt: skip
+    body = []
+    for r in rows:
+        kind = "memory cgroup" if r["mode"] == "cgroup" else "RLIMIT_AS"
+        if r["mode"] == "cgroup" and r.get("peak_bytes") is not None:
+            share = r["peak_bytes"] / r["limit_bytes"]
+            peak = f"{_mib(r['peak_bytes'])} ({share:.0%}), +{_mib(r['peak_above_baseline'])}"
+        elif r.get("vmhwm_above_rss") is not None:
+            peak = f"VmHWM +{_mib(r['vmhwm_above_rss'])}"
+        else:
+            peak = "-"
+        sig = (r.get("exit_signal") or "alive") + ("" if r.get("oom_kills") is None else f" / {r['oom_kills']}")
+        nxt = "-" if r.get("resumed") is None else ("resumed, cache_n " if r["resumed"] else "not resumed, cache_n ")
+        nxt += "" if r.get("resumed") is None else str(r.get("cache_n"))
+        ok = r["outcome"] == r["expected"] and (r["semantics"] != "shared" or bool(r.get("resumed")))
+        body.append([r["semantics"], kind, f"{r['n_checkpoints']} x {r['checkpoint_mib_log']:.1f} MiB",
+                     _mib(r.get("s_log_bytes") or r["s_bytes"]), _mib(r["c_bytes"]), _mib(r["baseline_bytes"]),
+                     _mib(r["limit_bytes"]), peak, r["outcome"], sig, r["bad_alloc"], nxt,
+                     "-" if r.get("save_wall_s") is None else f"{r['save_wall_s']:.2f} s",
+                     "yes" if ok else f"NO (expected {r['expected']})"])  # fmt: skip
+    derivations = sorted({r["derivation"] for r in rows if r["mode"] == "cgroup"})[:1] + sorted(
+        {r["derivation"] for r in rows if r["mode"] == "rlimit"})[:1]  # fmt: skip
+    cgroup = "" if lim.get("cgroup", True) else " No memory cgroup could be made here: RLIMIT_AS only."
+    return (
+        "<p class='note'>One slot of a mamba-2 model whose one checkpoint is 64 MiB or more builds up its checkpoints "
+        "(their size C1 and total C read from the server's log), then a prompt sharing nothing makes the server save "
+        "the slot's prompt into the RAM cache, and a next request extends the saved prompt. The limit is set right "
+        "before the save to baseline + S + C/2, the baseline measured in the same server (a memory cgroup: its usage "
+        "without page cache; RLIMIT_AS: the server's VmSize): the PR's save needs S more, master's S + C. In the "
+        "cgroup the peak is the group's during the save; what happened is observed: the group's oom_kill counter "
+        "and the exit signal, a std::bad_alloc caught or escaping in the log, the next request's cache_n. "
+        f"The same scenario runs alone as python -m harness oom.{cgroup}</p>"
+        + "".join(f"<p class='note'>{html.escape(d)}</p>" for d in derivations)
+        + _table(head, body)
+    )
+
+
 def render(report: dict[str, Any]) -> str:
     """The whole page as one HTML string."""
     env = report.get("environment", {})
@@ -313,6 +357,7 @@ def render(report: dict[str, Any]) -> str:
                    _mib(r.get("server_hwm_bytes")),
                    _mib(r.get("server_rss_bytes"))] for s in ("master", "shared") for r in charge.get(s, [])])
     ) if charge else "<p>not measured in this run</p>"))  # fmt: skip
+    parts.append(_section("limit", _limit_body(report.get("limit", {}))))
     cost = report.get("update_cost", {})
     keys = sorted({k for v in cost.values() for k in v if k not in ("semantics", "model", "capture")})
     parts.append(_section("update-cost", (

@@ -11,8 +11,11 @@ The stages: ``builds`` (both pinned llama-servers, or the user's tree for its ow
 ``breakdown`` first, the figures the issue asks to explain: the server's peak on the gate's own
 configuration with a diverging prompt that creates no checkpoint and one that creates two, beside the
 gate's :func:`save_peak`; ``saves-count`` and ``saves-size`` (:func:`harness.measure.saves.save_curve`
-on every layer, both semantics); ``charge``, ``update-cost``, ``flames``, ``sweep``, ``mutants`` and
-``findings``. The cheap ones (seconds, no server) run even when the budget is spent.
+on every layer, both semantics); ``charge``; ``limit`` (both servers save big checkpoints under
+``baseline + S + C/2`` in a memory cgroup and under RLIMIT_AS,
+:func:`harness.backends.llama_server.oom.run_oom`: 4 x 64 MiB in ``--quick``, up to 4 x 256 MiB in the full
+report); ``update-cost``, ``flames``, ``sweep``, ``mutants`` and ``findings``. The cheap ones (seconds, no
+server) run even when the budget is spent.
 
 Size: ``build_report`` is the list of stages; each stage is a small closure over the options, so the
 list reads top to bottom as the page does.
@@ -33,6 +36,7 @@ from typing import Any
 
 from faults.sweep import run_sweep
 from harness.backends.llama_server.memory import save_peak
+from harness.backends.llama_server.oom import OomSettings, expected, run_oom
 from harness.errors import HarnessError, UsageError
 from harness.findings import FINDINGS
 from harness.measure.flame import flame_svg
@@ -48,6 +52,7 @@ from harness.measure.saves import (
 )
 from harness.model.semantics import get_semantics
 from harness.targets.llama_build import PINNED_COMMIT, build_server, build_source, infer_semantics
+from harness.targets.memlimit import cgroup_support
 from properties.mutants import MUTANTS
 from properties.run import commit
 
@@ -64,6 +69,7 @@ class Plan:
     server_sizes: tuple[int, ...]
     diverging: tuple[int, ...]
     mutants: tuple[str, ...]
+    limits: tuple[tuple[int, int], ...] = ((64, 4),)  # (one checkpoint's MiB, checkpoints) saved under a limit
 
 
 QUICK = Plan(
@@ -73,6 +79,7 @@ QUICK = Plan(
     server_sizes=(checkpoint_size(8), checkpoint_size(512)),
     diverging=(3, 300),
     mutants=("deep-copy-on-insert",),
+    limits=((64, 4),),
 )
 FULL = Plan(
     counts=(1, 2, 4, 8, 12, 16),
@@ -82,6 +89,7 @@ FULL = Plan(
     server_sizes=tuple(checkpoint_size(d) for d in (8, 32, 128, 512, 2048)),
     diverging=(3, 60, 300),
     mutants=tuple(MUTANTS),
+    limits=((64, 4), (256, 4)),
 )
 
 
@@ -206,6 +214,18 @@ def _summary(report: dict[str, Any]) -> list[str]:
             f"{mb['predicted_bytes']} for the save and {mb['predicted_request_bytes']} for the whole request "
             f"({r['request_checkpoints']} checkpoints created after the save)"
         )
+    limited = report.get("limit", {}).get("rows", [])
+    if limited:
+        big = max(limited, key=lambda r: r["c_bytes"])
+        said = [
+            f"{r['semantics']} {r['mode']} {r['outcome']}" + (", resumed from the cache" if r["resumed"] else "")
+            for r in limited
+            if r["model"] == big["model"]
+        ]
+        out.append(
+            f"under a memory limit of baseline + S + C/2 ({big['n_checkpoints']} checkpoints of "
+            f"{big['checkpoint_mib_log']:.0f} MiB): " + "; ".join(said)
+        )
     for line in report.get("breakdown", {}).get("explanation", [])[:1]:
         out.append(line)
     llama = [r for r in report.get("saves", {}).get("counts", []) if r["layer"] == "llama"]
@@ -270,6 +290,18 @@ def build_report(opts: Options, progress: Callable[[str], None] = print) -> dict
         explanation = _explain(rows, gate, alloc)
         report["breakdown"] = {"rows": rows, "gate": gate, "allocator": alloc, "explanation": explanation}
 
+    def limit() -> None:
+        modes = ("cgroup", "rlimit") if cgroup_support() is not None else ("rlimit",)
+        rows = []
+        for size, k in plan.limits:
+            for sem in SEMS:
+                for mode in modes:
+                    progress(f"limit {sem} {mode}: {k} checkpoints of {size} MiB under baseline + S + C/2")
+                    r = run_oom(opts.binaries[sem], sem, sem, OomSettings(checkpoints=k, size_mib=size, mode=mode),
+                                Path(logs))  # fmt: skip
+                    rows.append({**r.to_json(), "expected": expected(sem, mode)})
+        report["limit"] = {"rows": rows, "modes": list(modes), "cgroup": cgroup_support() is not None}
+
     def charge() -> None:
         report["charge"] = {
             sem: charge_run(sem, binary=opts.binaries.get(sem) if server else None, log_dir=logs, progress=progress)
@@ -330,6 +362,7 @@ def build_report(opts: Options, progress: Callable[[str], None] = print) -> dict
         ("saves-count", True, False, lambda: saves("counts")),
         ("saves-size", True, False, lambda: saves("sizes")),
         ("charge", True, False, charge),
+        ("limit", server, False, limit),
         ("update-cost", True, True, updates),
         ("flames", llama, True, flames),
         ("sweep", True, True, sweep),

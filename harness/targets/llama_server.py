@@ -23,7 +23,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
@@ -97,7 +97,8 @@ class ServerProcess:
 
     ``binary=None`` builds (or reuses) the ``flavour`` build. ``env`` is merged into the
     environment (e.g. ``{"LD_PRELOAD": shim}``). The server's stdout and stderr go to
-    ``log_path`` (a fresh temporary file unless given).
+    ``log_path`` (a fresh temporary file unless given). ``preexec`` runs in the server's process
+    between ``fork`` and ``exec`` (entering a memory cgroup: :mod:`harness.targets.memlimit`).
     """
 
     def __init__(
@@ -122,6 +123,7 @@ class ServerProcess:
         startup_timeout: float = 120.0,
         stop_timeout: float = 10.0,
         request_timeout: float = 300.0,
+        preexec: Callable[[], None] | None = None,
     ) -> None:
         self._binary = Path(binary) if binary is not None else None
         self._flavour = flavour
@@ -131,6 +133,7 @@ class ServerProcess:
         self.startup_timeout = startup_timeout
         self.stop_timeout = stop_timeout
         self.request_timeout = request_timeout
+        self.preexec = preexec
         self.log_path = Path(log_path) if log_path is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
         self._stopped = False
@@ -226,9 +229,9 @@ class ServerProcess:
                 try:
                     self.proc = subprocess.Popen(
                         cmd, stdin=subprocess.DEVNULL, stdout=self._log_fh, stderr=subprocess.STDOUT, env=env,
-                        start_new_session=True, preexec_fn=_die_with_parent if sys.platform == "linux" else None,
+                        start_new_session=True, preexec_fn=self._preexec,
                     )  # fmt: skip
-                except OSError as e:
+                except (OSError, subprocess.SubprocessError) as e:
                     self._close_log()
                     raise self._fail(f"could not be started: {e}") from None
                 track(self.proc.pid)
@@ -238,6 +241,12 @@ class ServerProcess:
         except BaseException:
             self.stop()
             raise
+
+    def _preexec(self) -> None:  # pragma: no cover - runs in the child between fork and exec
+        if sys.platform == "linux":
+            _die_with_parent()
+        if self.preexec is not None:
+            self.preexec()
 
     def _wait_healthy(self) -> None:
         assert self.proc is not None

@@ -4,7 +4,8 @@
   beside the model's predicted transient peak, and master against pr when both are built.
 * :func:`save_fault`: the native shim preloaded into the server fails the Nth large allocation of
   the request that saves the slot; the model, armed the same way, predicts where it must end.
-* :func:`memory_and_faults` runs both for the gate and files their rows.
+* :func:`memory_and_faults` runs both for the gate and files their rows, then the same save with 4 checkpoints
+  of 64 MiB under a real memory limit (:func:`harness.backends.llama_server.oom.gate_check`).
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from typing import Any
 from faults.native import RemoteShim
 from faults.sites import Observation, modules_beside
 from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
+from harness.backends.llama_server.oom import gate_check
 from harness.errors import BadAlloc
 from harness.model.sites import upstream
 from harness.targets.llama_build import cached_binary
@@ -307,6 +309,7 @@ def memory_and_faults(
             "server-memory",
         )
     fault_trials(report, section, label, semantics, binary, logs, fail, out)
+    gate_check(section, label, semantics, binary, logs, fail, out)
 
 
 def fault_trials(
