@@ -15,7 +15,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure
 
-from harness.backends.llama_server import _unflaked
 from harness.backends.llama_server.differential import (
     Differential,
     ServerConfig,
@@ -24,6 +23,7 @@ from harness.backends.llama_server.differential import (
     sanitizer_reports,
 )
 from harness.backends.llama_server.memory import save_fault, save_peak
+from harness.backends.llama_server.section import unflaked
 from harness.targets.llama_build import build_server
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
@@ -194,6 +194,6 @@ def test_a_mismatch_hypothesis_calls_flaky_is_unwrapped_not_a_traceback() -> Non
 
     with pytest.raises(FlakyFailure) as err:
         once()
-    found = _unflaked(err.value, ServerMismatch)
+    found = unflaked(err.value, ServerMismatch)
     assert found is not None and found.message == "TREE saves 1 where BASE 0"
-    assert _unflaked(FlakyFailure("other", [ValueError("x")]), ServerMismatch) is None
+    assert unflaked(FlakyFailure("other", [ValueError("x")]), ServerMismatch) is None

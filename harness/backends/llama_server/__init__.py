@@ -30,17 +30,14 @@ import time
 from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
 
-from hypothesis import HealthCheck, Phase, settings
+from hypothesis import settings
 from hypothesis.errors import FlakyFailure
 
-from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, MachineSpec, Out, Plan
+from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec, Out, Plan
 from harness.backends.llama_server import campaign
 from harness.backends.llama_server.change import ChangeFound, ChangePair, ChangeStats, change_machine, shrink
 from harness.backends.llama_server.differential import (
-    NEAR_TIE_LOGPROB,
-    SERVER_PROFILES,
     MachineStats,
     Program,
     ServerConfig,
@@ -49,17 +46,15 @@ from harness.backends.llama_server.differential import (
     eviction_program,
     full_context,
     full_context_program,
-    sanitizer_reports,
     server_configs,
     server_machine,
 )
 from harness.backends.llama_server.memory import memory_and_faults
+from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
 from harness.errors import BuildError, ServerStartError, UsageError
-from harness.targets.llama_build import PINNED_COMMIT, ServerBuild, pinned_status, server_build
-from harness.targets.llama_probe import agree_forms, probe
+from harness.targets.llama_build import PINNED_COMMIT, ServerBuild, server_build
 from harness.targets.llama_semantics import infer_semantics
 from harness.targets.llama_tree import check_tree, tree_at_revision
-from properties.machine import MachineConfig
 from properties.run import run_seeded
 
 __all__ = ["ServerBackend", "run_change_backend", "run_server_backend"]
@@ -152,135 +147,6 @@ def _semantics_for(build: ServerBuild, opts: GateOptions) -> tuple[str, str]:
     return build.semantics, f"{where}: {build.semantics_why}; --semantics overrides"
 
 
-def _hypothesis_settings(profile: str, max_examples: int | None) -> settings:
-    sp = SERVER_PROFILES[profile]
-    return settings(
-        max_examples=max_examples or sp["max_examples"],
-        stateful_step_count=sp["steps"],
-        deadline=None,
-        database=None,
-        derandomize=False,
-        suppress_health_check=list(HealthCheck),
-        # each step is a real request on a real server: no Hypothesis shrinking; the printed program is
-        # the full request sequence of the failing example (the change differential shrinks it itself)
-        phases=[Phase.explicit, Phase.generate],
-        print_blob=False,
-    )
-
-
-def _unflaked(e: FlakyFailure, cls: type[ServerMismatch]) -> ServerMismatch | None:
-    """The ``cls`` failure inside Hypothesis' ``FlakyFailure``: a real server answered one request of a program
-    otherwise the first time than when Hypothesis ran the same program again to confirm it (timing: which slot
-    was idle, when a save ran). None when it holds none (then it is re-raised as it is)."""
-    for inner in e.exceptions:
-        if isinstance(inner, cls):
-            return inner
-        if isinstance(inner, FlakyFailure):
-            found = _unflaked(inner, cls)
-            if found is not None:
-                return found
-    return None
-
-
-class _Run:
-    """One server-backend run's report section, its output and how it files a failure."""
-
-    def __init__(self, report: GateReport, build: ServerBuild, semantics: str, replay: str, out: Out,
-                 pinned: bool, note: str = "") -> None:  # fmt: skip
-        self.report, self.build, self.semantics, self.replay, self.out = report, build, semantics, replay, out
-        self.pinned = pinned
-        self.note = note  # appended to every failure message (a tree that is not the pinned one)
-        self.first = True
-        self.section: dict[str, Any] = {
-            "flavour": build.label,
-            "build": build.origin,
-            "binary": str(build.binary),
-            "semantics": semantics,
-            "pinned": pinned,
-            "requests": 0,
-            "cache_n_mismatches": 0,
-            "output_mismatches": 0,
-            "request_failures": 0,
-            "rss_peak_bytes": None,
-            "fault_trials": 0,
-            "server_crashes": 0,
-            "near_tie_flips": 0,
-            "evictions": 0,
-            "cache_loads": 0,
-            "sanitizer_reports": 0,
-        }
-        report.extra["server"] = self.section
-
-    def fail(self, prop: str, kind: str, message: str, program: str, machine: str) -> None:
-        message += self.note
-        if self.note and self.first and program:
-            self.out(f"  first divergence ({prop} in {machine}): {message}")
-            self.out("  requests that replay it:\n    " + program.replace("\n", "\n    "))
-        self.first = False
-        f = Failure(prop, kind, message, program, self.replay, machine, program.count(".request("))
-        self.report.machines.append(MachineResult(MachineConfig(self.semantics), 0.0, f, Counter(), Counter(), []))
-
-    def mismatch(self, e: ServerMismatch, machine: str) -> None:
-        """File a :class:`ServerMismatch` (a disagreement, or a request the server failed) under its property."""
-        key = {"cache_n": "cache_n_mismatches", "output": "output_mismatches", "change": "changes"}.get(
-            e.name, "request_failures"
-        )
-        self.section[key] = self.section.get(key, 0) + 1
-        self.section["server_crashes"] += e.kind == "crash"
-        self.fail(e.name, e.kind, e.message, e.program, machine)
-
-    def passed(self, machine_seconds: float, checked: Counter[str]) -> None:
-        self.report.machines.append(
-            MachineResult(MachineConfig(self.semantics), machine_seconds, None, checked, Counter(), [])
-        )
-
-    def version(self, builds: list[ServerBuild]) -> None:
-        """Probe every build's request form and make them agree (answers are compared across them)."""
-        versions = [probe(b.binary, log=lambda m: self.out("  " + m)) for b in builds]
-        agree_forms(versions)
-        for b, v in zip(builds, versions, strict=True):
-            self.out(f"  {b.label}: {v.line()}")
-        self.section["versions"] = {b.label: {"build_info": v.build_info, "notes": list(v.notes)}
-                                    for b, v in zip(builds, versions, strict=True)}  # fmt: skip
-
-    def sanitizers(self, logs: str) -> None:
-        reports = sanitizer_reports(logs)
-        self.section["sanitizer_reports"] = len(reports)
-        for r in reports[:5]:
-            self.fail("sanitizer", "crash", r, "", "server-asan")
-        if self.build.asan:
-            status = "ok  " if not reports else "FAIL"
-            self.out(f"  [{status}] sanitizers: {len(reports)} ASan/UBSan reports in the logs")
-
-    def known_near_ties(self) -> None:
-        self.report.known.append(
-            {
-                "id": "greedy-flip-on-cache-path",
-                "title": "a prompt served partly from a slot, the cache or a checkpoint is evaluated in other batch "
-                "shapes and cell layouts than from scratch; where the two best tokens are within "
-                f"{NEAR_TIE_LOGPROB} logprob the greedy choice can differ from a fresh server's "
-                "(the same root cause as kv-layout-dependent-logits)",
-                "machine": f"llama-server {self.build.label}",
-                "reproducer": "fixtures/findings/kv_layout_logits.py",
-                "status": "reproduced" if self.section["near_tie_flips"] else "not-reproduced",
-                "count": self.section["near_tie_flips"],
-            }
-        )
-
-
-def _describe(build: ServerBuild, out: Out) -> bool:
-    """Print where ``build`` comes from and whether it is the pinned tree; returns that."""
-    pinned = build.pinned
-    if build.tree is not None:
-        pinned, line = pinned_status(build.tree)
-        out(f"  {build.label}: {line}")
-    elif not pinned:
-        out(f"  the binary's source is unknown; the model is pinned to llama.cpp {PINNED_COMMIT}")
-    elif not build.origin.startswith("flavour "):
-        out(f"  the binary's build-info.json says it was built from llama.cpp {PINNED_COMMIT}, the pinned tree")
-    return pinned
-
-
 def run_server_backend(
     report: GateReport,
     build: ServerBuild,
@@ -302,7 +168,7 @@ def run_server_backend(
     out(f"  binary {binary}" + (" (AddressSanitizer)" if build.asan else ""))
     if how:
         out(f"  semantics {semantics}: {how}")
-    pinned = _describe(build, out)
+    pinned = describe(build, out)
     if build.origin == "flavour asan" and not build.asan:
         raise UsageError(
             f"{binary} is not built with AddressSanitizer; rebuild: python -m harness build-server --asan --force"
@@ -312,9 +178,9 @@ def run_server_backend(
         "that tree: the divergence is either your change or upstream moving on since; --base BASE (the tree your "
         "change starts from) tells them apart]"
     )  # fmt: skip
-    run = _Run(report, build, semantics, replay, out, pinned, note)
+    run = ServerRun(report, build, semantics, replay, out, pinned, note)
     run.version([build])
-    hs = _hypothesis_settings(profile, max_examples)
+    hs = hypothesis_settings(profile, max_examples)
     with tempfile.TemporaryDirectory(prefix="server-gate-") as logs:
         if build.asan:
             # leaks are reported at exit, into the server's log
@@ -346,7 +212,7 @@ def run_server_backend(
     run.known_near_ties()
 
 
-def _machines(run: _Run, binary: Path, semantics: str, hs: settings, seed: int, logs: str) -> None:
+def _machines(run: ServerRun, binary: Path, semantics: str, hs: settings, seed: int, logs: str) -> None:
     """The differential machine of every configuration, one row each."""
     for cfg in server_configs():
         stats = MachineStats()
@@ -359,12 +225,12 @@ def _machines(run: _Run, binary: Path, semantics: str, hs: settings, seed: int, 
             status = "FAIL"
             run.mismatch(e, f"server-{cfg.name}")
         except FlakyFailure as group:
-            found = _unflaked(group, ServerMismatch)
+            found = unflaked(group, ServerMismatch)
             if found is None:
                 raise
             status = "FAIL"  # the model is the oracle: what the server answered once is filed, said to be flaky
-            run.mismatch(ServerMismatch(found.name, found.message + " [flaky: Hypothesis' second run of the same "
-                                        "program did not show it]", found.program, found.kind), f"server-{cfg.name}")
+            flaky = f"{found.message} [flaky: Hypothesis' second run of the same program did not show it]"
+            run.mismatch(ServerMismatch(found.name, flaky, found.program, found.kind), f"server-{cfg.name}")
         except ServerStartError as e:
             status = "FAIL"
             run.section["server_crashes"] += 1
@@ -401,13 +267,13 @@ def run_change_backend(
         f"(BASE {base_semantics}) profile={profile} seed={seed} commit={report.commit}")  # fmt: skip
     if how:
         out(f"  semantics {semantics}: {how}")
-    _describe(tree, out)
-    base_pinned = _describe(base, out)
-    run = _Run(report, tree, semantics, replay, out, pinned=base_pinned)
+    describe(tree, out)
+    base_pinned = describe(base, out)
+    run = ServerRun(report, tree, semantics, replay, out, pinned=base_pinned)
     run.section.update({"base": base.origin, "base_semantics": base_semantics, "base_pinned": base_pinned,
                         "changes": 0, "same_answers": 0, "drift": [], "unconfirmed": []})  # fmt: skip
     run.version([tree, base])
-    hs = _hypothesis_settings(profile, max_examples)
+    hs = hypothesis_settings(profile, max_examples)
     with tempfile.TemporaryDirectory(prefix="server-change-") as logs:
         if tree.asan:
             os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
@@ -430,7 +296,7 @@ class _PairRun:
     """The change differential's machines and programs for one run: each difference shrunk and filed, each
     drift reported (or, on a pinned ``BASE``, filed as the model's mismatch)."""
 
-    def __init__(self, run: _Run, tree: ServerBuild, base: ServerBuild, base_semantics: str, base_pinned: bool,
+    def __init__(self, run: ServerRun, tree: ServerBuild, base: ServerBuild, base_semantics: str, base_pinned: bool,
                  logs: str) -> None:  # fmt: skip
         self.run, self.tree, self.base, self.base_semantics = run, tree, base, base_semantics
         self.base_pinned, self.logs = base_pinned, logs
@@ -449,7 +315,7 @@ class _PairRun:
             status = "FAIL"
             self.changed(e, cfg, f"server-{cfg.name}")
         except FlakyFailure as group:
-            found = _unflaked(group, ChangeFound)
+            found = unflaked(group, ChangeFound)
             if not isinstance(found, ChangeFound):
                 raise
             status = "FAIL" if self.changed(found, cfg, f"server-{cfg.name}", flaky=True) else "ok  "
@@ -519,7 +385,7 @@ class _PairRun:
                 self.run.out(f"  upstream drift (BASE against the model {PINNED_COMMIT}; reported, not failing): {d}")
 
 
-def _memory_change(report: GateReport, run: _Run, tree: ServerBuild, base: ServerBuild, semantics: str,
+def _memory_change(report: GateReport, run: ServerRun, tree: ServerBuild, base: ServerBuild, semantics: str,
                    base_semantics: str, logs: str, out: Callable[[str], None]) -> None:  # fmt: skip
     """The memory properties on ``TREE`` (as without ``--base``), and ``BASE``'s save peak beside it."""
     try:
