@@ -17,6 +17,10 @@ gives the server's logits bit for bit.
   replay still shows one divergence: ``("fresh", i)``, read ``i``'s argmax unlike the fresh
   evaluation's, or ``("ret", i)``, call ``i`` returning unlike in the trace; every other call kept
   must return what it returned in the trace.
+
+Size: one engine in the order a replay runs: the context wrapper both the replay and the fresh
+evaluation use, the event walk, the shrink that calls the walk again and again, and the child's command
+line that runs them; apart, each part would import the others' private types.
 """
 
 from __future__ import annotations
@@ -33,7 +37,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from faults.trace import Event, Memory, Row, Trace, fnv1a64, logits_row, read_trace, rows, write_trace
+from faults.trace import Event, Memory, Row, Trace, fnv1a64, logits_row, main_context, read_trace, rows, write_trace
 from harness.child import child_setup
 from harness.targets.libllama import load_model
 
@@ -208,7 +212,9 @@ class Fresh:
 class Engine:
     """The model of a trace's context ``ctx``, loaded once; :meth:`run` replays a list of its events."""
 
-    def __init__(self, trace: Trace, *, model: str | None = None, ctx: int = 0, n_threads: int = 1) -> None:
+    def __init__(self, trace: Trace, *, model: str | None = None, ctx: int | None = None, n_threads: int = 1) -> None:
+        if ctx is None:
+            ctx = main_context(trace.events)
         found = [e for e in trace.contexts() if e.get("ctx") == ctx]
         if not found:
             raise RuntimeError(f"the trace has no context {ctx}")
@@ -477,7 +483,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("trace")
     ap.add_argument("--out", required=True)
     ap.add_argument("--model")
-    ap.add_argument("--ctx", type=int, default=0)
+    ap.add_argument("--ctx", type=int, default=None)
     ap.add_argument("--fresh", action="store_true")
     ap.add_argument("--target", help="KIND:I, e.g. fresh:1234 or ret:88 (shrink; default: the first divergence)")
     ap.add_argument("--shrunk", help="where the shrunk trace goes (shrink)")

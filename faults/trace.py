@@ -52,6 +52,7 @@ __all__ = [
     "check_trace",
     "fnv1a64",
     "logits_row",
+    "main_context",
     "read_trace",
     "rows",
     "static_note",
@@ -336,9 +337,19 @@ class Memory:
         return r, r.seqs[0], self.history(r.seqs[0], r.pos) if r.pos >= 0 else None
 
 
-def check_trace(events: Sequence[Event], ctx: int = 0) -> list[tuple[int, str]]:
-    """Every inconsistency :class:`Memory` sees in ``events`` (context ``ctx``): (event ``i``, what)."""
-    mem = Memory(ctx)
+def main_context(events: Iterable[Event]) -> int:
+    """The context that decoded most (llama-server makes and frees one to fit the model first)."""
+    counts: dict[int, int] = {}
+    for e in events:
+        if e.get("ev") in ("process", "decode"):
+            counts[int(e.get("ctx", -1))] = counts.get(int(e.get("ctx", -1)), 0) + 1
+    return max(counts, key=lambda c: counts[c]) if counts else 0
+
+
+def check_trace(events: Sequence[Event], ctx: int | None = None) -> list[tuple[int, str]]:
+    """Every inconsistency :class:`Memory` sees in ``events`` (context ``ctx``, by default the one that
+    decoded most): (event ``i``, what)."""
+    mem = Memory(main_context(events) if ctx is None else ctx)
     out: list[tuple[int, str]] = []
     for e in events:
         out.extend((int(e.get("i", -1)), issue.text) for issue in mem.apply(e))
