@@ -31,6 +31,7 @@ from harness.commands import (
     rlimit,
     soak,
     sweep,
+    trace,
 )
 from harness.errors import EXIT_INTERRUPTED, EXIT_USAGE, HarnessError
 from harness.interrupt import guard, interrupted
@@ -53,6 +54,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "soak": (soak, "sustained load on a real llama-server: RSS, cache size and outputs under a small --cache-ram"),
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
     "report": (report, "the memory report: one self-contained HTML page and report.json, master vs PR"),
+    "trace": (trace, "trace llama-server's libllama calls, replay them in one process, shrink a divergence"),
     "bench": (bench, "the performance table: speed ratios with goals, as JSON and docs/bench.md"),
 }
 

@@ -1,0 +1,532 @@
+"""Replay a libllama trace in one process, through llama-cpp-python's low-level API, and shrink it.
+
+This module runs in the child :mod:`faults.replay` starts (``python -m faults.replay_engine``), whose
+``LLAMA_CPP_LIB_PATH`` names the traced server's own ``libllama.so``: the same machine code, the
+same model file, the same context parameters (``n_threads`` 1), so a replay that does what the server did
+gives the server's logits bit for bit.
+
+* :class:`Engine` replays the events of one context in order: every ``process`` batch rebuilt with
+  ``llama_batch_ext_add_token``/``set_pos``/``add_seq``/``set_output_logits`` and ``llama_process``;
+  every ``llama_memory_seq_*``/``clear``; a ``state_seq_get_data`` keeps the replay's own bytes under
+  the trace's hash, so that a later ``set_data`` of that hash restores them; each ``logits`` read is
+  compared with the trace's row (hash, and value by value when the trace kept the row). With
+  ``fresh=True`` each read is also compared with a fresh sequential evaluation of the tokens its
+  sequence holds (:class:`Fresh`: a context of its own, one sequence, the prompt in ``n_batch`` chunks,
+  then token by token, as a single-slot server evaluates it).
+* :func:`shrink` delta-debugs the call list (events, then the rows of the batches left) while the
+  replay still shows one divergence: ``("fresh", i)``, read ``i``'s argmax unlike the fresh
+  evaluation's, or ``("ret", i)``, call ``i`` returning unlike in the trace; every other call kept
+  must return what it returned in the trace.
+
+Size: one engine in the order a replay runs: the context wrapper both the replay and the fresh
+evaluation use, the event walk, the shrink that calls the walk again and again, and the child's command
+line that runs them; apart, each part would import the others' private types.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import importlib
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, TypeVar
+
+import numpy as np
+
+from faults.trace import Event, Memory, Row, Trace, fnv1a64, logits_row, main_context, read_trace, rows, write_trace
+from harness.child import child_setup
+from harness.targets.libllama import load_model
+
+__all__ = ["Engine", "Fresh", "ReadResult", "RunResult", "ddmin", "shrink"]
+
+_INT_PARAMS = ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_rs_seq", "n_outputs_max", "n_outputs_max_per_seq",
+               "ctx_type", "rope_scaling_type", "pooling_type", "attention_type", "flash_attn_type",
+               "yarn_orig_ctx", "type_k", "type_v")  # fmt: skip
+_FLOAT_PARAMS = ("rope_freq_base", "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast",
+                 "yarn_beta_slow")  # fmt: skip
+_BOOL_PARAMS = ("embeddings", "offload_kqv", "op_offload", "swa_full", "kv_unified")
+#: the events that change a context's memory (the rest are reads and queries)
+STATEFUL = ("process", "decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear",
+            "state_seq_get_data", "state_seq_set_data", "state_set_data")  # fmt: skip
+
+T = TypeVar("T")
+
+
+def _ll() -> Any:
+    return importlib.import_module("llama_cpp")
+
+
+@dataclass
+class ReadResult:
+    """One logits read: the trace's row against the replay's (and a fresh evaluation's)."""
+
+    i: int
+    idx: int
+    seq: int
+    pos: int
+    same: bool  # the replay's row is the trace's, bit for bit
+    argmax_trace: int
+    argmax_replay: int
+    maxdiff: float | None  # |trace - replay|, when the trace kept the row
+    fresh_argmax: int | None = None
+    fresh_same: bool | None = None  # the replay's row is the fresh evaluation's, bit for bit
+    fresh_maxdiff: float | None = None
+    fresh_margin: float | None = None  # the fresh row's top-1 minus top-2
+    fresh_rank: int | None = None  # the rank of the replay's argmax in the fresh row (0: its argmax too)
+
+
+@dataclass
+class RunResult:
+    reads: list[ReadResult] = field(default_factory=list)
+    rets: list[tuple[int, int, int]] = field(default_factory=list)  # (i, trace's, replay's) that differ
+    issues: list[tuple[int, str]] = field(default_factory=list)  # what the calls themselves get wrong
+    skipped: list[str] = field(default_factory=list)  # what could not be replayed
+    calls: int = 0
+    seconds: float = 0.0
+
+    def first_diff(self) -> ReadResult | None:
+        return next((r for r in self.reads if not r.same), None)
+
+    def first_divergence(self) -> ReadResult | None:
+        return next((r for r in self.reads if r.fresh_argmax is not None and r.fresh_argmax != r.argmax_replay), None)
+
+    def summary(self) -> dict[str, Any]:
+        d = self.first_diff()
+        v = self.first_divergence()
+        fresh = [r for r in self.reads if r.fresh_same is not None]
+        return {
+            "calls": self.calls,
+            "reads": len(self.reads),
+            "reads_same": sum(r.same for r in self.reads),
+            "first_diff": asdict(d) if d else None,
+            "rets_differ": self.rets[:10],
+            "issues": self.issues[:20],
+            "skipped": self.skipped,
+            "fresh_compared": len(fresh),
+            "fresh_same": sum(bool(r.fresh_same) for r in fresh),
+            "fresh_argmax_differ": sum(r.fresh_argmax != r.argmax_replay for r in fresh),
+            "fresh_maxdiff": max((r.fresh_maxdiff or 0.0 for r in fresh), default=0.0),
+            "fresh_min_margin": min((r.fresh_margin for r in fresh if r.fresh_margin is not None), default=None),
+            "first_divergence": asdict(v) if v else None,
+            "seconds": round(self.seconds, 2),
+        }
+
+
+def _top2(row: np.ndarray) -> tuple[int, float]:
+    order = np.argsort(-row, kind="stable")
+    return int(order[0]), float(row[order[0]] - row[order[1]]) if row.size > 1 else float("inf")
+
+
+class _Ctx:
+    """A context with its memory handle and one reusable extended batch."""
+
+    def __init__(self, model: Any, params: dict[str, Any], n_threads: int, n_seq_max: int | None = None) -> None:
+        ll = _ll()
+        cp = ll.llama_context_default_params()
+        for k in _INT_PARAMS:
+            if k in params:
+                setattr(cp, k, int(params[k]))
+        for k in _FLOAT_PARAMS:
+            if k in params:
+                setattr(cp, k, float(params[k]))
+        for k in _BOOL_PARAMS:
+            if k in params:
+                setattr(cp, k, bool(params[k]))
+        if n_seq_max is not None:
+            cp.n_seq_max = n_seq_max
+        cp.n_threads = cp.n_threads_batch = n_threads
+        self.ptr = ll.llama_init_from_model(model, cp)
+        if not self.ptr:
+            raise RuntimeError(f"llama_init_from_model refused the traced parameters {params}")
+        self.mem = ll.llama_get_memory(self.ptr)
+        self.batch = ll.llama_batch_ext_init(self.ptr)
+        self.n_batch = int(cp.n_batch)
+
+    def process(self, rs: Sequence[Row]) -> int:
+        ll = _ll()
+        ll.llama_batch_ext_clear(self.batch)
+        pos = (ctypes.c_int32 * 4)()
+        for r in rs:
+            idx = int(ll.llama_batch_ext_add_token(self.batch, r.seqs[0], r.tok))
+            if idx < 0:
+                return -100 + idx
+            pos[0] = r.pos
+            ll.llama_batch_ext_set_pos(self.batch, idx, pos)
+            for s in r.seqs[1:]:
+                ll.llama_batch_ext_add_seq(self.batch, idx, s)
+            if r.out:
+                ll.llama_batch_ext_set_output_logits(self.batch, idx, True)
+        return int(ll.llama_process(self.ptr, 1, self.batch))
+
+    def logits(self, idx: int, n_vocab: int) -> np.ndarray | None:
+        p = _ll().llama_get_logits_ith(self.ptr, idx)
+        return np.ctypeslib.as_array(p, shape=(n_vocab,)).copy() if p else None
+
+    def close(self) -> None:
+        ll = _ll()
+        if self.ptr:
+            ll.llama_batch_ext_free(self.batch)
+            ll.llama_free(self.ptr)
+            self.ptr = None
+
+
+class Fresh:
+    """Sequential evaluations of token histories on a context of their own (one sequence, seq 0):
+    the tokens a history shares with the previous one stay, the rest is evaluated in ``n_batch`` chunks."""
+
+    def __init__(self, engine: Engine) -> None:
+        self.engine = engine
+        self.ctx = _Ctx(engine.model.ptr, engine.params, engine.n_threads)
+        self.hist: list[int] = []
+
+    def logits(self, hist: Sequence[int]) -> np.ndarray:
+        ll = _ll()
+        keep = 0
+        while keep < min(len(hist), len(self.hist)) and hist[keep] == self.hist[keep]:
+            keep += 1
+        keep = min(keep, len(hist) - 1)
+        if not ll.llama_memory_seq_rm(self.ctx.mem, 0, keep, -1):
+            ll.llama_memory_clear(self.ctx.mem, True)
+            keep = 0
+        self.hist = list(hist[:keep])
+        for start in range(keep, len(hist), self.ctx.n_batch):
+            chunk = hist[start : start + self.ctx.n_batch]
+            rs = [Row(t, start + j, (0,), start + j == len(hist) - 1) for j, t in enumerate(chunk)]
+            ret = self.ctx.process(rs)
+            if ret != 0:
+                raise RuntimeError(f"the fresh evaluation's llama_process returned {ret}")
+            self.hist.extend(chunk)
+        row = self.ctx.logits(-1, self.engine.n_vocab)
+        if row is None:
+            raise RuntimeError("the fresh evaluation has no logits")
+        return row
+
+    def close(self) -> None:
+        self.ctx.close()
+
+
+class Engine:
+    """The model of a trace's context ``ctx``, loaded once; :meth:`run` replays a list of its events."""
+
+    def __init__(self, trace: Trace, *, model: str | None = None, ctx: int | None = None, n_threads: int = 1) -> None:
+        if ctx is None:
+            ctx = main_context(trace.events)
+        found = [e for e in trace.contexts() if e.get("ctx") == ctx]
+        if not found:
+            raise RuntimeError(f"the trace has no context {ctx}")
+        self.params = found[0]
+        self.ctx_id = ctx
+        path = model or trace.model_path(int(self.params.get("model", 0)))
+        if path is None:
+            raise RuntimeError("the trace names no model file: give one")
+        self.model = load_model(path)
+        self.n_vocab = self.model.n_vocab
+        self.n_threads = n_threads
+        self.trace_rets = trace.returns()
+        self._fresh: Fresh | None = None
+
+    def fresh(self) -> Fresh:
+        if self._fresh is None:
+            self._fresh = Fresh(self)
+        return self._fresh
+
+    def run(self, events: Sequence[Event], *, fresh: bool | Callable[[Event], bool] = False) -> RunResult:
+        ll = _ll()
+        t0 = time.monotonic()
+        res = RunResult()
+        ctx = _Ctx(self.model.ptr, self.params, self.n_threads)
+        mem = Memory(self.ctx_id)
+        states: dict[str, bytes] = {}
+        try:
+            for e in events:
+                kind = e.get("ev")
+                if e.get("ctx", self.ctx_id) != self.ctx_id or kind in ("ret", "ctx", "model", "trace"):
+                    continue
+                res.issues.extend((int(e.get("i", -1)), issue.text) for issue in mem.apply(e))
+                res.calls += 1
+                if kind == "process" and e.get("type") == "decode":
+                    if e.get("embd"):
+                        res.skipped.append(f"call {e['i']}: a batch of embeddings (not in the trace)")
+                        break
+                    ret = ctx.process(rows(e))
+                    want = self.trace_rets.get(int(e["i"]), 0)
+                    if ret != want:
+                        res.rets.append((int(e["i"]), want, ret))
+                elif kind == "seq_rm":
+                    ok = bool(ll.llama_memory_seq_rm(ctx.mem, e["seq"], e["p0"], e["p1"]))
+                    if ok != bool(e.get("ret", True)):
+                        res.rets.append((int(e["i"]), int(bool(e.get("ret", True))), int(ok)))
+                elif kind == "seq_cp":
+                    ll.llama_memory_seq_cp(ctx.mem, e["src"], e["dst"], e["p0"], e["p1"])
+                elif kind == "seq_keep":
+                    ll.llama_memory_seq_keep(ctx.mem, e["seq"])
+                elif kind == "seq_add":
+                    ll.llama_memory_seq_add(ctx.mem, e["seq"], e["p0"], e["p1"], e["delta"])
+                elif kind == "seq_div":
+                    ll.llama_memory_seq_div(ctx.mem, e["seq"], e["p0"], e["p1"], e["d"])
+                elif kind == "clear":
+                    ll.llama_memory_clear(ctx.mem, bool(e["data"]))
+                elif kind == "state_seq_get_data":
+                    self._get_state(ctx, e, states)
+                elif kind == "state_seq_set_data":
+                    data = states.get(e.get("hash", ""))
+                    if data is None:
+                        res.skipped.append(f"call {e['i']}: a state set whose bytes the replay never got")
+                        continue
+                    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                    flags = int(e.get("flags", 0))
+                    ll.llama_state_seq_set_data_ext(ctx.ptr, buf, len(data), e["seq"], flags)
+                elif kind == "logits":
+                    self._read(ctx, mem, e, res, fresh)
+        finally:
+            ctx.close()
+        res.seconds = time.monotonic() - t0
+        return res
+
+    def _get_state(self, ctx: _Ctx, e: Event, states: dict[str, bytes]) -> None:
+        ll = _ll()
+        flags = int(e.get("flags", 0))
+        n = int(ll.llama_state_seq_get_size_ext(ctx.ptr, e["seq"], flags))
+        buf = (ctypes.c_uint8 * max(n, 1))()
+        got = int(ll.llama_state_seq_get_data_ext(ctx.ptr, buf, n, e["seq"], flags))
+        states[str(e.get("hash", ""))] = bytes(buf[:got])
+
+    def _read(self, ctx: _Ctx, mem: Memory, e: Event, res: RunResult, fresh: bool | Callable[[Event], bool]) -> None:
+        if "hash" not in e:
+            return
+        row = ctx.logits(int(e["idx"]), self.n_vocab)
+        traced = logits_row(e)
+        where = mem.read_context(e)
+        if row is None:  # the batch before failed: libllama has no such row
+            seq, pos = (where[1], where[0].pos) if where else (-1, -1)
+            res.reads.append(ReadResult(int(e["i"]), int(e["idx"]), seq, pos, False, int(e["top"][0][0]), -1, None))
+            return
+        same = fnv1a64(row.tobytes()) == e["hash"]
+        r = ReadResult(
+            int(e["i"]), int(e["idx"]), where[1] if where else -1, where[0].pos if where else -1, same,
+            int(e["top"][0][0]), int(np.argmax(row)),
+            float(np.max(np.abs(traced - row))) if traced is not None else None,
+        )  # fmt: skip
+        want_fresh = fresh(e) if callable(fresh) else fresh
+        if want_fresh and where is not None and where[2] is not None:
+            f = self.fresh().logits(where[2])
+            r.fresh_argmax, r.fresh_margin = _top2(f)
+            r.fresh_same = bool(np.array_equal(f.view(np.uint32), row.view(np.uint32)))
+            r.fresh_maxdiff = float(np.max(np.abs(f - row)))
+            r.fresh_rank = int(np.sum(f > f[r.argmax_replay]))
+        res.reads.append(r)
+
+    def close(self) -> None:
+        if self._fresh is not None:
+            self._fresh.close()
+            self._fresh = None
+
+
+# --------------------------------------------------------------------------------------------
+# shrinking
+# --------------------------------------------------------------------------------------------
+
+
+def ddmin(units: list[T], test: Callable[[list[T]], bool], *, budget: float = 600.0) -> list[T]:
+    """Zeller's delta debugging: a 1-minimal sublist of ``units`` that still passes ``test`` (which the
+    whole list must pass), or the smallest found when ``budget`` seconds run out."""
+    deadline = time.monotonic() + budget
+    n = 2
+    while len(units) >= 2 and time.monotonic() < deadline:
+        size = -(-len(units) // n)
+        parts = [units[k : k + size] for k in range(0, len(units), size)]
+        for cand in [*parts, *([u for j, p in enumerate(parts) if j != k for u in p] for k in range(len(parts)))]:
+            if len(cand) < len(units) and test(cand):
+                units = cand
+                n = max(n - 1, 2) if len(cand) > size else 2
+                break
+        else:
+            if n >= len(units):
+                break
+            n = min(2 * n, len(units))
+    return units
+
+
+def _with_rows(e: Event, keep: Sequence[int]) -> Event:
+    out = dict(e)
+    rs = rows(e)
+    sel = [rs[j] for j in keep]
+    out["n"] = len(sel)
+    out["tok"] = [r.tok for r in sel]
+    out["pos"] = [r.pos for r in sel]
+    out["seq"] = [list(r.seqs) if len(r.seqs) > 1 else r.seqs[0] for r in sel]
+    out["out"] = [j for j, r in enumerate(sel) if r.out]
+    out["embd"] = []
+    return out
+
+
+class _Shrinker:
+    """One shrink: the calls left (``base``) and the pinned target (its call; for a read, the batch
+    before it and the read)."""
+
+    def __init__(self, engine: Engine, events: list[Event], target: tuple[str, int]) -> None:
+        self.engine = engine
+        self.kind, self.at = target
+        by_i = {int(e["i"]): e for e in events if "i" in e and e.get("ev") != "ret"}
+        if self.at not in by_i:
+            raise ValueError(f"target call {self.at} is not in the trace")
+        # reads and queries change nothing: only the target read stays; nothing after the target matters
+        self.base = [e for e in events if e.get("ev") in STATEFUL and int(e["i"]) < self.at]
+        self.pinned: list[Event] = [by_i[self.at]]
+        if self.kind == "fresh":
+            proc = max((e for e in self.base if e.get("ev") == "process"), key=lambda e: int(e["i"]))
+            self.base.remove(proc)
+            self.pinned.insert(0, proc)
+        if not self.shows(self.base, self.pinned, None):
+            raise ValueError(f"the replay of the trace does not show {self.kind} at call {self.at}")
+        self.wanted = self.issues([*self.base, *self.pinned])[0]
+
+    def issues(self, evs: list[Event]) -> tuple[set[tuple[str, int, int]], bool]:
+        """The target call's inconsistencies (what, seq, pos), and whether any other call has one."""
+        mem = Memory(self.engine.ctx_id)
+        at_target: set[tuple[str, int, int]] = set()
+        others = False
+        for e in sorted(evs, key=lambda e: int(e["i"])):
+            found = {(x.what, x.seq, x.pos) for x in mem.apply(e) if x.what != "pos_max"}
+            if int(e["i"]) == self.at:
+                at_target |= found
+            else:
+                others = others or bool(found)
+        return at_target, others
+
+    def shows(self, base: list[Event], pinned: list[Event], wanted: set[tuple[str, int, int]] | None) -> bool:
+        evs = sorted([*base, *pinned], key=lambda e: int(e["i"]))
+        if self.kind == "ret" and wanted is not None:
+            # the same wrong call: its inconsistencies among the original's, none anywhere else
+            mine, others = self.issues(evs)
+            if others or not mine <= wanted or (wanted and not mine):
+                return False
+        res = self.engine.run(evs, fresh=lambda e: int(e["i"]) == self.at)
+        if self.kind == "ret":
+            return any(i == self.at for i, _, _ in res.rets) and all(i == self.at for i, _, _ in res.rets)
+        if res.rets:
+            return False
+        v = next((r for r in res.reads if r.i == self.at), None)
+        return v is not None and v.fresh_argmax is not None and v.fresh_argmax != v.argmax_replay
+
+    def out_row(self) -> int:
+        if self.kind != "fresh":
+            return -1
+        idx = int(self.pinned[1]["idx"])
+        return idx if idx >= 0 else len(rows(self.pinned[0])) + idx
+
+    def rebuild(self, sel: list[tuple[int, int]]) -> tuple[list[Event], list[Event]] | None:
+        """The calls with only the rows ``sel`` (event i, row j) left; None when the pinned batch is empty."""
+        keep: dict[int, list[int]] = {}
+        extra = [(int(self.pinned[0]["i"]), self.out_row())] if self.kind == "fresh" else []
+        for i, j in [*sel, *extra]:
+            keep.setdefault(i, []).append(j)
+        base = [e if e.get("ev") != "process" else _with_rows(e, sorted(keep[int(e["i"])]))
+                for e in self.base if e.get("ev") != "process" or int(e["i"]) in keep]  # fmt: skip
+        pin = self.pinned[0]
+        if pin.get("ev") != "process":
+            return base, list(self.pinned)
+        js = sorted(keep.get(int(pin["i"]), []))
+        if not js:
+            return None  # an empty batch fails for its own reason
+        pins = [_with_rows(pin, js)]
+        if self.kind == "fresh":
+            pins.append({**self.pinned[1], "idx": js.index(self.out_row())})
+        return base, pins
+
+    def run(self, budget: float) -> list[Event]:
+        deadline = time.monotonic() + budget
+        for _ in range(4):  # events, then rows, until neither shrinks
+            size = (len(self.base), sum(len(rows(e)) for e in [*self.base, *self.pinned] if e.get("ev") == "process"))
+            self.base = ddmin(self.base, lambda b: self.shows(b, self.pinned, self.wanted),
+                              budget=max(1.0, (deadline - time.monotonic()) / 2))  # fmt: skip
+            units = [(int(e["i"]), j) for e in [*self.base, *self.pinned[:1]] if e.get("ev") == "process"
+                     for j in range(len(rows(e)))]  # fmt: skip
+            if self.kind == "fresh":
+                units.remove((int(self.pinned[0]["i"]), self.out_row()))
+
+            def rows_show(sel: list[tuple[int, int]]) -> bool:
+                built = self.rebuild(sel)
+                return built is not None and self.shows(built[0], built[1], self.wanted)
+
+            sel = ddmin(units, rows_show, budget=max(1.0, deadline - time.monotonic())) if units else units
+            built = self.rebuild(sel)
+            if built is not None and rows_show(sel):
+                self.base, self.pinned = built
+            now = (len(self.base), sum(len(rows(e)) for e in [*self.base, *self.pinned] if e.get("ev") == "process"))
+            if now == size or time.monotonic() > deadline:
+                break
+        rets = self.engine.trace_rets
+        out = sorted([*self.base, *self.pinned], key=lambda e: int(e["i"]))
+        return [x for e in out for x in ([e, {"ev": "ret", "of": int(e["i"]), "ret": rets.get(int(e["i"]), 0)}]
+                                         if e.get("ev") == "process" else [e])]  # fmt: skip
+
+
+def shrink(engine: Engine, events: list[Event], target: tuple[str, int], *, budget: float = 600.0) -> list[Event]:
+    """The fewest calls (and batch rows) whose replay still shows ``target`` (see the module's text)."""
+    return _Shrinker(engine, events, target).run(budget)
+
+
+# --------------------------------------------------------------------------------------------
+# the child's command line
+# --------------------------------------------------------------------------------------------
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    child_setup(watchdog=False)
+    ap = argparse.ArgumentParser(prog="python -m faults.replay_engine")
+    ap.add_argument("action", choices=("replay", "shrink"))
+    ap.add_argument("trace")
+    ap.add_argument("--out", required=True)
+    ap.add_argument("--model")
+    ap.add_argument("--ctx", type=int, default=None)
+    ap.add_argument("--fresh", action="store_true")
+    ap.add_argument("--target", help="KIND:I, e.g. fresh:1234 or ret:88 (shrink; default: the first divergence)")
+    ap.add_argument("--shrunk", help="where the shrunk trace goes (shrink)")
+    ap.add_argument("--budget", type=float, default=600.0)
+    a = ap.parse_args(argv)
+    trace = read_trace(a.trace)
+    engine = Engine(trace, model=a.model, ctx=a.ctx)
+    out: dict[str, Any] = {"trace": a.trace, "libllama": _ll().llama_cpp._lib._name, "model": str(engine.model.path),
+                           "torn": trace.torn, "truncated": trace.truncated}  # fmt: skip
+    try:
+        res = engine.run(trace.events, fresh=a.fresh or a.action == "shrink")
+        out["replay"] = res.summary()
+        if a.action == "shrink":
+            if a.target:
+                k, _, i = a.target.partition(":")
+                target = (k, int(i))
+            elif res.rets:
+                target = ("ret", res.rets[0][0])
+            else:
+                v = res.first_divergence()
+                if v is None:
+                    out["shrink"] = {"error": "the replay shows no divergence to shrink"}
+                    return _write(a.out, out)
+                target = ("fresh", v.i)
+            t0 = time.monotonic()
+            small = shrink(engine, trace.events, target, budget=a.budget)
+            calls = [e for e in small if e.get("ev") != "ret"]
+            n_rows = sum(len(e.get("tok") or []) for e in calls if e.get("ev") == "process")
+            took = round(time.monotonic() - t0, 1)
+            out["shrink"] = {"target": list(target), "calls": len(calls), "rows": n_rows, "seconds": took}
+            if a.shrunk:
+                write_trace([trace.events[0], *trace.of("model"), engine.params, *small], a.shrunk)
+                out["shrink"]["trace"] = a.shrunk
+    finally:
+        engine.close()
+    return _write(a.out, out)
+
+
+def _write(path: str, out: dict[str, Any]) -> int:
+    with open(path, "w") as f:
+        json.dump(out, f, indent=1, default=str)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,356 @@
+"""A trace of what a process asks of libllama: the interposer ``trace.c``, built and preloaded, and its file read.
+
+``trace.c`` (beside this file) is an ``LD_PRELOAD`` interposer of libllama's memory, state, batch and
+logits calls (its header says which and what each line holds). What this module promises:
+
+* :func:`build_trace` compiles it with the system ``gcc`` against a tree's own ``include/llama.h`` (the
+  pinned sdist's unless given), so every struct it reads by value (``llama_context_params``,
+  ``llama_batch``) has that tree's layout; cached beside the fault shim, keyed by the source and the
+  headers. A missing compiler or a header it does not compile against is one
+  :class:`~faults.native.NativeUnavailable` line.
+* :func:`trace_env` is the environment a process starts with to be traced (``LD_PRELOAD``, with the
+  fault shim's ``LD_PRELOAD`` kept first when one is given: one process, both jobs). The file is
+  bounded (``max_bytes``) and written as it goes, one line per call.
+* :func:`static_note` is the one line saying that a binary links libllama statically: the interposer
+  sees none of its calls then.
+* :func:`read_trace` reads a trace (a torn last line, the mark of a crash mid-write, is dropped and
+  counted) into :class:`Trace`; :func:`rows` and :func:`logits_row` decode a batch's rows and a logits
+  read's row; :class:`Memory` follows what each sequence holds through the calls, position by position,
+  and says when a call is inconsistent with it (a position written twice or past a hole, a read of a
+  row that wants no output): the server's use of libllama, checked from the trace alone.
+* :func:`write_trace` writes events back (a shrunk trace is a trace).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import tempfile
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from faults.native import NativeUnavailable, cache_dir
+from harness.targets.llama_pinned import sdist_source
+from harness.targets.llama_stage import links_libllama
+
+__all__ = [
+    "DEFAULT_MAX_BYTES",
+    "TRACE_ENV",
+    "Event",
+    "Issue",
+    "Memory",
+    "Row",
+    "Trace",
+    "build_trace",
+    "check_trace",
+    "fnv1a64",
+    "logits_row",
+    "main_context",
+    "read_trace",
+    "rows",
+    "static_note",
+    "trace_env",
+    "write_trace",
+]
+
+_HERE = Path(__file__).resolve().parent
+TRACE_ENV = "LLAMA_TRACE"
+DEFAULT_MAX_BYTES = 64 << 20
+
+Event = dict[str, Any]
+
+
+def build_trace(tree: Path | None = None) -> Path:
+    """The interposer's shared object, compiled against ``tree``'s headers (the pinned tree by default)."""
+    tree = tree if tree is not None else sdist_source()
+    src = _HERE / "trace.c"
+    cc = shutil.which("gcc")
+    if cc is None:
+        raise NativeUnavailable("gcc not found: the libllama trace needs it to build trace.c")
+    headers = [tree / "include" / "llama.h", *sorted((tree / "ggml" / "include").glob("*.h"))]
+    if not headers[0].is_file():
+        raise NativeUnavailable(f"{tree} has no include/llama.h to build the libllama trace against")
+    h = hashlib.sha256(src.read_bytes())
+    for p in headers:
+        h.update(p.read_bytes())
+    out = cache_dir() / f"trace-{h.hexdigest()[:12]}.so"
+    if out.exists():
+        return out
+    out.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        argv = [cc, "-O2", "-Wall", "-shared", "-fPIC", "-I", str(tree / "include"),
+                "-I", str(tree / "ggml" / "include"), "-o", tmp, str(src), "-ldl", "-lpthread"]  # fmt: skip
+        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        if proc.returncode != 0:
+            first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:200])
+            raise NativeUnavailable(f"gcc failed to build trace.c against {tree}/include/llama.h: {first}")
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+    return out
+
+
+def trace_env(
+    path: str | os.PathLike[str],
+    *,
+    tree: Path | None = None,
+    max_bytes: int = DEFAULT_MAX_BYTES,
+    topk: int = 10,
+    row_max: int = 1024,
+    with_env: Mapping[str, str] | None = None,
+) -> dict[str, str]:
+    """The environment that traces a process into ``path``; ``with_env`` (e.g. the fault shim's
+    :meth:`~faults.native.RemoteShim.env`) is merged, its ``LD_PRELOAD`` first."""
+    env = dict(with_env or {})
+    so = str(build_trace(tree))
+    env["LD_PRELOAD"] = f"{env['LD_PRELOAD']}:{so}" if env.get("LD_PRELOAD") else so
+    env[TRACE_ENV] = os.fspath(path)
+    env["LLAMA_TRACE_MAX_BYTES"] = str(max_bytes)
+    env["LLAMA_TRACE_TOPK"] = str(topk)
+    env["LLAMA_TRACE_ROW_MAX"] = str(row_max)
+    return env
+
+
+def static_note(binary: Path) -> str | None:
+    """One line when ``binary`` links libllama statically (no ``libllama.so`` in ``ldd``), else None."""
+    if links_libllama(binary):
+        return None
+    return (f"{binary} links libllama statically (no libllama.so in ldd): the LD_PRELOAD trace sees none of "
+            "its calls; build it with -DBUILD_SHARED_LIBS=ON")  # fmt: skip
+
+
+def fnv1a64(data: bytes) -> str:
+    """The hash trace.c writes (FNV-1a 64 over the bytes), as its 16 hex digits."""
+    h = 14695981039346656037
+    for b in data:
+        h = ((h ^ b) * 1099511628211) & 0xFFFFFFFFFFFFFFFF
+    return f"{h:016x}"
+
+
+# --------------------------------------------------------------------------------------------
+# reading
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Trace:
+    """A trace's events in order (the ``trace`` header first), and how it ended."""
+
+    events: list[Event]
+    path: Path | None = None
+    truncated: bool = False  # the byte cap was reached: calls after it are missing
+    torn: int = 0  # lines that were not JSON (a crash mid-write)
+
+    def of(self, *kinds: str) -> list[Event]:
+        return [e for e in self.events if e.get("ev") in kinds]
+
+    def contexts(self) -> list[Event]:
+        return self.of("ctx")
+
+    def model_path(self, model: int) -> str | None:
+        return next((e["path"] for e in self.of("model") if e.get("model") == model), None)
+
+    def returns(self) -> dict[int, int]:
+        """Each ``process``/``decode``/``encode`` event's return value, by its ``i``."""
+        return {e["of"]: e["ret"] for e in self.of("ret")}
+
+    def size(self) -> int:
+        return sum(len(json.dumps(e)) + 1 for e in self.events)
+
+
+def read_trace(path: str | os.PathLike[str]) -> Trace:
+    events: list[Event] = []
+    torn = 0
+    truncated = False
+    with open(path, errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if not line:
+                continue
+            try:
+                ev = json.loads(line)
+            except ValueError:
+                torn += 1
+                continue
+            if ev.get("ev") == "truncated":
+                truncated = True
+                continue
+            events.append(ev)
+    return Trace(events, Path(path), truncated, torn)
+
+
+def write_trace(events: Iterable[Event], path: str | os.PathLike[str]) -> None:
+    with open(path, "w") as f:
+        for e in events:
+            f.write(json.dumps(e, separators=(",", ":")) + "\n")
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row of a batch: its token (-1: an embedding), first position, sequences, and whether it
+    wants output."""
+
+    tok: int
+    pos: int
+    seqs: tuple[int, ...]
+    out: bool
+
+
+def rows(ev: Event) -> list[Row]:
+    """The rows of a ``process``/``decode`` event (positions -1 when libllama chose them)."""
+    toks = ev.get("tok") or []
+    n = len(toks)
+    pos = ev.get("pos") or [-1] * n
+    seq = ev.get("seq") or [0] * n
+    out = set(ev["out"]) if ev.get("out") is not None else {n - 1}
+    return [
+        Row(int(toks[i]), int(pos[i]), tuple(seq[i]) if isinstance(seq[i], list) else (int(seq[i]),), i in out)
+        for i in range(n)
+    ]
+
+
+def logits_row(ev: Event) -> np.ndarray | None:
+    """The whole logits row of a ``logits`` event (float32), when the trace kept it (``bits``)."""
+    bits = ev.get("bits")
+    if not bits:
+        return None
+    return np.frombuffer(bytes.fromhex(bits), dtype=">u4").astype("<u4").view(np.float32).copy()
+
+
+# --------------------------------------------------------------------------------------------
+# what each sequence holds
+# --------------------------------------------------------------------------------------------
+
+
+class Issue(NamedTuple):
+    """A call inconsistent with what the calls before it put in memory: ``what`` is ``holds`` (a position
+    written twice), ``hole`` (a position past a hole), ``no-output`` (a read of a row that asked for no
+    output) or ``pos_max`` (libllama's answer unlike the calls')."""
+
+    what: str
+    seq: int
+    pos: int
+    text: str
+
+
+@dataclass
+class Memory:
+    """What each sequence of one context holds, position -> token, as the traced calls make it.
+
+    :meth:`apply` takes the events in order and returns what in the event is inconsistent with it:
+    a row at a position its sequence already holds, or past a hole (the server asking libllama to
+    attend to a prefix it never wrote); a logits read of a row that asked for no output."""
+
+    ctx: int = 0
+    seqs: dict[int, dict[int, int]] = field(default_factory=dict)
+    last_rows: list[Row] = field(default_factory=list)
+
+    def held(self, seq: int) -> dict[int, int]:
+        return self.seqs.setdefault(seq, {})
+
+    def history(self, seq: int, upto: int) -> list[int] | None:
+        """The tokens of ``seq`` at positions 0..``upto``, or None if one is missing."""
+        held = self.seqs.get(seq, {})
+        out = []
+        for p in range(upto + 1):
+            if p not in held:
+                return None
+            out.append(held[p])
+        return out
+
+    def apply(self, ev: Event) -> list[Issue]:
+        kind = ev.get("ev")
+        if ev.get("ctx", self.ctx) != self.ctx:
+            return []
+        issues: list[Issue] = []
+        if kind in ("process", "decode") and ev.get("type", "decode") == "decode":
+            rs = rows(ev)
+            self.last_rows = rs
+            for j, r in enumerate(rs):
+                for s in r.seqs:
+                    held = self.held(s)
+                    if r.pos < 0:
+                        continue
+                    if r.pos in held:
+                        issues.append(Issue("holds", s, r.pos, f"row {j}: seq {s} already holds position {r.pos}"))
+                    elif r.pos > 0 and (r.pos - 1) not in held:
+                        issues.append(Issue("hole", s, r.pos, f"row {j}: seq {s} at position {r.pos} past a hole "
+                                            f"(holds up to {max(held, default=-1)})"))  # fmt: skip
+                    held[r.pos] = r.tok
+        elif kind == "seq_rm" and ev.get("ret", True):
+            for s in [ev["seq"]] if ev["seq"] >= 0 else list(self.seqs):
+                held = self.held(s)
+                p0, p1 = ev["p0"], ev["p1"]
+                for p in [p for p in held if (p0 < 0 or p >= p0) and (p1 < 0 or p < p1)]:
+                    del held[p]
+        elif kind == "seq_cp":
+            src = self.held(ev["src"])
+            p0, p1 = ev["p0"], ev["p1"]
+            self.held(ev["dst"]).update({p: t for p, t in src.items() if (p0 < 0 or p >= p0) and (p1 < 0 or p < p1)})
+        elif kind == "seq_keep":
+            self.seqs = {ev["seq"]: self.held(ev["seq"])}
+        elif kind == "seq_add":
+            held = self.held(ev["seq"])
+            p0, p1, d = ev["p0"], ev["p1"], ev["delta"]
+            moved = {p: t for p, t in held.items() if (p0 < 0 or p >= p0) and (p1 < 0 or p < p1)}
+            for p in moved:
+                del held[p]
+            held.update({p + d: t for p, t in moved.items() if p + d >= 0})
+        elif kind == "clear":
+            self.seqs = {}
+        elif kind == "logits":
+            i = ev["idx"]
+            if i >= 0 and (i >= len(self.last_rows) or not self.last_rows[i].out):
+                issues.append(Issue("no-output", -1, i, f"logits read of row {i}, which asked for no output"))
+        elif kind == "pos_max":
+            mine = max(self.held(ev["seq"]), default=-1)
+            if mine != ev["ret"]:
+                issues.append(
+                    Issue(
+                        "pos_max",
+                        ev["seq"],
+                        ev["ret"],
+                        f"libllama says seq {ev['seq']} ends at {ev['ret']}, the calls say {mine}",
+                    )
+                )
+        return issues
+
+    def read_context(self, ev: Event) -> tuple[Row, int, list[int] | None] | None:
+        """For a ``logits`` event just applied: its row, that row's first sequence and that sequence's
+        tokens up to the row's position (None where one is missing)."""
+        i = ev["idx"]
+        if i < 0:
+            i += len(self.last_rows)
+        if not 0 <= i < len(self.last_rows):
+            return None
+        r = self.last_rows[i]
+        return r, r.seqs[0], self.history(r.seqs[0], r.pos) if r.pos >= 0 else None
+
+
+def main_context(events: Iterable[Event]) -> int:
+    """The context that decoded most (llama-server makes and frees one to fit the model first)."""
+    counts: dict[int, int] = {}
+    for e in events:
+        if e.get("ev") in ("process", "decode"):
+            counts[int(e.get("ctx", -1))] = counts.get(int(e.get("ctx", -1)), 0) + 1
+    return max(counts, key=lambda c: counts[c]) if counts else 0
+
+
+def check_trace(events: Sequence[Event], ctx: int | None = None) -> list[tuple[int, str]]:
+    """Every inconsistency :class:`Memory` sees in ``events`` (context ``ctx``, by default the one that
+    decoded most): (event ``i``, what)."""
+    mem = Memory(main_context(events) if ctx is None else ctx)
+    out: list[tuple[int, str]] = []
+    for e in events:
+        out.extend((int(e.get("i", -1)), issue.text) for issue in mem.apply(e))
+    return out

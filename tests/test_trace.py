@@ -1,0 +1,117 @@
+"""The libllama trace (faults/trace.c) on a real llama-server, its replay in one process, and the shrink.
+
+A real concurrent run (three clients, ``-np 2``, the generated llama model) is recorded through the
+``LD_PRELOAD`` interposer; replayed through llama-cpp-python on the server's own ``libllama.so``, every
+logits read must come back bit for bit. A wrong ``seq_id`` planted in the trace must be the call the
+replay finds first, and what the shrink keeps.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from faults.replay import replay, shrink_trace
+from faults.trace import Event, check_trace, read_trace, rows, static_note, write_trace
+from fixtures.models import model_path
+from harness.load.traced import TracedRun, fresh_answers, record_concurrent, workload
+from harness.targets.llama_build import build_server
+
+pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def pr_binary() -> Path:
+    return build_server("pr")
+
+
+@pytest.fixture(scope="module")
+def recorded(pr_binary: Path, tmp_path_factory: pytest.TempPathFactory) -> TracedRun:
+    """One concurrent round of the divergence reproducer's workload (seed 1: 12 requests) under the trace."""
+    model = model_path("llama")
+    work = workload(1)
+    want = fresh_answers(pr_binary, model, work)
+    return record_concurrent(pr_binary, model, work, want, tmp_path_factory.mktemp("trace") / "run.jsonl")
+
+
+def _mixed_batches(events: list[Event]) -> list[Event]:
+    return [e for e in events if e.get("ev") == "process" and len({r.seqs for r in rows(e)}) > 1]
+
+
+def test_a_concurrent_run_is_traced_call_by_call(recorded: TracedRun) -> None:
+    t = read_trace(recorded.trace)
+    assert recorded.answers == 12
+    assert not t.truncated and t.torn == 0
+    ctx = t.contexts()[-1]
+    assert (ctx["n_seq_max"], ctx["n_batch"], ctx["n_ubatch"], ctx["n_ctx"]) == (2, 256, 64, 2048)
+    assert ctx["resolved"]["n_seq_max"] == 2 and ctx["n_vocab"] == 260
+    assert t.model_path(ctx["model"]) == str(model_path("llama"))
+    # the clients overlapped: batches hold rows of both slots' sequences
+    assert _mixed_batches(t.events), "no batch mixed the two slots: the run was not concurrent"
+    assert t.of("seq_rm") and t.of("logits")
+    read = t.of("logits")[0]
+    assert len(read["top"]) == 10 and len(read["bits"]) == 8 * 260  # the whole row: the vocabulary is 260
+    assert check_trace(t.events) == []  # the server's calls are consistent with what they put in memory
+
+
+def test_the_replay_gives_the_servers_logits_bit_for_bit(recorded: TracedRun) -> None:
+    assert recorded.lib_dir is not None
+    res: dict[str, Any] = replay(recorded.trace, lib_dir=recorded.lib_dir)
+    assert res["libllama"] == str(recorded.lib_dir / "libllama.so")
+    s = res["replay"]
+    n_reads = len(read_trace(recorded.trace).of("logits"))
+    assert s["reads"] == n_reads > 20
+    assert s["reads_same"] == s["reads"], s["first_diff"]  # right and wrong answers alike
+    assert s["rets_differ"] == [] and s["issues"] == [] and s["skipped"] == []
+
+
+def _plant(events: list[Event]) -> tuple[list[Event], int]:
+    """The first two-slot generation batch with seq 1's row relabelled seq 0: a wrong seq_id."""
+    out = [dict(e) for e in events]
+    for e in out:
+        if e.get("ev") == "process" and e["n"] == 2 and sorted(e["seq"]) == [0, 1]:
+            e["seq"] = [0, 0]
+            return out, int(e["i"])
+    raise AssertionError("no two-slot generation batch in the trace")
+
+
+def test_a_planted_wrong_seq_id_is_the_call_the_replay_and_the_shrink_find(recorded: TracedRun, tmp_path: Path) -> None:
+    events, planted = _plant(read_trace(recorded.trace).events)
+    bad = tmp_path / "planted.jsonl"
+    write_trace(events, bad)
+    assert [i for i, _ in check_trace(events)][:1] == [planted]  # the trace alone shows the wrong call
+    s = replay(bad, lib_dir=recorded.lib_dir)["replay"]
+    assert s["rets_differ"][0][0] == planted  # libllama refuses it where the server's call was accepted
+    assert s["first_diff"]["i"] > planted
+    small = tmp_path / "min.jsonl"
+    res = shrink_trace(bad, lib_dir=recorded.lib_dir, out=small, budget=90)
+    assert res["shrink"]["target"] == ["ret", planted]
+    calls = [e for e in read_trace(small).events if e.get("ev") in ("process", "seq_rm", "seq_cp", "clear")]
+    assert calls[-1]["i"] == planted and len(calls) <= 3, json.dumps(calls)[:500]
+    # what is left: the planted row, and before it only the positions it collides with or continues from
+    last = rows(calls[-1])
+    assert 1 <= len(last) <= 2
+    before = [r for e in calls[:-1] if e.get("ev") == "process" for r in rows(e)]
+    assert len({r.seqs for r in before}) <= 1 and len(before) <= max(r.pos for r in last) + 1
+    # the shrunk trace replays to the same refusal
+    again = replay(small, lib_dir=recorded.lib_dir)["replay"]
+    assert [r[0] for r in again["rets_differ"]] == [planted]
+
+
+def test_the_trace_is_bounded_and_kept_as_it_goes(pr_binary: Path, tmp_path: Path) -> None:
+    model = model_path("llama")
+    work = workload(0, clients=1, per_client=2)
+    want = fresh_answers(pr_binary, model, work)
+    run = record_concurrent(pr_binary, model, work, want, tmp_path / "small.jsonl", max_bytes=30_000)
+    t = read_trace(run.trace)
+    assert t.truncated and run.trace_bytes <= 30_000 + 64
+    assert t.events[0]["ev"] == "trace" and t.contexts()
+
+
+def test_a_statically_linked_binary_is_one_line(pr_binary: Path) -> None:
+    assert static_note(pr_binary) is None
+    note = static_note(Path("/bin/ls"))
+    assert note is not None and "statically" in note and "\n" not in note
