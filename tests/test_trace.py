@@ -69,13 +69,17 @@ def test_the_replay_gives_the_servers_logits_bit_for_bit(recorded: TracedRun) ->
 
 
 def _plant(events: list[Event]) -> tuple[list[Event], int]:
-    """The first two-slot generation batch with seq 1's row relabelled seq 0: a wrong seq_id."""
+    """The first two-slot generation batch with seq 1's row relabelled seq 0: a wrong seq_id. Only a batch
+    where that row's position is not next to seq 0's own: there seq 0 would merely grow by one position, a
+    call consistent in itself (the run's timing decides the positions, so the first batch may be one)."""
     out = [dict(e) for e in events]
     for e in out:
         if e.get("ev") == "process" and e["n"] == 2 and sorted(e["seq"]) == [0, 1]:
-            e["seq"] = [0, 0]
-            return out, int(e["i"])
-    raise AssertionError("no two-slot generation batch in the trace")
+            by_seq = {int(s): int(p) for s, p in zip(e["seq"], e["pos"], strict=True)}
+            if abs(by_seq[1] - by_seq[0]) != 1:
+                e["seq"] = [0, 0]
+                return out, int(e["i"])
+    raise AssertionError("no two-slot generation batch in the trace whose rows are not adjacent positions")
 
 
 def test_a_planted_wrong_seq_id_is_the_call_the_replay_and_the_shrink_find(recorded: TracedRun, tmp_path: Path) -> None:
