@@ -50,6 +50,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="where a failed output's libllama trace is kept (default: a new harness-traces-* "
                              "directory in the temporary directory, removed when nothing failed)")
     parser.add_argument("--no-trace", action="store_true", help="run the servers without the libllama trace")
+    parser.add_argument("--keep-traces", action="store_true", help="keep every server's trace (to measure)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -76,7 +77,7 @@ def run(args: argparse.Namespace) -> int:
     rows: dict[str, dict[str, object]] = {}
     total = ConcurrentResult("all")
     shown = False  # the first failing configuration's replay program only (the JSON has every one)
-    traces = ServerTrace(build.binary, args.trace_dir, enabled=not args.no_trace)
+    traces = ServerTrace(build.binary, args.trace_dir, enabled=not args.no_trace, keep_all=args.keep_traces)
     if traces.note is not None and not args.no_trace:
         print(f"  no libllama trace: {traces.note}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="concurrent-") as logs:

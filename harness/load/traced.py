@@ -60,13 +60,15 @@ class ServerTrace:
 
     ``directory`` None: a new ``harness-traces-*`` directory under the temporary directory, made at
     the first trace and removed at :meth:`close` when no trace was kept. Each server gets its own file
-    (:meth:`env`); :meth:`settle` keeps it when its run failed, else deletes it. ``enabled`` False (a
+    (:meth:`env`); :meth:`settle` keeps it when its run failed, else deletes it (``keep_all``: keeps
+    it, the lines printed for failed runs only). ``enabled`` False (a
     binary that links libllama statically, or ``--no-trace``): no environment, nothing kept.
     """
 
     def __init__(self, binary: Path, directory: Path | None = None, *, enabled: bool = True,
-                 max_bytes: int = LOAD_TRACE_MAX_BYTES) -> None:  # fmt: skip
+                 max_bytes: int = LOAD_TRACE_MAX_BYTES, keep_all: bool = False) -> None:  # fmt: skip
         self.binary = binary
+        self.keep_all = keep_all  # keep every trace (to measure), not only those of failed runs
         self.note = static_note(binary) if enabled else "tracing off"
         self.enabled = enabled and self.note is None
         self.max_bytes = max_bytes
@@ -93,6 +95,8 @@ class ServerTrace:
     def settle(self, path: Path | None, failed: bool) -> str | None:
         """Keep ``path`` when its run failed (returns :func:`trace_lines`), else delete it."""
         if path is None:
+            return None
+        if self.keep_all and not failed:
             return None
         if failed and path.exists():
             self.kept.append(path)
@@ -129,10 +133,11 @@ def workload(seed: int, clients: int = 3, per_client: int = 4, lengths: Sequence
     return out
 
 
-def fresh_answers(binary: Path, model: Path, work: Work, *, ctx_size: int = 2048) -> dict[tuple[tuple[int, ...], int],
-                                                                                           list[int]]:  # fmt: skip
+def fresh_answers(binary: Path, model: Path, work: Work, *, ctx_size: int = 2048, extra_args: Sequence[str] = ()
+                  ) -> dict[tuple[tuple[int, ...], int], list[int]]:  # fmt: skip
     """Each request's answer from a fresh single-slot server without cache, one request at a time."""
-    with ServerProcess(binary, SERVER_ARGS, model=model, n_parallel=1, ctx_size=ctx_size, cache_ram=0) as srv:
+    with ServerProcess(binary, [*SERVER_ARGS, *extra_args], model=model, n_parallel=1, ctx_size=ctx_size,
+                       cache_ram=0) as srv:  # fmt: skip
         return {
             (t, n): list(srv.completion(list(t), n, ignore_eos=True, return_tokens=True, cache_prompt=False)["tokens"])
             for reqs in work
@@ -165,8 +170,12 @@ def record_concurrent(
     ctx_size: int = 2048,
     max_bytes: int = DEFAULT_MAX_BYTES,
     extra_args: Sequence[str] = (),
+    cache_ram: int = 0,
 ) -> TracedRun:
-    """One round of ``work`` from concurrent clients on a traced server; the answers unlike ``want``."""
+    """One round of ``work`` from concurrent clients on a traced server; the answers unlike ``want``.
+
+    ``work`` of one client on ``n_parallel`` 1 with ``cache_ram`` > 0 is the cache path without
+    concurrency: each prompt that extends an earlier one is served partly from the slot or the cache."""
     note = static_note(binary)
     if note is not None:
         raise UsageError(note)
@@ -175,7 +184,7 @@ def record_concurrent(
     errors: list[BaseException] = []
     lock = threading.Lock()
     with ServerProcess(binary, [*SERVER_ARGS, *extra_args], model=model, n_parallel=n_parallel, ctx_size=ctx_size,
-                       cache_ram=0, env=env) as srv:  # fmt: skip
+                       cache_ram=cache_ram, env=env) as srv:  # fmt: skip
         run.log = srv.log_path
 
         def client(reqs: list[tuple[tuple[int, ...], int]]) -> None:
