@@ -4,8 +4,8 @@ K clients (one more than the slots, at most 4) send overlapping requests that sh
 diverge, some naming a busy slot by ``id_slot``, to ``-np`` 2..4 servers with unified and per-slot
 KV on the five models (:func:`harness.load.concurrent.concurrent_configs`); the model replays the
 order the server took and must predict every slot and ``cache_n``; outputs are compared with a
-fresh cache-less server, on every model: only a greedy flip within the batch-shape bound
-(:data:`harness.findings.BATCH_SHAPE_FLIP_GAP`) is excused, as ``concurrent-output-divergence`` or
+fresh cache-less server, on every model: only a greedy flip within the model's batch-shape bound
+(:data:`harness.findings.BATCH_SHAPE_FLIP_GAP`, none for mamba) is excused, as ``concurrent-output-divergence`` or
 ``greedy-flip-on-cache-path``. Each server runs under the libllama trace (``--no-trace`` without); the
 trace of a run with an output mismatch is kept (``--trace-dir``) and printed with the lines that replay
 and shrink it. ``--traces N`` seeded traces per configuration. Prints one line per

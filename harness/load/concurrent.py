@@ -27,7 +27,7 @@ the model, so checkpoints land where the model puts them however the server pack
 Every response's tokens are also compared with a fresh single-slot server without cache
 (:func:`harness.backends.llama_server.check_output`). A response whose slot the model saw loaded or
 cleared while it was processing (a busy slot named by id) is the known finding ``busy-slot-by-id``
-when its output differs; a greedy flip within :data:`~harness.findings.BATCH_SHAPE_FLIP_GAP` is
+when its output differs; a greedy flip within the model's :data:`~harness.findings.BATCH_SHAPE_FLIP_GAP` is
 ``concurrent-output-divergence`` or ``greedy-flip-on-cache-path`` (:class:`~harness.load.outputs.Divergences`,
 on every model); any other difference is a mismatch and prints the timed request trace that replays
 it (:func:`replay`) and, when the server ran under the libllama trace (``traces``), the trace file
@@ -506,7 +506,7 @@ def judge(
         elif not c.ok:
             res.cache_n_mismatches += 1
             res.failures.append(f"cache_n: {c.describe()}")
-        diff = compare_output(fresh, c.sent.req.tokens, c.sent.generated) if c.sent.generated else None
+        diff = compare_output(fresh, c.sent.req.tokens, c.sent.generated, cfg.arch) if c.sent.generated else None
         c.output = diff.describe() if diff is not None else None
         known = Divergences.batch_shape(diff, c.sent.cache_n) if diff is not None else None
         if diff is None:

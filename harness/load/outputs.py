@@ -21,8 +21,9 @@ __all__ = ["BATCH_SHAPE_FLIP_GAP", "Divergences", "OutputDiff", "compare_output"
 
 @dataclass(frozen=True)
 class OutputDiff:
-    """Where a response first differs from the fresh server's greedy answer."""
+    """Where a response first differs from the fresh server's greedy answer (on model ``arch``)."""
 
+    arch: str
     prompt: tuple[int, ...]
     generated: tuple[int, ...]
     want: tuple[int, ...]  # the fresh server's tokens
@@ -30,14 +31,19 @@ class OutputDiff:
     gap: float | None  # the fresh server's best logprob minus the served token's (None: not in its top 10)
 
     @property
+    def bound(self) -> float:
+        """The model's batch-shape bound (:data:`BATCH_SHAPE_FLIP_GAP`; 0: none, no attention layer)."""
+        return BATCH_SHAPE_FLIP_GAP.get(self.arch, 0.0)
+
+    @property
     def batch_shape_flip(self) -> bool:
-        """The condition of the batch-shape findings: a greedy flip within :data:`BATCH_SHAPE_FLIP_GAP`."""
-        return self.gap is not None and self.gap < BATCH_SHAPE_FLIP_GAP
+        """The condition of the batch-shape findings: a greedy flip within the model's bound."""
+        return self.gap is not None and self.gap < self.bound
 
     def describe(self) -> str:
         how = f"logprob gap {self.gap:.4f}" if self.gap is not None else "not in the fresh server's top 10"
         return (f"{len(self.prompt)}-token prompt (…{list(self.prompt[-3:])}): token {self.index} differs ({how}, "
-                f"bound {BATCH_SHAPE_FLIP_GAP}): generated {list(self.generated)}, a fresh server generates "
+                f"{self.arch}'s bound {self.bound}): generated {list(self.generated)}, a fresh server generates "
                 f"{list(self.want)}")  # fmt: skip
 
 
@@ -47,12 +53,11 @@ class Divergences:
     * ``concurrent-output-divergence`` and ``greedy-flip-on-cache-path``, one mechanism (issue #41,
       docs/findings.md): libllama's logits move with how a sequence's tokens share batches (CPU flash
       attention's two kernels, the cells a cached prompt sits in), and a greedy choice flips where the
-      fresh server's best token and the one served are within :data:`BATCH_SHAPE_FLIP_GAP` (measured:
-      every flip seen was at most 0.0142). :meth:`batch_shape` names which: ``greedy-flip-on-cache-path``
-      when the prompt was served partly from the slot or the cache (``cache_n`` > 0), else
-      ``concurrent-output-divergence`` (only the other slots' batches changed its shape). On every
-      model, attention or recurrent: a wider gap, or a served token outside the fresh top 10, is a
-      mismatch.
+      fresh server's best token and the one served are within the model's :data:`BATCH_SHAPE_FLIP_GAP`
+      (measured per model; none for mamba, which has no attention layer). :meth:`batch_shape` names
+      which: ``greedy-flip-on-cache-path`` when the prompt was served partly from the slot or the cache
+      (``cache_n`` > 0), else ``concurrent-output-divergence`` (only the other slots' batches changed its
+      shape). On every model: a wider gap, or a served token outside the fresh top 10, is a mismatch.
     * ``busy-slot-by-id``: a response it changed (:meth:`add`) leaves wrong state in its slot and the
       cache entries saved from it; a later divergence that reused ``cache_n`` tokens starting like such
       a response is that finding's (:meth:`explains`).
@@ -160,7 +165,9 @@ def _gap_resumed(fresh: ServerProcess, tokens: Sequence[int], want: Sequence[int
     return _gap(probs[0], served)
 
 
-def compare_output(fresh: ServerProcess, tokens: Sequence[int], generated: Sequence[int]) -> OutputDiff | None:
+def compare_output(
+    fresh: ServerProcess, tokens: Sequence[int], generated: Sequence[int], arch: str
+) -> OutputDiff | None:
     """``generated`` against a fresh cache-less server: None if equal, else where and by what gap it differs.
 
     The gap is the served token's logprob below the fresh server's best at the first difference (not
@@ -185,4 +192,4 @@ def compare_output(fresh: ServerProcess, tokens: Sequence[int], generated: Seque
             gap = _gap(probs[reported.index(i)], int(generated[i]))
         else:
             gap = _gap_resumed(fresh, tokens, want, i, int(generated[i]))
-    return OutputDiff(tuple(int(t) for t in tokens), tuple(int(t) for t in generated), tuple(want), i, gap)
+    return OutputDiff(arch, tuple(int(t) for t in tokens), tuple(int(t) for t in generated), tuple(want), i, gap)

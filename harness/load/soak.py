@@ -19,9 +19,9 @@ a new tail, without pause. A sampler reads, every second, the server's ``VmRSS``
   the soak goes on; a fault trial *survived* when the server still answers afterwards;
 * the first :data:`OUTPUT_CHECKS` responses of a phase equal a fresh cache-less server's, checked
   after the phase (:func:`harness.load.outputs.compare_output`), on every model: a greedy flip within
-  :data:`~harness.findings.BATCH_SHAPE_FLIP_GAP` is counted as ``greedy-flip-on-cache-path`` (``cache_n``
-  > 0) or ``concurrent-output-divergence``; with faults on, a prompt that reuses the tokens of a request
-  answered "decode() failed" is ``decode-exception-keeps-slot-tokens``
+  the model's :data:`~harness.findings.BATCH_SHAPE_FLIP_GAP` (none for mamba) is counted as
+  ``greedy-flip-on-cache-path`` (``cache_n`` > 0) or ``concurrent-output-divergence``; with faults on, a
+  prompt reusing the tokens of a request answered "decode() failed" is ``decode-exception-keeps-slot-tokens``
   (:class:`harness.load.outputs.Divergences`); any other difference fails, with the server's libllama
   trace (each server runs under it unless ``traces`` is off; kept only when an output failed) and the
   lines that replay and shrink it.
@@ -286,7 +286,7 @@ def _check_outputs(fresh: ServerProcess, res: PhaseResult) -> set[int]:
     for at, toks, gen, cache_n, slot, server in sorted(res.responses):
         if not gen:
             continue
-        diff = compare_output(fresh, toks, gen)
+        diff = compare_output(fresh, toks, gen, res.arch)
         res.output_checks += 1
         if diff is None:
             continue
