@@ -77,6 +77,9 @@ class ReadResult:
     fresh_maxdiff: float | None = None
     fresh_margin: float | None = None  # the fresh row's top-1 minus top-2
     fresh_rank: int | None = None  # the rank of the replay's argmax in the fresh row (0: its argmax too)
+    # how much nearer the replay's row brings one of the fresh row's top 10 to its argmax than the fresh row
+    # has it: (f[a] - f[t]) - (row[a] - row[t]), the widest; a greedy flip needs it above the fresh gap
+    fresh_shift: float | None = None
 
 
 @dataclass
@@ -111,6 +114,7 @@ class RunResult:
             "fresh_argmax_differ": sum(r.fresh_argmax != r.argmax_replay for r in fresh),
             "fresh_maxdiff": max((r.fresh_maxdiff or 0.0 for r in fresh), default=0.0),
             "fresh_min_margin": min((r.fresh_margin for r in fresh if r.fresh_margin is not None), default=None),
+            "fresh_max_shift": max((r.fresh_shift or 0.0 for r in fresh), default=0.0),
             "first_divergence": asdict(v) if v else None,
             "seconds": round(self.seconds, 2),
         }
@@ -176,12 +180,15 @@ class _Ctx:
 
 class Fresh:
     """Sequential evaluations of token histories on a context of their own (one sequence, seq 0):
-    the tokens a history shares with the previous one stay, the rest is evaluated in ``n_batch`` chunks."""
+    the tokens a history shares with the previous one stay (unless the memory cannot keep them whole:
+    recurrent, or a model with sliding-window layers, always evaluated whole), the rest is evaluated in
+    ``n_batch`` chunks."""
 
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.ctx = _Ctx(engine.model.ptr, engine.params, engine.n_threads)
         self.hist: list[int] = []
+        self.swa = _ll().llama_model_n_swa(engine.model.ptr) > 0
 
     def logits(self, hist: Sequence[int]) -> np.ndarray:
         ll = _ll()
@@ -189,7 +196,11 @@ class Fresh:
         while keep < min(len(hist), len(self.hist)) and hist[keep] == self.hist[keep]:
             keep += 1
         keep = min(keep, len(hist) - 1)
-        if not ll.llama_memory_seq_rm(self.ctx.mem, 0, keep, -1):
+        # a recurrent memory cannot drop a tail; a sliding-window one has dropped cells of its prefix that the
+        # next rows attend to (or kept a tail's cells past its window): evaluate those from scratch
+        if self.swa:
+            keep = 0
+        if not ll.llama_memory_seq_rm(self.ctx.mem, 0, keep, -1) or ll.llama_memory_seq_pos_min(self.ctx.mem, 0) > 0:
             ll.llama_memory_clear(self.ctx.mem, True)
             keep = 0
         self.hist = list(hist[:keep])
@@ -318,6 +329,8 @@ class Engine:
             r.fresh_same = bool(np.array_equal(f.view(np.uint32), row.view(np.uint32)))
             r.fresh_maxdiff = float(np.max(np.abs(f - row)))
             r.fresh_rank = int(np.sum(f > f[r.argmax_replay]))
+            a, top = int(np.argmax(f)), np.argsort(-f, kind="stable")[1:11]
+            r.fresh_shift = float(np.max((f[a] - f[top]) - (row[a] - row[top])))
         res.reads.append(r)
 
     def close(self) -> None:

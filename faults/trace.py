@@ -62,6 +62,7 @@ __all__ = [
 
 _HERE = Path(__file__).resolve().parent
 TRACE_ENV = "LLAMA_TRACE"
+_PARTIAL_ONLY = 1  # LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY (llama.h)
 DEFAULT_MAX_BYTES = 64 << 20
 
 Event = dict[str, Any]
@@ -249,11 +250,15 @@ class Memory:
 
     :meth:`apply` takes the events in order and returns what in the event is inconsistent with it:
     a row at a position its sequence already holds, or past a hole (the server asking libllama to
-    attend to a prefix it never wrote); a logits read of a row that asked for no output."""
+    attend to a prefix it never wrote); a logits read of a row that asked for no output. A whole
+    sequence's state set (``llama_state_seq_set_data``, a prompt-cache load) gives the sequence the
+    tokens it held when a state of the same hash was got; a partial one (a checkpoint's recurrent or
+    SWA part, ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) leaves its positions as they are."""
 
     ctx: int = 0
     seqs: dict[int, dict[int, int]] = field(default_factory=dict)
     last_rows: list[Row] = field(default_factory=list)
+    states: dict[str, dict[int, int]] = field(default_factory=dict)  # a whole sequence's state (by hash): its tokens
 
     def held(self, seq: int) -> dict[int, int]:
         return self.seqs.setdefault(seq, {})
@@ -308,6 +313,12 @@ class Memory:
             held.update({p + d: t for p, t in moved.items() if p + d >= 0})
         elif kind == "clear":
             self.seqs = {}
+        elif kind == "state_seq_get_data" and ev.get("ret") and not int(ev.get("flags", 0)) & _PARTIAL_ONLY:
+            self.states[str(ev.get("hash"))] = dict(self.held(ev["seq"]))
+        elif kind == "state_seq_set_data" and not int(ev.get("flags", 0)) & _PARTIAL_ONLY:
+            # a whole sequence's state replaces what the sequence held (a prompt-cache load); a state this
+            # trace never saved (another process's) leaves it unknown
+            self.seqs[ev["seq"]] = dict(self.states.get(str(ev.get("hash")), {}))
         elif kind == "logits":
             i = ev["idx"]
             if i >= 0 and (i >= len(self.last_rows) or not self.last_rows[i].out):

@@ -4,7 +4,11 @@ K clients (one more than the slots, at most 4) send overlapping requests that sh
 diverge, some naming a busy slot by ``id_slot``, to ``-np`` 2..4 servers with unified and per-slot
 KV on the five models (:func:`harness.load.concurrent.concurrent_configs`); the model replays the
 order the server took and must predict every slot and ``cache_n``; outputs are compared with a
-fresh cache-less server. ``--traces N`` seeded traces per configuration. Prints one line per
+fresh cache-less server, on every model: only a greedy flip within the model's batch-shape bound
+(:data:`harness.findings.BATCH_SHAPE_FLIP_GAP`, none for mamba) is excused, as ``concurrent-output-divergence`` or
+``greedy-flip-on-cache-path``. Each server runs under the libllama trace (``--no-trace`` without); the
+trace of a run with an output mismatch is kept (``--trace-dir``) and printed with the lines that replay
+and shrink it. ``--traces N`` seeded traces per configuration. Prints one line per
 configuration and, for a mismatch, the timed requests that replay it; ``--json PATH`` writes the
 figures (requests, interleavings, busy-slot requests, answers changed by ``busy-slot-by-id``,
 ``concurrent-output-divergence``, mismatches).
@@ -25,6 +29,7 @@ from harness.backends.llama_server.differential import sanitizer_reports
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
+from harness.load.traced import ServerTrace
 from harness.targets.llama_build import server_build
 from harness.targets.llama_probe import probe
 
@@ -41,6 +46,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--short", action="store_true", help="only the gate's two configurations")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--trace-dir", metavar="DIR", type=Path,
+                        help="where a failed output's libllama trace is kept (default: a new harness-traces-* "
+                             "directory in the temporary directory, removed when nothing failed)")
+    parser.add_argument("--no-trace", action="store_true", help="run the servers without the libllama trace")
+    parser.add_argument("--keep-traces", action="store_true", help="keep every server's trace (to measure)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -67,10 +77,13 @@ def run(args: argparse.Namespace) -> int:
     rows: dict[str, dict[str, object]] = {}
     total = ConcurrentResult("all")
     shown = False  # the first failing configuration's replay program only (the JSON has every one)
+    traces = ServerTrace(build.binary, args.trace_dir, enabled=not args.no_trace, keep_all=args.keep_traces)
+    if traces.note is not None and not args.no_trace:
+        print(f"  no libllama trace: {traces.note}", file=sys.stderr)
     with tempfile.TemporaryDirectory(prefix="concurrent-") as logs:
         for cfg in concurrent_configs(short=args.short):
             r = run_concurrent(cfg, build.binary, semantics, args.seed, args.traces, log_dir=logs,
-                               binary_expr=build.replay_expr)  # fmt: skip
+                               binary_expr=build.replay_expr, traces=traces)  # fmt: skip
             total.add(r)
             bad = r.mismatches or r.unmodellable
             print(
@@ -80,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
                 f"(busy-slot-by-id-livelock), "
                 f"{r.concurrent_divergences} "
                 f"concurrent-output-divergence, {r.near_tie_flips} "
-                f"near-ties, {r.mismatches} mismatches {r.seconds:6.1f}s"
+                f"greedy-flip-on-cache-path, {r.mismatches} mismatches {r.seconds:6.1f}s"
             )
             if r.unmodellable:
                 print(f"      order not followed: {r.unmodellable}")
@@ -88,11 +101,14 @@ def run(args: argparse.Namespace) -> int:
                 print(f"      {n}")
             for f in r.failures[:3]:
                 print(f"      {f}")
+            if r.trace:
+                print(f"      {r.trace}")
             if r.program and not shown:
                 shown = True
                 print("      the timed requests that replay it:\n        " + r.program.replace("\n", "\n        "))
             rows[cfg.name] = r.as_dict()
         reports = sanitizer_reports(logs)
+    traces.close()
     for rep in reports[:5]:
         print(f"  sanitizer: {rep}")
     figures = {k: v for k, v in total.as_dict().items() if k not in ("program", "busy_program", "config")}

@@ -3,7 +3,10 @@
 ``--minutes N`` is the whole run: each model gets two phases of equal length (faults off, then the
 native shim failing one large allocation every few seconds). What is sampled and checked is in
 :mod:`harness.load.soak`. ``--json PATH`` writes every phase's figures (requests/s, p50/p99
-latency, the RSS curve, cache size and entries, evictions, fault trials survived).
+latency, the RSS curve, cache size and entries, evictions, fault trials survived). Every server runs
+under the libllama trace (``faults/trace.c``; ``--no-trace`` without): the trace of a server that gave
+an output no known finding explains is kept beside the server logs and printed with the lines that
+replay and shrink it (``python -m harness trace replay|shrink``).
 
 Exit 0 when every bound held, 1 when one broke (RSS over its bound, the logged cache over its
 limit, a crash or a request error with faults off, an OOM kill under ``--memory-limit MIB`` (the server in a
@@ -26,6 +29,7 @@ from fixtures.models import ARCHS
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.soak import CACHE_RAM_MIB, SoakSettings, soak
+from harness.load.traced import ServerTrace
 from harness.targets.llama_build import server_build
 from harness.targets.llama_probe import probe
 from harness.targets.memlimit import MemoryCgroup, cgroup_support
@@ -49,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "run, with the requests that led to it")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the clients' prompts (default 0)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
+    parser.add_argument("--no-trace", action="store_true",
+                        help="run the servers without the libllama trace (kept for a failed output otherwise)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -86,7 +92,10 @@ def run(args: argparse.Namespace) -> int:
     logs = tempfile.mkdtemp(prefix="soak-")  # kept when a bound broke: the server logs say what happened
     failed = True
     try:
-        results = soak(build.binary, archs, st, logs)
+        traces = ServerTrace(build.binary, Path(logs) / "traces", enabled=not args.no_trace)
+        if traces.note is not None and not args.no_trace:
+            print(f"  no libllama trace: {traces.note}", file=sys.stderr)
+        results = soak(build.binary, archs, st, logs, traces=traces)
         violations = [f"{r.arch} faults {'on' if r.faults else 'off'}: {v}" for r in results for v in r.violations]
         violations.sort(key=lambda v: "OOM-killed" not in v)  # the kill first, before its clients' broken requests
         report = {

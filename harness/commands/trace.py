@@ -4,7 +4,9 @@
 llama-server traced by the ``LD_PRELOAD`` interposer ``faults/trace.c`` (every libllama call that
 touches memory or state, every batch row, the logits read back; one JSON line per call, at most
 ``--max-bytes``), ``--rounds`` times or until an answer differs from a fresh single-slot server's, and
-prints the trace, its size, the wrong answers and the line that replays it. ``replay TRACE`` replays
+prints the trace, its size, the wrong answers and the line that replays it; ``--sequential`` sends
+the same requests one at a time to a one-slot server with the prompt cache on (the cache path of
+``greedy-flip-on-cache-path``, no concurrency), ``--flash-attn`` sets the server's ``-fa``. ``replay TRACE`` replays
 the calls in one process through llama-cpp-python on the server's own ``libllama.so`` (``--lib-dir``;
 the trace's model file, its context parameters, one thread) and compares every logits read with the
 trace bit for bit (``--fresh``: and with a fresh sequential evaluation of the tokens its sequence
@@ -46,6 +48,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rec.add_argument("--rounds", type=int, default=1, help="rounds on a new server each (default 1)")
     rec.add_argument("--until-wrong", action="store_true", help="stop at the first round with a wrong answer")
     rec.add_argument("--max-bytes", type=int, default=DEFAULT_MAX_BYTES, help="the trace's size cap")
+    rec.add_argument("--sequential", action="store_true",
+                     help="the cache path alone: one client, -np 1, --cache-ram 8 (greedy-flip-on-cache-path)")
+    rec.add_argument("--flash-attn", choices=("on", "off", "auto"), help="the server's -fa (default: its own, auto)")
     for name, help_ in (("replay", "replay a trace in one process and compare its logits"),
                         ("shrink", "shrink a trace to the fewest calls that still diverge")):  # fmt: skip
         p = sub.add_parser(name, help=help_)
@@ -82,11 +87,16 @@ def _record(args: argparse.Namespace) -> int:
                              log=lambda m: print("  build: " + m, file=sys.stderr))  # fmt: skip
     model = model_path(args.model)
     work = workload(args.seed)
-    want = fresh_answers(build.binary, model, work)
+    want = fresh_answers(build.binary, model, work, extra_args=["-fa", args.flash_attn] if args.flash_attn else [])
     wrong_rounds = 0
     for rnd in range(args.rounds):
         out = args.out if args.rounds == 1 else args.out.with_suffix(f".{rnd}{args.out.suffix}")
-        r = record_concurrent(build.binary, model, work, want, out, max_bytes=args.max_bytes)
+        extra = ["-fa", args.flash_attn] if args.flash_attn else []
+        if args.sequential:
+            r = record_concurrent(build.binary, model, [[x for c in work for x in c]], want, out, n_parallel=1,
+                                  cache_ram=8, max_bytes=args.max_bytes, extra_args=extra)  # fmt: skip
+        else:
+            r = record_concurrent(build.binary, model, work, want, out, max_bytes=args.max_bytes, extra_args=extra)
         t = read_trace(out)
         print(f"round {rnd}: {r.answers} answers, {len(r.wrong)} wrong; trace {out}: {r.trace_bytes} bytes, "
               f"{len(t.events)} calls{' (TRUNCATED)' if t.truncated else ''}")  # fmt: skip

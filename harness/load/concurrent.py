@@ -27,8 +27,11 @@ the model, so checkpoints land where the model puts them however the server pack
 Every response's tokens are also compared with a fresh single-slot server without cache
 (:func:`harness.backends.llama_server.check_output`). A response whose slot the model saw loaded or
 cleared while it was processing (a busy slot named by id) is the known finding ``busy-slot-by-id``
-when its output differs; any other difference is a mismatch and prints the timed request trace
-that replays it (:func:`replay`).
+when its output differs; a greedy flip within the model's :data:`~harness.findings.BATCH_SHAPE_FLIP_GAP` is
+``concurrent-output-divergence`` or ``greedy-flip-on-cache-path`` (:class:`~harness.load.outputs.Divergences`,
+on every model); any other difference is a mismatch and prints the timed request trace that replays
+it (:func:`replay`) and, when the server ran under the libllama trace (``traces``), the trace file
+and the lines that replay and shrink it.
 
 Size: one differential in the order it runs: the trace, the walk of the server's log that feeds the
 model (each event kind reads the walk's state), the judging of every response and the runners; split,
@@ -49,6 +52,7 @@ from harness.backends.llama_server.differential import ServerConfig
 from harness.load.clients import BUSY, Req, Sent, replay_program, run_clients
 from harness.load.order import Event, parse_log, tasks
 from harness.load.outputs import Divergences, compare_output
+from harness.load.traced import ServerTrace
 from harness.model.cache import f32, get_common_prefix
 from harness.model.server_context import ServerContext, ServerSlot, SlotState
 from harness.targets.libllama import close_server, make_llama_server
@@ -57,6 +61,7 @@ from harness.targets.llama_server import ServerProcess
 __all__ = [
     "ConcurrentResult",
     "Unmodellable",
+    "attach_trace",
     "concurrent_configs",
     "deferred_request",
     "judge",
@@ -231,7 +236,7 @@ class Check:
     predicted_slot: int = -1
     predicted_cache_n: int = -1
     busy_hit: bool = False  # its slot was loaded or cleared while it processed (a busy slot named by id)
-    output: str | None = None  # None: equal to a fresh server's; "near-tie"; else the difference
+    output: str | None = None  # None: equal to a fresh server's; else where and by what gap it differs
 
     @property
     def ok(self) -> bool:
@@ -254,8 +259,8 @@ class ConcurrentResult:
     cache_n_mismatches: int = 0
     load_mismatches: int = 0  # a busy slot's load the model mispredicts (before any busy-slot-by-id)
     output_mismatches: int = 0
-    near_tie_flips: int = 0
-    concurrent_divergences: int = 0  # outputs unlike a fresh server's, explained by concurrent-output-divergence
+    near_tie_flips: int = 0  # greedy-flip-on-cache-path: a flip within BATCH_SHAPE_FLIP_GAP, cache_n > 0
+    concurrent_divergences: int = 0  # concurrent-output-divergence: a flip within the bound, cache_n = 0
     request_errors: int = 0
     evictions: int = 0  # seen in the log (the model's count must agree)
     unmodellable: str | None = None
@@ -265,6 +270,7 @@ class ConcurrentResult:
     notes: list[str] = field(default_factory=list)
     failures: list[str] = field(default_factory=list)
     program: str = ""  # the timed trace that replays it, when something failed
+    trace: str = ""  # the libllama trace of the first output mismatch and the lines that replay and shrink it
     busy_program: str = ""  # a trace that showed busy-slot-by-id, when one did
     seconds: float = 0.0
 
@@ -278,6 +284,7 @@ class ConcurrentResult:
         self.failures += other.failures
         self.notes += other.notes
         self.program = self.program or other.program
+        self.trace = self.trace or other.trace
         self.busy_program = self.busy_program or other.busy_program
         self.unmodellable = self.unmodellable or other.unmodellable
 
@@ -403,9 +410,15 @@ def run_trace(
     fresh: ServerProcess,
     log_path: str | None = None,
     binary_expr: str = "build_server('pr')",
+    traces: ServerTrace | None = None,
+    name: str = "run",
 ) -> ConcurrentResult:
-    """Run one trace on a new server, replay its order on a new model, check every response."""
+    """Run one trace on a new server, replay its order on a new model, check every response.
+
+    With ``traces`` the server runs under the libllama trace (``traces.path(name)``), kept with the
+    lines that replay and shrink it when an output mismatched (``res.trace``), else deleted."""
     t0 = time.perf_counter()
+    trace = traces.path(name) if traces is not None else None
     program = replay_program(
         ["from pathlib import Path",
          "from harness.targets.llama_build import build_server, build_source",
@@ -419,14 +432,26 @@ def run_trace(
         binary, [*cfg.server_args(), "-lv", "4"], model=model_path(cfg.arch), n_parallel=cfg.n_parallel,
         ctx_size=cfg.n_ctx, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=cfg.ctx_checkpoints,
         kv_unified=cfg.kv_unified, log_path=log_path, request_timeout=REQUEST_TIMEOUT_S,
+        env=traces.env(trace) if traces is not None else None,
     )  # fmt: skip
     with server:
         run = run_clients(server, reqs, timeout=4 * REQUEST_TIMEOUT_S)
     # after the server stopped: a slot is released (and logged) after its response went out
     log = server.log_path.read_text(errors="replace") if server.log_path else ""
     res = judge(cfg, semantics, log, run.sents, fresh, program)
+    if traces is not None:
+        attach_trace(res, traces, trace)
     res.seconds = time.perf_counter() - t0
     return res
+
+
+def attach_trace(res: ConcurrentResult, traces: ServerTrace, trace: Path | None) -> None:
+    """Keep the server's libllama trace when an output mismatched (else delete it); each output failure
+    then names the trace and the lines that replay and shrink it."""
+    kept = traces.settle(trace, res.output_mismatches > 0)
+    if kept is not None:
+        res.trace = kept
+        res.failures = [f"{f}; {kept}" if f.startswith("output:") else f for f in res.failures]
 
 
 def judge(
@@ -481,17 +506,21 @@ def judge(
         elif not c.ok:
             res.cache_n_mismatches += 1
             res.failures.append(f"cache_n: {c.describe()}")
-        c.output = compare_output(fresh, c.sent.req.tokens, c.sent.generated) if c.sent.generated else None
-        if c.output == "near-tie":
+        diff = compare_output(fresh, c.sent.req.tokens, c.sent.generated, cfg.arch) if c.sent.generated else None
+        c.output = diff.describe() if diff is not None else None
+        known = Divergences.batch_shape(diff, c.sent.cache_n) if diff is not None else None
+        if diff is None:
+            continue
+        if known == "greedy-flip-on-cache-path":
             res.near_tie_flips += 1
-        elif c.output is not None and c.busy_hit:
+        elif known == "concurrent-output-divergence":
+            res.concurrent_divergences += 1
+        elif c.busy_hit or sources.explains(c.sent.req.tokens, c.sent.cache_n):
+            # changed by busy-slot-by-id, or reused the state of a response it changed
             res.busy_slot_by_id += 1
             res.busy_program = res.busy_program or program
             sources.add(c.sent.req.tokens, c.sent.generated)
-        elif c.output is not None and sources.explains(c.sent.req.tokens, c.sent.cache_n):
-            res.concurrent_divergences += 1
-            sources.add(c.sent.req.tokens, c.sent.generated)
-        elif c.output is not None:
+        else:
             res.output_mismatches += 1
             res.failures.append(f"output: {c.describe()}: {c.output}")
     if res.mismatches:
@@ -517,8 +546,10 @@ def run_concurrent(
     log_dir: str | None = None,
     binary_expr: str = "build_server('pr')",
     out: Callable[[str], None] = print,
+    traces: ServerTrace | None = None,
 ) -> ConcurrentResult:
-    """``n_traces`` seeded traces on ``cfg``; K = ``n_clients`` (default: one more than the slots, at most 4)."""
+    """``n_traces`` seeded traces on ``cfg``; K = ``n_clients`` (default: one more than the slots, at most 4);
+    ``traces``: each server under the libllama trace (:meth:`run_trace`)."""
     k = n_clients or min(4, cfg.n_parallel + 1)
     total = ConcurrentResult(cfg.name)
     n_ctx_slot = cfg.n_ctx if cfg.kv_unified else cfg.n_ctx // cfg.n_parallel
@@ -528,7 +559,7 @@ def run_concurrent(
             # even traces are clean (no request names a slot), odd ones name busy slots
             reqs = scenario(seed * 1000 + t, k, cfg.n_parallel, per_client, n_ctx_slot, busy=t % 2 == 1)
             log = None if log_dir is None else f"{log_dir}/{cfg.name}-trace{t}.log"
-            r = run_trace(cfg, binary, semantics, reqs, fresh, log, binary_expr)
+            r = run_trace(cfg, binary, semantics, reqs, fresh, log, binary_expr, traces, f"{cfg.name}-trace{t}")
             total.add(r)
     return total
 

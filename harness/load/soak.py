@@ -18,11 +18,13 @@ a new tail, without pause. A sampler reads, every second, the server's ``VmRSS``
   ``checkpoint-alloc-terminates``, ``decode-bad-alloc-terminates``), the server is restarted and
   the soak goes on; a fault trial *survived* when the server still answers afterwards;
 * the first :data:`OUTPUT_CHECKS` responses of a phase equal a fresh cache-less server's, checked
-  after the phase (:func:`harness.load.outputs.compare_output`; near-ties are counted, and so are
-  divergences a known finding explains, :class:`harness.load.outputs.Divergences`: on models with
-  attention layers ``concurrent-output-divergence``, so the cache's outputs are held to a fresh
-  server on ``mamba``; with faults on, a prompt that reuses the tokens of a request answered
-  "decode() failed" is ``decode-exception-keeps-slot-tokens``; any other difference fails).
+  after the phase (:func:`harness.load.outputs.compare_output`), on every model: a greedy flip within
+  the model's :data:`~harness.findings.BATCH_SHAPE_FLIP_GAP` (none for mamba) is counted as
+  ``greedy-flip-on-cache-path`` (``cache_n`` > 0) or ``concurrent-output-divergence``; with faults on, a
+  prompt reusing the tokens of a request answered "decode() failed" is ``decode-exception-keeps-slot-tokens``
+  (:class:`harness.load.outputs.Divergences`); any other difference fails, with the server's libllama
+  trace (each server runs under it unless ``traces`` is off; kept only when an output failed) and the
+  lines that replay and shrink it.
 
 With ``memory_limit_mib`` (``--memory-limit``) the soaked server runs in a memory cgroup with that hard limit
 (:class:`harness.targets.memlimit.MemoryCgroup`; the fresh server outside it). An OOM kill, seen in the group's
@@ -55,6 +57,7 @@ from harness.interrupt import check, interrupted
 from harness.load.live import LiveServer, oom_killed
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
+from harness.load.traced import ServerTrace
 from harness.targets.llama_server import RequestFailed, ServerProcess, proc_status
 from harness.targets.memlimit import MemoryCgroup
 
@@ -105,10 +108,12 @@ class PhaseResult:
     cache_limit_mib: float = 0.0
     evictions: int = 0
     output_checks: int = 0
-    near_tie_flips: int = 0
-    concurrent_divergences: int = 0  # explained by the known finding concurrent-output-divergence
+    near_tie_flips: int = 0  # greedy-flip-on-cache-path: a flip within BATCH_SHAPE_FLIP_GAP, cache_n > 0
+    concurrent_divergences: int = 0  # concurrent-output-divergence: a flip within the bound, cache_n = 0
     decode_failure_divergences: int = 0  # explained by decode-exception-keeps-slot-tokens
-    responses: list[tuple[float, tuple[int, ...], tuple[int, ...], int, int]] = field(default_factory=list)
+    # (sent at, prompt, generated, cache_n, slot, the server that answered: 1, 2, ... counting restarts)
+    responses: list[tuple[float, tuple[int, ...], tuple[int, ...], int, int, int]] = field(default_factory=list)
+    traces: list[str] = field(default_factory=list)  # kept libllama traces and the lines that replay and shrink them
     crashes: int = 0
     crash_details: list[str] = field(default_factory=list)
     fault_trials: int = 0  # arms that failed an allocation
@@ -150,6 +155,7 @@ class PhaseResult:
             "output_checks": self.output_checks,
             "near_tie_flips": self.near_tie_flips,
             "concurrent_divergences": self.concurrent_divergences,
+            "traces": self.traces,
             "decode_failure_divergences": self.decode_failure_divergences,
             "crashes": self.crashes,
             "crash_details": self.crash_details[:5],
@@ -186,8 +192,10 @@ def soak_phase(
     faults: bool,
     log_dir: str,
     out: Callable[[str], None] = print,
+    traces: ServerTrace | None = None,
 ) -> PhaseResult:
-    """One model, one phase (faults off or on); see the module docstring for what is checked."""
+    """One model, one phase (faults off or on); see the module docstring for what is checked.
+    ``traces``: each server of the phase under the libllama trace, kept when one of its outputs failed."""
     res = PhaseResult(arch, faults)
     shim = RemoteShim(tempfile.mkdtemp(prefix="soak-shim-", dir=log_dir)) if faults else None
     n_log = 0
@@ -196,14 +204,19 @@ def soak_phase(
         res.memory_limit_bytes = st.memory_limit_mib << 20
         cg = MemoryCgroup(limit_bytes=res.memory_limit_bytes, tag=f"soak-{arch}-{'faults' if faults else 'off'}")
         cg.create()
+    trace_files: list[Path | None] = []
 
     def make() -> ServerProcess:
         nonlocal n_log
         n_log += 1
+        name = f"soak-{arch}-{'faults' if faults else 'off'}-{n_log}"
+        trace = traces.path(name) if traces is not None else None
+        trace_files.append(trace)
+        base = shim.env() if shim else None
         return ServerProcess(
             binary, _SERVER_ARGS, model=model_path(arch), n_parallel=st.n_parallel, ctx_size=2048,
-            cache_ram=st.cache_ram_mib, ctx_checkpoints=4, env=shim.env() if shim else None,
-            log_path=f"{log_dir}/soak-{arch}-{'faults' if faults else 'off'}-{n_log}.log",
+            cache_ram=st.cache_ram_mib, ctx_checkpoints=4,
+            env=traces.env(trace, base) if traces is not None else base, log_path=f"{log_dir}/{name}.log",
             preexec=None if cg is None else cg.preexec,
         )  # fmt: skip
 
@@ -230,7 +243,9 @@ def soak_phase(
             res.cgroup_peak_bytes = cg.peak()
             res.oom_kills = cg.oom_kills()
         live.server.stop()
-        _check_outputs(fresh, res)
+        failed_on = _check_outputs(fresh, res)
+        if traces is not None:  # server k's trace is kept when one of its outputs failed ("output (server k)")
+            res.traces = [t for k, f in enumerate(trace_files, 1) if (t := traces.settle(f, k in failed_on))]
     finally:
         try:
             live.server.stop()
@@ -260,28 +275,35 @@ def _warm_up(live: LiveServer, st: SoakSettings, res: PhaseResult) -> None:
     )
 
 
-def _check_outputs(fresh: ServerProcess, res: PhaseResult) -> None:
-    """Every recorded response against the fresh server, in the order they were sent."""
+def _check_outputs(fresh: ServerProcess, res: PhaseResult) -> set[int]:
+    """Every recorded response against the fresh server, in the order they were sent; the servers
+    (1, 2, ... counting restarts) that gave an output no known finding explains."""
     known = Divergences(res.arch)
     for toks in res.decode_failed:
         known.failed_decode(toks)
-    for at, toks, gen, cache_n, slot in sorted(res.responses):
+    failed_on: set[int] = set()
+    for at, toks, gen, cache_n, slot, server in sorted(res.responses):
         if not gen:
             continue
-        problem = compare_output(fresh, toks, gen)
+        diff = compare_output(fresh, toks, gen, res.arch)
         res.output_checks += 1
-        if problem == "near-tie":
+        if diff is None:
+            continue
+        flip = Divergences.batch_shape(diff, cache_n)
+        if flip == "greedy-flip-on-cache-path":
             res.near_tie_flips += 1
-        elif problem is not None and known.after_failed_decode(toks, cache_n):
+        elif flip == "concurrent-output-divergence":
+            res.concurrent_divergences += 1
+        elif known.explains(toks, cache_n):  # reused a failed decode's tokens, or a response it changed
             res.decode_failure_divergences += 1
             known.add(toks, gen)
-        elif problem is not None and known.explains(toks, cache_n):
-            res.concurrent_divergences += 1
-            known.add(toks, gen)
-        elif problem is not None:
+        else:
+            failed_on.add(server)
             before = [f for f in res.fault_times if f <= at]
             when = f"sent at {at:.1f}s, " + (f"after the fault at {before[-1]:.1f}s" if before else "before any fault")
-            res.violations.append(f"output: {problem} (slot {slot}, cache_n {cache_n}; {when})")
+            res.violations.append(f"output (server {server}): {diff.describe()} (slot {slot}, cache_n {cache_n}; "
+                                  f"{when})")  # fmt: skip
+    return failed_on
 
 
 def _run(
@@ -335,9 +357,9 @@ def _run(
                 res.requests += 1
                 res.latencies.append(dt)
             if len(res.responses) < OUTPUT_CHECKS:
-                gen_toks = tuple(int(x) for x in r.get("tokens") or ())
                 with lock:
-                    res.responses.append((t - t0, toks, gen_toks, int(r["timings"]["cache_n"]), int(r["id_slot"])))
+                    res.responses.append((t - t0, toks, tuple(int(x) for x in r.get("tokens") or ()),
+                                          int(r["timings"]["cache_n"]), int(r["id_slot"]), gen + 1))  # fmt: skip
 
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(N_CLIENTS)]
     for t in threads:
@@ -450,13 +472,18 @@ def _fault_trial(live: LiveServer, shim: RemoteShim, res: PhaseResult, armed: th
 
 
 def soak(
-    binary: Path, archs: Sequence[str], st: SoakSettings, log_dir: str, out: Callable[[str], None] = print
+    binary: Path,
+    archs: Sequence[str],
+    st: SoakSettings,
+    log_dir: str,
+    out: Callable[[str], None] = print,
+    traces: ServerTrace | None = None,
 ) -> list[PhaseResult]:
-    """Every model, faults off then on; one line per phase."""
+    """Every model, faults off then on; one line per phase (``traces``: see :func:`soak_phase`)."""
     results = []
     for arch in archs:
         for faults in (False, True):
-            r = soak_phase(binary, arch, st, faults=faults, log_dir=log_dir, out=out)
+            r = soak_phase(binary, arch, st, faults=faults, log_dir=log_dir, out=out, traces=traces)
             s = r.summary()
             status = "FAIL" if r.violations else "ok  "
             mib = {k: s[k] >> 20 for k in ("rss_max_bytes", "rss_base_bytes", "rss_bound_bytes")}
@@ -465,7 +492,9 @@ def soak(
                 f"{s['requests_per_s']:>7} req/s p50 {s['p50_ms']} ms p99 {s['p99_ms']} ms; RSS max "
                 f"{mib['rss_max_bytes']} MiB (base {mib['rss_base_bytes']}, bound {mib['rss_bound_bytes']}); "
                 f"cache max {s['cache_max_mib']:.2f}/{s['cache_limit_mib']:.0f} MiB {s['cache_max_entries']} "
-                f"entries, {s['evictions']} evictions; {s['output_checks']} outputs checked"
+                f"entries, {s['evictions']} evictions; {s['output_checks']} outputs checked "
+                f"({r.concurrent_divergences} concurrent-output-divergence, {r.near_tie_flips} "
+                f"greedy-flip-on-cache-path)"
             )
             if r.memory_limit_bytes is not None:
                 peak = (r.cgroup_peak_bytes or 0) >> 20
@@ -477,5 +506,7 @@ def soak(
             out(line)
             for v in r.violations[:3]:
                 out(f"      {v}")
+            for t in r.traces[:3]:
+                out(f"      {t}")
             results.append(r)
     return results

@@ -6,11 +6,18 @@ token prompts (16-320 tokens, some extending an earlier one) with 2-16 tokens to
 once, to a server with ``-np n_parallel``, no prompt cache, ``-b 256 -ub 64``. Each answer is compared
 with a fresh single-slot server's (no trace there). :func:`record_concurrent` returns the trace file,
 which answers were wrong, and what is needed to replay it (the server's ``libllama.so`` directory).
+
+:class:`ServerTrace` is the same interposer on the servers of ``concurrent`` and ``soak``: one bounded
+trace file per server in a directory that is kept, a trace deleted when its run showed no output
+mismatch and kept, with the lines that replay and shrink it (:func:`trace_lines`), when it did.
 """
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
+import tempfile
 import threading
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -22,11 +29,90 @@ from faults.trace import DEFAULT_MAX_BYTES, static_note, trace_env
 from harness.errors import UsageError
 from harness.targets.llama_server import ServerProcess
 
-__all__ = ["SERVER_ARGS", "TracedRun", "Work", "fresh_answers", "record_concurrent", "workload"]
+__all__ = [
+    "LOAD_TRACE_MAX_BYTES",
+    "SERVER_ARGS",
+    "ServerTrace",
+    "TracedRun",
+    "Work",
+    "fresh_answers",
+    "record_concurrent",
+    "trace_lines",
+    "workload",
+]
 
 SERVER_ARGS = ("-b", "256", "-ub", "64", "--no-warmup")
 
 Work = list[list[tuple[tuple[int, ...], int]]]  # per client: (prompt tokens, n_predict)
+LOAD_TRACE_MAX_BYTES = 256 << 20  # one concurrent or soak server's trace (a soak phase's is the largest)
+
+
+def trace_lines(trace: Path, binary: Path) -> str:
+    """The trace file of a server and the two commands that replay it and shrink it."""
+    lib = lib_dir_of(binary)
+    opt = f" --lib-dir {lib}" if lib is not None else ""
+    return (f"libllama trace {trace}; replay: python -m harness trace replay {trace}{opt} --fresh; "
+            f"shrink: python -m harness trace shrink {trace}{opt}")  # fmt: skip
+
+
+class ServerTrace:
+    """Where the servers of one ``concurrent`` or ``soak`` run write their libllama traces.
+
+    ``directory`` None: a new ``harness-traces-*`` directory under the temporary directory, made at
+    the first trace and removed at :meth:`close` when no trace was kept. Each server gets its own file
+    (:meth:`env`); :meth:`settle` keeps it when its run failed, else deletes it (``keep_all``: keeps
+    it, the lines printed for failed runs only). ``enabled`` False (a
+    binary that links libllama statically, or ``--no-trace``): no environment, nothing kept.
+    """
+
+    def __init__(self, binary: Path, directory: Path | None = None, *, enabled: bool = True,
+                 max_bytes: int = LOAD_TRACE_MAX_BYTES, keep_all: bool = False) -> None:  # fmt: skip
+        self.binary = binary
+        self.keep_all = keep_all  # keep every trace (to measure), not only those of failed runs
+        self.note = static_note(binary) if enabled else "tracing off"
+        self.enabled = enabled and self.note is None
+        self.max_bytes = max_bytes
+        self._dir = directory
+        self._made = False
+        self.kept: list[Path] = []
+
+    def path(self, name: str) -> Path | None:
+        """A new trace file for the server ``name`` (None when tracing is off)."""
+        if not self.enabled:
+            return None
+        if self._dir is None:
+            self._dir = Path(tempfile.mkdtemp(prefix="harness-traces-"))
+            self._made = True
+        self._dir.mkdir(parents=True, exist_ok=True)
+        return self._dir / f"{name}.jsonl"
+
+    def env(self, path: Path | None, with_env: dict[str, str] | None = None) -> dict[str, str] | None:
+        """The server's environment: ``with_env`` (e.g. the fault shim's) plus the trace into ``path``."""
+        if path is None:
+            return with_env
+        return trace_env(path, max_bytes=self.max_bytes, with_env=with_env)
+
+    def settle(self, path: Path | None, failed: bool) -> str | None:
+        """Keep ``path`` when its run failed (returns :func:`trace_lines`), else delete it."""
+        if path is None:
+            return None
+        if self.keep_all and not failed:
+            return None
+        if failed and path.exists():
+            self.kept.append(path)
+            with path.open("rb") as f:
+                f.seek(max(0, path.stat().st_size - 512))
+                cut = b'"truncated"' in f.read()
+            more = f" (cut at {self.max_bytes} bytes: what came later is not in it)" if cut else ""
+            return trace_lines(path, self.binary) + more
+        path.unlink(missing_ok=True)
+        return None
+
+    def close(self) -> None:
+        """Remove the directory this made when it kept nothing."""
+        if self._made and self._dir is not None and not self.kept:
+            with contextlib.suppress(OSError):  # something else is in it: leave it
+                os.rmdir(self._dir)
 
 
 def workload(seed: int, clients: int = 3, per_client: int = 4, lengths: Sequence[int] = (16, 64, 160, 320)) -> Work:
@@ -47,10 +133,11 @@ def workload(seed: int, clients: int = 3, per_client: int = 4, lengths: Sequence
     return out
 
 
-def fresh_answers(binary: Path, model: Path, work: Work, *, ctx_size: int = 2048) -> dict[tuple[tuple[int, ...], int],
-                                                                                           list[int]]:  # fmt: skip
+def fresh_answers(binary: Path, model: Path, work: Work, *, ctx_size: int = 2048, extra_args: Sequence[str] = ()
+                  ) -> dict[tuple[tuple[int, ...], int], list[int]]:  # fmt: skip
     """Each request's answer from a fresh single-slot server without cache, one request at a time."""
-    with ServerProcess(binary, SERVER_ARGS, model=model, n_parallel=1, ctx_size=ctx_size, cache_ram=0) as srv:
+    with ServerProcess(binary, [*SERVER_ARGS, *extra_args], model=model, n_parallel=1, ctx_size=ctx_size,
+                       cache_ram=0) as srv:  # fmt: skip
         return {
             (t, n): list(srv.completion(list(t), n, ignore_eos=True, return_tokens=True, cache_prompt=False)["tokens"])
             for reqs in work
@@ -83,8 +170,12 @@ def record_concurrent(
     ctx_size: int = 2048,
     max_bytes: int = DEFAULT_MAX_BYTES,
     extra_args: Sequence[str] = (),
+    cache_ram: int = 0,
 ) -> TracedRun:
-    """One round of ``work`` from concurrent clients on a traced server; the answers unlike ``want``."""
+    """One round of ``work`` from concurrent clients on a traced server; the answers unlike ``want``.
+
+    ``work`` of one client on ``n_parallel`` 1 with ``cache_ram`` > 0 is the cache path without
+    concurrency: each prompt that extends an earlier one is served partly from the slot or the cache."""
     note = static_note(binary)
     if note is not None:
         raise UsageError(note)
@@ -93,7 +184,7 @@ def record_concurrent(
     errors: list[BaseException] = []
     lock = threading.Lock()
     with ServerProcess(binary, [*SERVER_ARGS, *extra_args], model=model, n_parallel=n_parallel, ctx_size=ctx_size,
-                       cache_ram=0, env=env) as srv:  # fmt: skip
+                       cache_ram=cache_ram, env=env) as srv:  # fmt: skip
         run.log = srv.log_path
 
         def client(reqs: list[tuple[tuple[int, ...], int]]) -> None:
