@@ -14,13 +14,21 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import ServerProcess, proc_status
 from harness.targets.memlimit import MemoryCgroup
 
-__all__ = ["PROGRAM_KEEP", "LiveServer", "OomRecord", "oom_killed"]
+__all__ = ["PROGRAM_KEEP", "LiveServer", "OomRecord", "oom_killed", "rss_bytes"]
 
 PROGRAM_KEEP = 256  # the requests kept per server for an OOM kill's request program
 
+
+
+def rss_bytes(pid: int) -> int:
+    """``VmRSS`` of ``pid`` in bytes (0 when the process is gone)."""
+    try:
+        return proc_status(pid)["VmRSS"]
+    except (OSError, KeyError):  # gone, or a zombie without VmRSS
+        return 0
 
 class OomRecord(Protocol):
     """What :func:`oom_killed` records into (a soak phase's result)."""

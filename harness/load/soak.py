@@ -26,16 +26,12 @@ a new tail, without pause. A sampler reads, every second, the server's ``VmRSS``
   trace (each server runs under it unless ``traces`` is off; kept only when an output failed) and the
   lines that replay and shrink it.
 
-With ``memory_limit_mib`` (``--memory-limit``) the soaked server runs in a memory cgroup with that hard limit
-(:class:`harness.targets.memlimit.MemoryCgroup`; the fresh server outside it). An OOM kill, seen in the group's
-``oom_kill`` counter and the server's exit signal, fails the run in either phase; the requests the clients
-sent to that server, in order, are written beside its log (``soak-ARCH-...-oom-N.json``: the request
-program to replay) and named in the failure. The group's peak is reported.
+With ``memory_limit_mib`` (``--memory-limit``) the soaked server runs in a memory cgroup with that hard limit: an
+OOM kill fails the run, with its request program (:mod:`harness.load.live`); the group's peak is reported.
 
-Reported per model and phase: requests/s, p50/p99 latency, the RSS curve (one sample a second),
-the cache's size and entries, evictions, fault trials and how many the server survived. Every loop
-is bounded by the phase's deadline and :data:`MAX_REQUESTS`; servers are stopped on failure and
-Ctrl-C (killed at once, so that the clients' requests end with them).
+Reported per model and phase: requests/s, p50/p99 latency, the RSS curve (one sample a second), the cache's
+size and entries, evictions, fault trials and how many the server survived. Every loop is bounded by the
+phase's deadline and :data:`MAX_REQUESTS`; servers are stopped on failure, killed at once on Ctrl-C.
 """
 
 from __future__ import annotations
@@ -54,14 +50,14 @@ from faults.sites import modules_beside
 from fixtures.models import model_path
 from harness.errors import ServerStartError, UsageError
 from harness.interrupt import check, interrupted
-from harness.load.live import LiveServer, oom_killed
+from harness.load.live import LiveServer, oom_killed, rss_bytes
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
 from harness.load.traced import ServerTrace
-from harness.targets.llama_server import RequestFailed, ServerProcess, proc_status
+from harness.targets.llama_server import RequestFailed, ServerProcess
 from harness.targets.memlimit import MemoryCgroup
 
-__all__ = ["FAULT_MIN_SIZE", "LiveServer", "PhaseResult", "SoakSettings", "rss_bytes", "soak_phase"]
+__all__ = ["FAULT_MIN_SIZE", "LiveServer", "PhaseResult", "SoakSettings", "soak_phase"]
 
 N_CLIENTS = 3
 CACHE_RAM_MIB = 4
@@ -73,14 +69,6 @@ MAX_REQUESTS = 200_000
 MAX_RESTARTS = 50
 _SERVER_ARGS = ["-cms", "64", "-b", "256", "-ub", "64", "--no-warmup", "-lv", "4"]
 _ERRORS_DOCUMENTED = ("Context size has been exceeded", "Invalid input batch", "failed to process speculative batch")
-
-
-def rss_bytes(pid: int) -> int:
-    """``VmRSS`` of ``pid`` in bytes (0 when the process is gone)."""
-    try:
-        return proc_status(pid)["VmRSS"]
-    except (OSError, KeyError):  # gone, or a zombie without VmRSS
-        return 0
 
 
 @dataclass(frozen=True)
