@@ -300,8 +300,11 @@ def _alive(pids: set[int]) -> set[int]:
 
 
 @pytest.mark.parametrize("argv", [["soak", "--minutes", "2", "--arch", "mamba"], ["concurrent", "--traces", "2"]])
-def test_ctrl_c_under_load_stops_every_server_and_exits_130(pr_binary: Path, argv: list[str]) -> None:
-    """The clients are sending, two servers run (the one under load and the fresh one): Ctrl-C ends it all."""
+def test_ctrl_c_under_load_stops_every_server_and_exits_130(pr_binary: Path, argv: list[str], tmp_path: Path) -> None:
+    """The clients are sending, two servers run (the one under load and the fresh one): Ctrl-C ends it all, and
+    the JSON asked for still says the run did not pass."""
+    out = tmp_path / "run.json"
+    argv = [*argv, "--json", str(out)] if argv[0] == "soak" else argv
     proc = subprocess.Popen([sys.executable, "-m", "harness", *argv], cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True)  # fmt: skip
     seen: set[int] = set()
@@ -322,6 +325,9 @@ def test_ctrl_c_under_load_stops_every_server_and_exits_130(pr_binary: Path, arg
     assert proc.returncode == 130 and "Traceback" not in err, err
     assert took < 30
     assert not _alive(seen), "a server or child outlived the command"
+    if argv[0] == "soak":
+        doc = json.loads(out.read_text())
+        assert doc["passed"] is False and doc["error"] == "KeyboardInterrupt", doc
 
 
 def test_busy_slot_by_id_reproducer_shows_the_wrong_answer_on_the_pr_server(pr_binary: Path) -> None:

@@ -43,6 +43,7 @@ def _soak(tmp_path: Path, *extra: str) -> tuple[subprocess.CompletedProcess[str]
          *extra],
         cwd=ROOT, capture_output=True, text=True, timeout=300, env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip
+    assert out.exists(), f"exit {p.returncode} without its JSON:\n{p.stdout}\n{p.stderr}"
     return p, json.loads(out.read_text())
 
 
@@ -52,6 +53,7 @@ def test_an_oom_kill_under_the_limit_fails_the_soak_with_its_request_program(tmp
     p, doc = _soak(tmp_path, "--minutes", "0.4", "--memory-limit", "14", "--cache-ram", "512")
     assert p.returncode == 1, p.stdout + p.stderr
     assert doc["passed"] is False and doc["oom_kills"] >= 1 and doc["memory_limit_mib"] == 14
+    assert "no libllama trace under --memory-limit" in p.stderr  # its page cache would be charged to the group
     first = p.stdout.split("FAIL: ", 1)[1].splitlines()[0]
     assert "OOM-killed under --memory-limit 14 MiB (SIGKILL, the cgroup's oom_kill" in first, first
     assert "--memory-limit 14" in p.stdout.split("--- replay ---", 1)[1]
@@ -74,3 +76,4 @@ def test_a_soak_under_a_limit_it_fits_passes_with_the_peak_reported(tmp_path: Pa
     for ph in doc["phases"]:
         assert ph["memory_limit_bytes"] == 256 * MIB and 0 < ph["cgroup_peak_bytes"] <= 256 * MIB
     assert "limit 256 MiB, cgroup peak" in p.stdout and "0 OOM kills" in p.stdout
+

@@ -4,7 +4,8 @@
 native shim failing one large allocation every few seconds). What is sampled and checked is in
 :mod:`harness.load.soak`. ``--json PATH`` writes every phase's figures (requests/s, p50/p99
 latency, the RSS curve, cache size and entries, evictions, fault trials survived). Every server runs
-under the libllama trace (``faults/trace.c``; ``--no-trace`` without): the trace of a server that gave
+under the libllama trace (``faults/trace.c``; ``--no-trace`` without, and without under ``--memory-limit``,
+whose cgroup would be charged for the trace file's page cache): the trace of a server that gave
 an output no known finding explains is kept beside the server logs and printed with the lines that
 replay and shrink it (``python -m harness trace replay|shrink``).
 
@@ -91,9 +92,16 @@ def run(args: argparse.Namespace) -> int:
           + "; shared machine: figures are relative")  # fmt: skip
     logs = tempfile.mkdtemp(prefix="soak-")  # kept when a bound broke: the server logs say what happened
     failed = True
+    written = False
     try:
-        traces = ServerTrace(build.binary, Path(logs) / "traces", enabled=not args.no_trace)
-        if traces.note is not None and not args.no_trace:
+        # Under a memory limit the trace file's page cache would be charged to the server's cgroup: the limit
+        # would then measure the trace's writes (and a busy disk's writeback), not the server.
+        tracing = not args.no_trace and args.memory_limit is None
+        traces = ServerTrace(build.binary, Path(logs) / "traces", enabled=tracing)
+        if args.memory_limit is not None and not args.no_trace:
+            print("  no libllama trace under --memory-limit: its file's page cache would count against the "
+                  "server's cgroup", file=sys.stderr)  # fmt: skip
+        elif traces.note is not None and tracing:
             print(f"  no libllama trace: {traces.note}", file=sys.stderr)
         results = soak(build.binary, archs, st, logs, traces=traces)
         violations = [f"{r.arch} faults {'on' if r.faults else 'off'}: {v}" for r in results for v in r.violations]
@@ -119,6 +127,7 @@ def run(args: argparse.Namespace) -> int:
         }
         if args.json:
             Path(args.json).write_text(json.dumps(report, indent=1) + "\n")
+            written = True
         failed = bool(violations)
         if violations:
             print(f"FAIL: {len(violations)} violations; first: {violations[0]}")
@@ -131,6 +140,12 @@ def run(args: argparse.Namespace) -> int:
         print(f"PASS: {report['requests']} requests, {report['fault_trials']} fault trials, "
               f"{report['fault_survived']} survived")  # fmt: skip
         return EXIT_OK
+    except BaseException as e:  # an error or Ctrl-C before the figures: the JSON still says the run did not pass
+        if args.json and not written:
+            error = str(e) or type(e).__name__
+            Path(args.json).write_text(json.dumps({"command": "soak", "build": build.origin, "passed": False,
+                                                   "error": error, "logs": logs}, indent=1) + "\n")  # fmt: skip
+        raise
     finally:
         if failed:  # a broken bound, an error or Ctrl-C: say where the servers' logs are
             print(f"server logs kept in {logs}", file=sys.stderr)
