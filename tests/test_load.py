@@ -58,6 +58,7 @@ def test_gate_step_follows_the_servers_order_and_finds_no_mismatch(pr_binary: Pa
     ids = {k["id"]: k for k in report.known}
     assert set(ids) == {"busy-slot-by-id", "busy-slot-by-id-livelock", "concurrent-output-divergence"}
     assert ids["busy-slot-by-id"]["count"] == fig["busy_slot_by_id"]
+    assert fig["traced"] is True and fig["traces_kept"] == []  # every server traced; a passing run keeps none
 
 
 def test_a_wrong_response_is_a_mismatch_with_the_timed_trace(pr_binary: Path, tmp_path: Path) -> None:
