@@ -341,7 +341,10 @@ _ALL = [
         "|server - fresh| up to 0.196 and margin shifts up to llama 0.179, gemma2 0.077, jamba 0.063, lfm2 0.022, "
         "mamba 2e-5; flips seen at gaps 0.003-0.039, the served token the fresh second best; the flipped token "
         "then stays in the slot. Under load a divergence is this finding only as a flip within "
-        "BATCH_SHAPE_FLIP_GAP of its model with cache_n = 0 (harness.load.outputs.Divergences)",
+        "BATCH_SHAPE_FLIP_GAP of its model with cache_n = 0 (harness.load.outputs.Divergences). A real "
+        "divergence shrunk by python -m harness trace shrink (191 calls to 3) is fixtures/findings/batch_shape_flip.py "
+        "on plain llama-cpp-python: one sequence whose last prompt row is decoded in a ubatch of its own (63 + 1) "
+        "answers the fresh second best with flash attention on, the fresh answer with it off",
         "fixtures/findings/concurrent_output_divergence.py",
     ),
     Finding(

@@ -9,6 +9,8 @@ replay finds first, and what the shrink keeps.
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -19,6 +21,8 @@ from faults.trace import Event, Memory, check_trace, main_context, read_trace, r
 from fixtures.models import model_path
 from harness.load.traced import TracedRun, fresh_answers, record_concurrent, workload
 from harness.targets.llama_build import build_server
+
+ROOT = Path(__file__).resolve().parents[1]
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 
@@ -159,3 +163,14 @@ def test_a_prompt_cache_load_gives_the_sequence_the_tokens_its_state_held(pr_bin
         s = found[fa]
         assert s["reads_same"] == s["reads"] and s["fresh_compared"] == s["reads"] > 20
     assert found["off"]["fresh_maxdiff"] < 1e-4 < found["auto"]["fresh_maxdiff"], found
+
+
+def test_the_shrunk_batch_shape_flip_reproduces_on_plain_llama_cpp_python() -> None:
+    """concurrent-output-divergence's shrunk trace (3 calls) as a standalone program: the flip, and its cause."""
+    p = subprocess.run([sys.executable, "fixtures/findings/batch_shape_flip.py"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=120)  # fmt: skip
+    assert p.returncode == 1 and "BUG:" in p.stdout, p.stdout + p.stderr
+    on, off, alone = p.stdout.splitlines()[:3]
+    assert "answers 239" in on and "a fresh evaluation 117" in on and "DIFFERENT" in on, on
+    assert "same answer" in off, off
+    assert "answers 239" in alone, alone

@@ -58,7 +58,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="run the servers without the libllama trace (kept for a failed output otherwise)")
 
 
-def run(args: argparse.Namespace) -> int:
+def _check(args: argparse.Namespace) -> list[str]:
+    """The flags' checks (one line each); the models to soak."""
     if args.minutes <= 0 or args.minutes > 24 * 60:
         raise UsageError("--minutes must be > 0 and at most a day")
     if args.source is not None and args.semantics is not None:
@@ -74,6 +75,19 @@ def run(args: argparse.Namespace) -> int:
             raise UsageError("--memory-limit must be >= 8 MiB (llama-server itself needs more)")
         if cgroup_support() is None:
             MemoryCgroup().create()  # raises the one line saying why no memory cgroup can be made here (exit 5)
+    return archs
+
+
+def _replay_line(args: argparse.Namespace, archs: list[str]) -> str:
+    return (f"python -m harness soak --minutes {args.minutes} "
+            + (f"--source {args.source} " if args.source else f"--semantics {args.semantics or 'shared'} ")
+            + f"--arch {' '.join(archs)} --cache-ram {args.cache_ram} --seed {args.seed}"
+            + (f" --rss-bound {args.rss_bound}" if args.rss_bound is not None else "")
+            + (f" --memory-limit {args.memory_limit}" if args.memory_limit is not None else ""))  # fmt: skip
+
+
+def run(args: argparse.Namespace) -> int:
+    archs = _check(args)
 
     def log(m: str) -> None:
         print("  build: " + m, file=sys.stderr)
@@ -131,11 +145,7 @@ def run(args: argparse.Namespace) -> int:
         failed = bool(violations)
         if violations:
             print(f"FAIL: {len(violations)} violations; first: {violations[0]}")
-            print(f"--- replay ---\npython -m harness soak --minutes {args.minutes} "
-                  + (f"--source {args.source} " if args.source else f"--semantics {args.semantics or 'shared'} ")
-                  + f"--arch {' '.join(archs)} --cache-ram {args.cache_ram} --seed {args.seed}"
-                  + (f" --rss-bound {args.rss_bound}" if args.rss_bound is not None else "")
-                  + (f" --memory-limit {args.memory_limit}" if args.memory_limit is not None else ""))  # fmt: skip
+            print(f"--- replay ---\n{_replay_line(args, archs)}")
             return EXIT_FAILED
         print(f"PASS: {report['requests']} requests, {report['fault_trials']} fault trials, "
               f"{report['fault_survived']} survived")  # fmt: skip
