@@ -392,7 +392,7 @@ _ALL = [
         "server",
         "bad_name_4xx",
         "POST /slots/{id}?action=save|restore answers a client's malformed body with 500 server_error instead of "
-        "400: json::parse and .at(\"filename\") (server-context.cpp:5273-5274, 5309-5310) throw nlohmann "
+        '400: json::parse and .at("filename") (server-context.cpp:5273-5274, 5309-5310) throw nlohmann '
         "exceptions, which are no std::invalid_argument, so ex_wrapper maps them to ERROR_TYPE_SERVER "
         "(server.cpp:64-67): a filename with a lone surrogate escape or bytes that are not UTF-8 (overlong '/' "
         "and '.'), a raw control byte, no filename, a filename that is not a string, a body that is not JSON",

@@ -104,7 +104,7 @@ def explicit_names(sandbox_base: Path) -> list[Name]:
         "a:b", "a*b", "a?b", 'a"b', "a<b", "a>b", "a|b", "x.bin::$DATA",
         # the planted symlinks
         *SYMLINKS, "link.bin/", "new.bin/.",
-    ]
+    ]  # fmt: skip
     out += [text_name(s) for s in texts]
     out += [
         _raw(b"\xc0\xaf"), _raw(b"a\xc0\xafb"), _raw(b"\xc0\xae\xc0\xae\xc0\xafx.bin"), _raw(b"\xe0\x80\xaf"),
