@@ -63,8 +63,11 @@ def classify(text: str) -> str:
 
 
 def text_name(text: str, cls: str | None = None, source: str = "explicit") -> Name:
-    body = json.dumps({"filename": text}).encode()  # ensure_ascii: a lone surrogate is sent as \\udXXX
-    return Name(repr(text), body, cls or classify(text), text, source)
+    """The name sent as a JSON string (``ensure_ascii``: a surrogate is sent as ``\\udXXX``), classed as the
+    server reads it: JSON joins an escaped high and low surrogate into one code point, a lone one stays."""
+    body = json.dumps({"filename": text}).encode()
+    seen: str = json.loads(body)["filename"]
+    return Name(repr(seen), body, cls or classify(seen), seen, source)
 
 
 def _raw(raw: bytes) -> Name:
@@ -98,7 +101,7 @@ def explicit_names(sandbox_base: Path) -> list[Name]:
         # unicode look-alikes, bidi, surrogates
         "\u2215x.bin", "a\u2215b", "a\uff0fb", "\uff0e\uff0e", "\uff0e\uff0e\uff0fx.bin", "\u2024\u2024",
         "\u2024\u2024\u2215x.bin", "a\u2216b", "a\uff3cb", "\u202enib.exe", "x\u202e", "a\u200bb", "\ufeffx.bin",
-        "\ufffd", "\ud800", "a\udc00b", "\ud83d", "\U0001f600.bin",
+        "\ufffd", "\ud800", "a\udc00b", "\ud83d", "\U0001f600.bin", "\ud83d\ude00", "\udfff\ud800",
         # trailing dots and spaces, Windows reserved names and characters
         "x.bin.", "x.bin ", " x.bin", "x.bin...", "...", "CON", "con.bin", "NUL", "AUX.txt", "COM1", "LPT9.bin",
         "a:b", "a*b", "a?b", 'a"b', "a<b", "a>b", "a|b", "x.bin::$DATA",
