@@ -34,6 +34,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from harness.errors import Unavailable
+
 __all__ = ["SECRET", "SYMLINKS", "Entry", "Event", "Inotify", "Sandbox", "Snapshot", "diff"]
 
 SECRET = b"planted secret: not a slot file\n"
@@ -72,8 +74,8 @@ class Event:
 class Inotify:
     """inotify on a set of directories through libc (no dependency): :meth:`read` drains what is queued.
 
-    A kernel without inotify (or a libc without it) raises :class:`OSError`, which the caller turns into
-    one line: the oracle would be blind to reads."""
+    A kernel without inotify (or a libc without it) raises :class:`OSError`, which :class:`Sandbox` turns into
+    one :class:`~harness.errors.Unavailable` line (exit 2): the oracle would be blind to reads."""
 
     def __init__(self) -> None:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
@@ -174,9 +176,13 @@ class Sandbox:
         self.reset()
 
     def __enter__(self) -> Sandbox:
-        self.notify = Inotify()
-        for d in self.WATCHED:
-            self.notify.watch(self.base / d, d or ".")
+        try:
+            self.notify = Inotify()
+            for d in self.WATCHED:
+                self.notify.watch(self.base / d, d or ".")
+        except OSError as e:
+            self.close()
+            raise Unavailable(f"inotify: {e}; without it the slot-files oracle cannot see reads") from None
         self.notify.read()
         return self
 
@@ -228,7 +234,7 @@ class Sandbox:
         assert self.notify is not None, "use the sandbox as a context manager"
         ev = self.notify.read()
         if self.notify.overflowed:
-            raise OSError("inotify queue overflowed: events were lost")
+            raise Unavailable("inotify's queue overflowed: events were lost, the oracle went blind")
         return ev
 
     @staticmethod
