@@ -29,6 +29,7 @@ from harness.commands import (
     replay,
     report,
     rlimit,
+    slot_files,
     soak,
     sweep,
     trace,
@@ -54,6 +55,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "soak": (soak, "sustained load on a real llama-server: RSS, cache size and outputs under a small --cache-ram"),
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
     "report": (report, "the memory report: one self-contained HTML page and report.json, master vs PR"),
+    "slot-files": (slot_files, "hostile slot file names against a real llama-server; nothing may escape the save dir"),
     "trace": (trace, "trace llama-server's libllama calls, replay them in one process, shrink a divergence"),
     "bench": (bench, "the performance table: speed ratios with goals, as JSON and docs/bench.md"),
 }

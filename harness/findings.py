@@ -374,6 +374,34 @@ _ALL = [
         "a std::bad_alloc while creating a context checkpoint (common_prompt_checkpoint::update_tgt, "
         "outside any try in update_slots) terminates llama-server, with or without PR #27451 (out of its scope)",
     ),
+    Finding(
+        "slot-file-follows-symlink",
+        "server",
+        "slot_file_confined",
+        "POST /slots/{id}?action=save|restore opens --slot-save-path + filename with fopen, which follows a "
+        "symlink in the save directory: a name fs_validate_filename accepts (one component, no '..') writes the "
+        "slot file through the link to any path the server's user can write (truncating it; a dangling link "
+        "creates its target) and restore opens and reads the link's target, a directory included (server-context."
+        "cpp:5279, 5315 build the path; :2555, :2599 save/load it; src/llama-context.cpp:3324, 3378 -> "
+        "src/llama-mmap.cpp:195, 220 -> ggml/src/ggml.c:627, no O_NOFOLLOW, no realpath check). Needs someone who can "
+        "create a symlink in the save directory (the HTTP API cannot: names are one component and only regular "
+        "files are written); Linux's fs.protected_symlinks stops it only in a sticky world-writable directory "
+        "for a link owned by another user",
+        "fixtures/findings/slot_file_symlink_escape.py",
+        upstream="tools/server/server-context.cpp:5279, 5315; src/llama-mmap.cpp:220",
+    ),
+    Finding(
+        "slot-action-bad-body-500",
+        "server",
+        "bad_name_4xx",
+        "POST /slots/{id}?action=save|restore answers a client's malformed body with 500 server_error instead of "
+        '400: json::parse and .at("filename") (server-context.cpp:5273-5274, 5309-5310) throw nlohmann '
+        "exceptions, which are no std::invalid_argument, so ex_wrapper maps them to ERROR_TYPE_SERVER "
+        "(server.cpp:64-67): a filename with a lone surrogate escape or bytes that are not UTF-8 (overlong '/' "
+        "and '.'), a raw control byte, no filename, a filename that is not a string, a body that is not JSON",
+        "fixtures/findings/slot_action_bad_body_500.py",
+        upstream="tools/server/server.cpp:64-67; tools/server/server-context.cpp:5273-5274, 5309-5310",
+    ),
     # ---- llama-cpp-python 0.3.36's own caches ----
     Finding(
         "ram_size_ignores_scores",

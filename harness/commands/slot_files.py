@@ -1,0 +1,84 @@
+"""``python -m harness slot-files``: hostile slot file names against a real llama-server, the sandbox watched.
+
+The run is :func:`harness.backends.llama_server.slot_files.run_slot_files`: every explicit name of
+:mod:`harness.backends.llama_server.slot_names`, then ``--examples`` generated ones, each sent to
+``POST /slots/0?action=save``, ``restore`` and ``erase`` on a server whose ``--slot-save-path`` is a sandbox
+watched by snapshots and inotify. One row per name: its class, the three statuses, what it touched outside
+the save directory, its verdict. Registered findings (``slot-file-follows-symlink``, ``slot-action-bad-body-500``
+in :mod:`harness.findings`) are reported as known and do not fail the run, as in the gate; anything else that
+escapes, a name that must be refused and is not answered 4xx, or a benign name not saved is a failure.
+
+Exit 0 when nothing but known findings showed, 1 on a failure, 3 when the server died, 2 on a usage error.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from harness.backends.llama_server.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
+from harness.commands.common import add_semantics, semantics_of
+from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
+from harness.findings import finding
+from harness.targets.llama_build import build_server
+
+__all__ = ["add_arguments", "run"]
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--examples", type=int, default=50, metavar="N",
+                        help="generated names after the explicit list (50; 0: the list only)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the generated names' seed (0)")
+    add_semantics(parser)
+    parser.add_argument("--server-bin", metavar="PATH", type=Path, help="run this llama-server binary instead")
+    parser.add_argument("--json", metavar="PATH", help="write every name's requests and effects as JSON")
+
+
+def _short(text: str, n: int) -> str:
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+def _row(r: NameResult) -> list[str]:
+    touched = sorted({line.split(": ", 1)[0] for a in r.actions.values() for line in a.outside})
+    return [
+        _short(r.name.label, 44), r.name.cls, *(str(r.actions[a].status) for a in ACTIONS),
+        _short(", ".join(touched) or "-", 40), r.verdict,
+    ]  # fmt: skip
+
+
+def table(rep: SlotFilesReport) -> str:
+    head = ["name", "class", *ACTIONS, "touched outside save/", "verdict"]
+    rows = [head, *(_row(r) for r in rep.rows)]
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join("  ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)).rstrip() for row in rows)
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.examples < 0:
+        raise UsageError(f"--examples must be >= 0, got {args.examples}")
+    if args.server_bin is not None:
+        if not args.server_bin.is_file():
+            raise UsageError(f"--server-bin {args.server_bin}: no such file")
+        binary = args.server_bin
+    else:
+        binary = build_server("pr" if semantics_of(args) == "shared" else "master")
+    rep = run_slot_files(binary, examples=args.examples, seed=args.seed,
+                         progress=lambda m: print("  " + m, file=sys.stderr))  # fmt: skip
+    print(table(rep))
+    print(f"\n{len(rep.rows)} names tried ({sum(r.name.source == 'generated' for r in rep.rows)} generated)")
+    for cls, counts in rep.counts().items():
+        print(f"  {cls}: " + ", ".join(f"{k} {v}" for k, v in counts.items()))
+    for fid, n in sorted(rep.known().items()):
+        f = finding(fid)
+        print(f"KNOWN {fid} ({n} names): {_short(f.title, 160)}; reproducer {f.reproducer}")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rep.to_json(), indent=1, ensure_ascii=True) + "\n")
+    for r in rep.failures:
+        print(f"FAIL {r.name.label} [{r.name.cls}]: {'; '.join(r.reasons)}")
+    if rep.failures:
+        return EXIT_FAILED
+    print("PASS: nothing read or written outside --slot-save-path but the known findings; every name that must be "
+          "refused got a 4xx (or the known 500); every benign name was saved in place")  # fmt: skip
+    return EXIT_OK
