@@ -402,6 +402,19 @@ _ALL = [
         "fixtures/findings/slot_action_bad_body_500.py",
         upstream="tools/server/server.cpp:64-67; tools/server/server-context.cpp:5273-5274, 5309-5310",
     ),
+    Finding(
+        "idle-stateless-slot-cached",
+        "server",
+        "stateless_not_cached",
+        "the idle-slot loop run after launching any task (server-context.cpp:2419-2432, --cache-idle-slots, on by "
+        "default) saves every idle slot to the RAM prompt cache whatever its last task was: the state an embedding "
+        "or rerank task left (never reused: is_stateless_task, :3196-3198) fills the cache up to --cache-ram; a "
+        "completion taking such a slot by LRU saves it too (:1616-1628). Measured on the fixtures' llama, 2 slots: "
+        "100 /embeddings calls alone leave 99 entries (2.567 MiB, 26 KiB per 101-token call); none with "
+        "--no-cache-idle-slots",
+        "fixtures/findings/idle_stateless_slot_cached.py",
+        upstream="tools/server/server-context.cpp:2419-2432 (the slot's task_prev, :223, :350, is not consulted)",
+    ),
     # ---- llama-cpp-python 0.3.36's own caches ----
     Finding(
         "ram_size_ignores_scores",

@@ -6,7 +6,9 @@ llama-cpp-python 0.3.36). Each method names the upstream lines it mirrors.
 What is modelled: ``server_slot::prompt_save/prompt_load/prompt_clear/copy_state_to``;
 ``get_available_slot`` (by id, by similarity, by LRU, then save/load/update of the cache);
 ``process_single_task`` for completion tasks (deferral, child tasks, idle-slot caching with and
-without ``kv_unified``); the start of prompt processing (restore point from a checkpoint and
+without ``kv_unified``); embedding and rerank tasks (``handle_stateless``: no cache save at selection,
+no prefix reuse, no checkpoints, released once the prompt is evaluated; the idle-slot save that still
+caches what they leave, see below); the start of prompt processing (restore point from a checkpoint and
 invalidation of later checkpoints); prompt batches with the checkpoint gate and
 ``create_checkpoint`` (min-step thinning when full, count cap, superseding); generation with and
 without a draft model (``spec_ckpt`` update/restore on partial acceptance); ``decode`` failure
@@ -21,6 +23,10 @@ Deviations (deliberate, to keep the model small):
 * Sampling is a hash of the token history (greedy decoding on a fixed "model"); the draft model
   proposes the target's token except where a hash says otherwise, so partial acceptance happens.
 * A rejected draft on checkpoint-type memory is replayed within the same iteration.
+* Embedding and rerank tasks (``TASK_EMBEDDING``, ``TASK_RERANK``) carry token ids, not query/document
+  pairs; no pooling and no output are modelled, only what they do to the slot and the cache. The model
+  records every cache save of a slot whose last task (``task_prev``, :223, :350) was one of them in
+  ``ServerContext.stateless_saves`` (harness-only, for the finding ``idle-stateless-slot-cached``).
 
 Size: it mirrors upstream's tools/server/server-context.cpp method by method (that file is about 4,000 lines);
 splitting it would break the line-for-line correspondence the docstrings cite.
@@ -41,9 +47,27 @@ from harness.model.memory import Host
 from harness.model.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, SeqRmType, StateProvider
 from harness.model.semantics import Semantics
 
-__all__ = ["ServerContext", "ServerParams", "ServerSlot", "SlotState", "Task"]
+__all__ = [
+    "STATELESS_TASKS",
+    "TASK_COMPLETION",
+    "TASK_EMBEDDING",
+    "TASK_RERANK",
+    "ServerContext",
+    "ServerParams",
+    "ServerSlot",
+    "SlotState",
+    "StatelessSave",
+    "Task",
+]
 
 VOCAB = 24
+
+# server_task_type (server-task.h): the types that reach a slot (server-context.cpp:2363-2366), infill as completion
+TASK_COMPLETION = "completion"
+TASK_EMBEDDING = "embedding"
+TASK_RERANK = "rerank"
+# is_stateless_task (server-context.cpp:3196): a prompt of these is never reused
+STATELESS_TASKS = frozenset({TASK_EMBEDDING, TASK_RERANK})
 
 
 class SlotState(enum.Enum):
@@ -96,12 +120,28 @@ class Task:
     # the tokens the real target generated, when the model replays a real server's requests
     # (differential testing); empty: the model's own hash choice
     forced: Tokens = ()
+    type: str = TASK_COMPLETION  # server_task::type
 
     def is_parent(self) -> bool:
         return self.n_children > 0
 
     def is_child(self) -> bool:
         return self.id_parent != -1
+
+
+@dataclass(frozen=True)
+class StatelessSave:
+    """A cache entry saved from a slot whose last task was stateless (harness-only record).
+
+    ``where``: ``"idle"`` (the idle-slot loop, server-context.cpp:2419-2432) or ``"select"`` (a completion's
+    selection saving the slot it takes, :1616-1628); ``nbytes``: the entry's size (state and checkpoints)."""
+
+    slot: int
+    task_type: str
+    n_tokens: int
+    nbytes: int
+    where: str
+    by: str = TASK_COMPLETION  # the type of the task whose launch made the save
 
 
 @dataclass
@@ -138,6 +178,7 @@ class ServerSlot:
         self.spec_ckpt: CommonPromptCheckpoint = server.checkpoint_cls(server.host, server.sem)
         self.state = SlotState.IDLE
         self.task: Task | None = None
+        self.task_prev: Task | None = None  # :223 the last task, moved there by reset() (:350)
         self.t_last_used = -1
         self.sampled: int | None = None
         self.n_decoded = 0
@@ -210,6 +251,7 @@ class ServerSlot:
         """``server_slot::reset`` (:313): clears the speculative checkpoint among per-task state."""
         if self.ctx_dft is not None:
             self.spec_ckpt.clear()
+        self.task_prev = self.task
         self.task = None
         self.n_decoded = 0
         self.sampled = None
@@ -253,6 +295,9 @@ class ServerContext:
     cancels: list[int] = field(default_factory=list)  # task ids of the queued SERVER_TASK_TYPE_CANCEL tasks
     clock: int = 0
     next_task_id: int = 0
+    # cache entries saved from a slot whose last task was stateless (the finding idle-stateless-slot-cached)
+    stateless_saves: list[StatelessSave] = field(default_factory=list)
+    _launched: str = TASK_COMPLETION  # the type of the task launched last (for StatelessSave.by)
     # ServerParams.draft_recovery outcomes: "retried" (after purging idle slots), "resynced"
     draft_recoveries: Counter[str] = field(default_factory=Counter)
     # harness-only records of two upstream quirks (known findings, see _start_prompt):
@@ -322,8 +367,11 @@ class ServerContext:
 
         if ret is not None:
             update_cache = update_cache and self.prompt_cache is not None
+            # :1620 cache prompts only for completion tasks
+            update_cache = update_cache and task.type == TASK_COMPLETION
             if update_cache and self.prompt_cache is not None:
-                ret.prompt_save(self.prompt_cache)
+                if ret.prompt_save(self.prompt_cache):
+                    self._note_stateless(ret, "select", task.type)
                 if not ret.prompt_load(self.prompt_cache, task.tokens):
                     ret.prompt_clear()
                 self.prompt_cache.update()
@@ -391,18 +439,54 @@ class ServerContext:
             self._cache_idle_slots()
         return LaunchResult("launched", slot.id, task.id)
 
+    def handle_stateless(self, tokens: Tokens, task_type: str = TASK_EMBEDDING, *, id_slot: int = -1) -> LaunchResult:
+        """``process_single_task`` for an embedding or rerank task (server-context.cpp:2363-2432).
+
+        Selection as a completion's, but nothing is saved or loaded there (:1620); the idle-slot loop
+        after the launch (:2419) saves every idle slot whatever its last task was. The prompt is
+        evaluated from position 0 (``is_stateless_task``, :3196-3198, :3269), with no checkpoint (:3444),
+        and the slot is released once it is (:3800-3812), keeping the tokens and their memory.
+        """
+        if task_type not in STATELESS_TASKS:
+            raise ValueError(f"not a stateless task type: {task_type!r}")
+        if not tokens:
+            raise ValueError("empty prompt")
+        self._take_cancels()
+        self.next_task_id += 1
+        task = Task(self.next_task_id, tuple(tokens), id_slot, n_predict=0, type=task_type)
+        self.events.clear()
+        slot = self.get_available_slot(task)
+        if slot is None or slot.is_processing():
+            return LaunchResult("deferred", -1 if slot is None else slot.id, task.id)
+        self.launch_slot_with_task(slot, task)
+        if self.params.cache_idle_slots:
+            self._cache_idle_slots()
+        return LaunchResult("launched", slot.id, task.id)
+
     def _cache_idle_slots(self) -> None:
         """:2417 save every idle slot to the cache; with kv_unified also clear it (even if not saved)."""
         if self.prompt_cache is None:
             return
         for s in self.slots:
             if not s.is_processing():
+                # whatever task the slot last ran: an embedding's or a rerank's state is saved too
                 if s.prompt_save(self.prompt_cache):
+                    self._note_stateless(s, "idle", self._launched)
                     self.prompt_cache.update()
                 if self.params.kv_unified:
                     s.prompt_clear()
 
+    def _note_stateless(self, slot: ServerSlot, where: str, by: str) -> None:
+        """Record a save that just appended ``slot``'s prompt, when its last task was stateless."""
+        prev = slot.task_prev
+        if prev is None or prev.type not in STATELESS_TASKS or self.prompt_cache is None:
+            return
+        entry = self.prompt_cache.states[-1]  # alloc appended it; update() (evicting the oldest) has not run
+        save = StatelessSave(slot.id, prev.type, entry.prompt.n_tokens(), entry.size(), where, by)
+        self.stateless_saves.append(save)
+
     def launch_slot_with_task(self, slot: ServerSlot, task: Task) -> None:
+        self._launched = task.type
         slot.task = task
         slot.state = SlotState.STARTED
         slot.n_decoded = 0
@@ -486,7 +570,9 @@ class ServerContext:
             self.send_error(slot, "request exceeds the available context size")
             slot.release()
             return
-        n_past = get_common_prefix(slot.prompt.tokens, input_tokens) if slot.task.cache_prompt else 0
+        # :3196-3198 is_stateless_task: an embedding or rerank prompt is evaluated from scratch (:3269)
+        reuse = slot.task.cache_prompt and slot.task.type not in STATELESS_TASKS
+        n_past = get_common_prefix(slot.prompt.tokens, input_tokens) if reuse else 0
         pos_next = n_past
         has_new_tokens = n_past < len(input_tokens)
         pos_min_thold = max(0, pos_next - self.n_swa - (0 if has_new_tokens else 1))
@@ -554,7 +640,8 @@ class ServerContext:
         p = self.params
         input_tokens = slot.task.tokens
         n_task = len(input_tokens)
-        do_checkpoint = self._do_checkpoint_base()
+        # :3444 make checkpoints only for completion tasks
+        do_checkpoint = self._do_checkpoint_base() and slot.task.type == TASK_COMPLETION
         n_start = slot.prompt.n_tokens()
         # the batch: up to n_batch tokens, ending early at the first checkpoint stop it reaches, where
         # n_task == n_now + min(n_batch, off) for off in (4 + n_ubatch, 4) (the prompt is not touched here)
@@ -583,6 +670,10 @@ class ServerContext:
         if do_checkpoint:
             self.create_checkpoint(slot, n_tokens_cur, pos_min, pos_max)
         if not self._decode(slot, batch, n_start):
+            return
+        if slot.prompt.n_tokens() == n_task and slot.task.type in STATELESS_TASKS:
+            # :3800-3812 send_embedding / send_rerank, then release: the tokens and memory stay in the slot
+            slot.release()
             return
         if slot.prompt.n_tokens() == n_task:
             slot.state = SlotState.DONE_PROMPT
