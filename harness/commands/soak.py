@@ -52,6 +52,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--memory-limit", type=int, metavar="MIB",
                         help="run the soaked server in a memory cgroup with this hard limit: an OOM kill fails the "
                         "run, with the requests that led to it")  # fmt: skip
+    parser.add_argument("--embedding-clients", type=int, default=0, metavar="N",
+                        help="N more clients sending /embeddings and /rerank requests (the servers get --rerank); "
+                        "the same bounds hold (default 0)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the clients' prompts (default 0)")
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
     parser.add_argument("--no-trace", action="store_true",
@@ -68,6 +71,8 @@ def _check(args: argparse.Namespace) -> list[str]:
     bad = [a for a in archs if a not in ARCHS]
     if bad:
         raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
+    if not 0 <= args.embedding_clients <= 16:
+        raise UsageError("--embedding-clients must be between 0 and 16")
     if args.cache_ram < 1:
         raise UsageError("--cache-ram must be >= 1 MiB (0 disables the cache: nothing to soak)")
     if args.memory_limit is not None:
@@ -83,7 +88,8 @@ def _replay_line(args: argparse.Namespace, archs: list[str]) -> str:
             + (f"--source {args.source} " if args.source else f"--semantics {args.semantics or 'shared'} ")
             + f"--arch {' '.join(archs)} --cache-ram {args.cache_ram} --seed {args.seed}"
             + (f" --rss-bound {args.rss_bound}" if args.rss_bound is not None else "")
-            + (f" --memory-limit {args.memory_limit}" if args.memory_limit is not None else ""))  # fmt: skip
+            + (f" --memory-limit {args.memory_limit}" if args.memory_limit is not None else "")
+            + (f" --embedding-clients {args.embedding_clients}" if args.embedding_clients else ""))  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -99,7 +105,7 @@ def run(args: argparse.Namespace) -> int:
     print("  " + probe(build.binary, log=log).line(), file=sys.stderr)  # the request form its version answers
     per_phase = args.minutes * 60 / (2 * len(archs))
     st = SoakSettings(per_phase, cache_ram_mib=args.cache_ram, rss_bound_mib=args.rss_bound, seed=args.seed,
-                      memory_limit_mib=args.memory_limit)  # fmt: skip
+                      memory_limit_mib=args.memory_limit, embedding_clients=args.embedding_clients)  # fmt: skip
     print(f"soak: build={build.origin} models={','.join(archs)} {per_phase:.0f}s per phase (faults off, then on), "
           f"--cache-ram {args.cache_ram} MiB, seed {args.seed}"
           + (f", in a memory cgroup limited to {args.memory_limit} MiB" if args.memory_limit else "")

@@ -14,6 +14,7 @@ leaves none behind once the server (stopped by its owner) closes the connections
 
 from __future__ import annotations
 
+import random
 import threading
 import time
 from collections.abc import Sequence
@@ -22,7 +23,7 @@ from typing import Any
 
 from harness.targets.llama_server import RequestFailed, ServerProcess
 
-__all__ = ["BUSY", "Req", "Sent", "replay_program", "run_clients"]
+__all__ = ["BUSY", "Req", "Sent", "replay_program", "run_clients", "soak_prompt"]
 
 BUSY = -2  # id_slot: name whichever slot is processing when the request is sent
 _BUSY_POLL_S = 2.0  # how long a BUSY request looks for a processing slot before sending anyway
@@ -147,3 +148,17 @@ def replay_program(setup: Sequence[str], call: str, reqs: Sequence[Req]) -> str:
     lines += [f"    {r!r}," for r in reqs]
     lines += ["]", call]
     return "\n".join(lines)
+
+
+def soak_prompt(rng: random.Random, pool: list[tuple[int, ...]], n_max: int) -> tuple[int, ...]:
+    """A soak client's next prompt: a new one (kept in ``pool``, the last 12), or half the time an earlier one,
+    sometimes with a new tail."""
+    if pool and rng.random() < 0.5:  # repeating: an earlier prompt, sometimes with a new tail
+        base = rng.choice(pool)
+        tail = tuple(3 + rng.randrange(250) for _ in range(rng.choice((0, 0, 4, 32))))
+        return (base + tail)[:n_max] or (1,)
+    toks = tuple(3 + rng.randrange(250) for _ in range(rng.choice((16, 64, 160, 320))))
+    pool.append(toks)
+    if len(pool) > 12:
+        pool.pop(0)
+    return toks

@@ -50,9 +50,11 @@ from faults.sites import modules_beside
 from fixtures.models import model_path
 from harness.errors import ServerStartError, UsageError
 from harness.interrupt import check, interrupted
+from harness.load.clients import soak_prompt
 from harness.load.live import LiveServer, oom_killed, rss_bytes
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
+from harness.load.stateless import StatelessCounts, reranks, server_args, stateless_clients
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import RequestFailed, ServerProcess
 from harness.targets.memlimit import MemoryCgroup
@@ -79,6 +81,7 @@ class SoakSettings:
     n_parallel: int = 2
     seed: int = 0
     memory_limit_mib: int | None = None  # the soaked server in a memory cgroup with this hard limit
+    embedding_clients: int = 0  # embedding/rerank clients besides (harness.load.stateless; servers get --rerank)
 
 
 @dataclass
@@ -114,6 +117,7 @@ class PhaseResult:
     oom_kills: int = 0  # the cgroup's oom_kill counter at the end of the phase (over every server of it)
     oom_programs: list[str] = field(default_factory=list)  # the request program of each OOM kill, a JSON file
     violations: list[str] = field(default_factory=list)
+    stateless: StatelessCounts = field(default_factory=StatelessCounts)  # the embedding/rerank clients' requests
 
     def summary(self) -> dict[str, Any]:
         lat = sorted(self.latencies)
@@ -156,20 +160,9 @@ class PhaseResult:
             "oom_kills": self.oom_kills,
             "oom_programs": self.oom_programs,
             "violations": self.violations[:20],
+            "stateless": self.stateless.summary(),
             "rss_curve": [[round(t, 1), r, c, e] for t, r, c, e in self.rss_curve],
         }
-
-
-def _prompt(rng: random.Random, pool: list[tuple[int, ...]], n_max: int) -> tuple[int, ...]:
-    if pool and rng.random() < 0.5:  # repeating: an earlier prompt, sometimes with a new tail
-        base = rng.choice(pool)
-        tail = tuple(3 + rng.randrange(250) for _ in range(rng.choice((0, 0, 4, 32))))
-        return (base + tail)[:n_max] or (1,)
-    toks = tuple(3 + rng.randrange(250) for _ in range(rng.choice((16, 64, 160, 320))))
-    pool.append(toks)
-    if len(pool) > 12:
-        pool.pop(0)
-    return toks
 
 
 def soak_phase(
@@ -193,6 +186,7 @@ def soak_phase(
         cg = MemoryCgroup(limit_bytes=res.memory_limit_bytes, tag=f"soak-{arch}-{'faults' if faults else 'off'}")
         cg.create()
     trace_files: list[Path | None] = []
+    extra = server_args(arch) if st.embedding_clients else ()
 
     def make() -> ServerProcess:
         nonlocal n_log
@@ -202,7 +196,7 @@ def soak_phase(
         trace_files.append(trace)
         base = shim.env() if shim else None
         return ServerProcess(
-            binary, _SERVER_ARGS, model=model_path(arch), n_parallel=st.n_parallel, ctx_size=2048,
+            binary, [*_SERVER_ARGS, *extra], model=model_path(arch), n_parallel=st.n_parallel, ctx_size=2048,
             cache_ram=st.cache_ram_mib, ctx_checkpoints=4,
             env=traces.env(trace, base) if traces is not None else base, log_path=f"{log_dir}/{name}.log",
             preexec=None if cg is None else cg.preexec,
@@ -210,7 +204,7 @@ def soak_phase(
 
     try:  # the group goes with the phase, whatever fails before the phase's own clean-up is in place
         live = LiveServer(make, cg)
-        fresh = ServerProcess(binary, _SERVER_ARGS[:-2], model=model_path(arch), n_parallel=1, ctx_size=2048,
+        fresh = ServerProcess(binary, [*_SERVER_ARGS[:-2], *extra], model=model_path(arch), n_parallel=1, ctx_size=2048,
                               cache_ram=0, ctx_checkpoints=4, log_path=f"{log_dir}/soak-{arch}-fresh.log")  # fmt: skip
     except BaseException:
         if cg is not None:
@@ -308,7 +302,7 @@ def _run(
         rng = random.Random(st.seed * 100 + k)
         pool: list[tuple[int, ...]] = []
         while not stop.is_set() and time.monotonic() < deadline and res.requests < MAX_REQUESTS:
-            toks = _prompt(rng, pool, 900)
+            toks = soak_prompt(rng, pool, 900)
             n_predict = rng.choice((2, 4, 8, 16))
             gen, t = live.generation, time.monotonic()
             live.program.append((round(t - t0, 3), k, toks, n_predict))
@@ -352,6 +346,8 @@ def _run(
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(N_CLIENTS)]
     for t in threads:
         t.start()
+    threads += stateless_clients(live, st.embedding_clients, st.seed, stop, deadline, res.stateless, shim is not None,
+                                 reranks(res.arch))  # fmt: skip
     next_fault = t0 + FAULT_PERIOD_S
     try:
         while time.monotonic() < deadline and not stop.is_set():
@@ -374,6 +370,7 @@ def _run(
         for t in threads:
             t.join(live.server.request_timeout)
     res.seconds = time.monotonic() - t0
+    res.violations += res.stateless.failures
 
 
 def _sample(live: LiveServer, res: PhaseResult, t0: float) -> None:
@@ -484,6 +481,8 @@ def soak(
                 f"({r.concurrent_divergences} concurrent-output-divergence, {r.near_tie_flips} "
                 f"greedy-flip-on-cache-path)"
             )
+            if st.embedding_clients:
+                line += f"; {r.stateless.embeddings} embeddings, {r.stateless.reranks} reranks besides"
             if r.memory_limit_bytes is not None:
                 peak = (r.cgroup_peak_bytes or 0) >> 20
                 line += f"; limit {r.memory_limit_bytes >> 20} MiB, cgroup peak {peak} MiB, {r.oom_kills} OOM kills"
