@@ -415,6 +415,18 @@ _ALL = [
         "fixtures/findings/idle_stateless_slot_cached.py",
         upstream="tools/server/server-context.cpp:2419-2432 (the slot's task_prev, :223, :350, is not consulted)",
     ),
+    Finding(
+        "lfm2-pooled-completion-segv",
+        "server",
+        "crash",
+        "an LFM2 server started with --rerank or --embeddings --pooling last|cls dies (SIGSEGV in "
+        "ggml_gallocr_alloc_graph <- ggml_backend_sched_alloc_graph <- llama_context::process_ubatch) on any "
+        "completion, which it does not refuse (server-context.cpp:2844 switches embeddings off for the batch); "
+        "pooling mean/none and the other fixtures models answer. LFM2's graph alone depends on cparams.embeddings "
+        "(src/models/lfm2.cpp:287)",
+        "fixtures/findings/lfm2_pooled_completion_segv.py",
+        upstream="src/models/lfm2.cpp:287; tools/server/server-context.cpp:2844",
+    ),
     # ---- llama-cpp-python 0.3.36's own caches ----
     Finding(
         "ram_size_ignores_scores",

@@ -13,6 +13,12 @@ configuration and, for a mismatch, the timed requests that replay it; ``--json P
 figures (requests, interleavings, busy-slot requests, answers changed by ``busy-slot-by-id``,
 ``concurrent-output-divergence``, mismatches).
 
+``--embedding-clients N`` adds, per configuration, N clients each sending a mixed program of 24 requests one at a
+time (completions, ``/embeddings``, ``/rerank``; :func:`harness.load.stateless.stateless_differential`) to a fresh
+server that also answers the stateless endpoints: the cache entries it ends with must be the model's (those
+stateless tasks left are the known finding ``idle-stateless-slot-cached``, counted), the completions a fresh
+server's.
+
 Exit 0 when nothing mismatched, 1 on a mismatch or an order the model could not follow, 2 on a
 usage error, 4 when the build fails. The gate's short run is :mod:`harness.load.gate_step`.
 """
@@ -25,10 +31,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.backends.llama_server.differential import sanitizer_reports
+from harness.backends.llama_server.differential import ServerConfig, sanitizer_reports
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
+from harness.load.stateless import stateless_differential
 from harness.load.traced import ServerTrace
 from harness.targets.llama_build import server_build
 from harness.targets.llama_probe import probe
@@ -51,11 +58,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "directory in the temporary directory, removed when nothing failed)")
     parser.add_argument("--no-trace", action="store_true", help="run the servers without the libllama trace")
     parser.add_argument("--keep-traces", action="store_true", help="keep every server's trace (to measure)")
+    parser.add_argument("--embedding-clients", type=int, default=0, metavar="N",
+                        help="per configuration, N clients sending completions, embeddings and reranks one at a time "
+                        "to a fresh server; its cache entries checked against the model's (default 0)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.traces <= 1000:
         raise UsageError("--traces must be between 1 and 1000")
+    if not 0 <= args.embedding_clients <= 100:
+        raise UsageError("--embedding-clients must be between 0 and 100")
     if args.asan and args.semantics == "master":
         raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
     if args.source is not None and args.semantics is not None:
@@ -77,6 +89,7 @@ def run(args: argparse.Namespace) -> int:
     rows: dict[str, dict[str, object]] = {}
     total = ConcurrentResult("all")
     shown = False  # the first failing configuration's replay program only (the JSON has every one)
+    stateless_problems = 0
     traces = ServerTrace(build.binary, args.trace_dir, enabled=not args.no_trace, keep_all=args.keep_traces)
     if traces.note is not None and not args.no_trace:
         print(f"  no libllama trace: {traces.note}", file=sys.stderr)
@@ -107,6 +120,8 @@ def run(args: argparse.Namespace) -> int:
                 shown = True
                 print("      the timed requests that replay it:\n        " + r.program.replace("\n", "\n        "))
             rows[cfg.name] = r.as_dict()
+            if args.embedding_clients:
+                stateless_problems += _stateless(cfg, build.binary, semantics, args, logs, rows[cfg.name])
         reports = sanitizer_reports(logs)
     traces.close()
     for rep in reports[:5]:
@@ -117,8 +132,23 @@ def run(args: argparse.Namespace) -> int:
         doc = {"command": "concurrent", "build": build.origin, "semantics": semantics, "asan": build.asan,
                "traces": args.traces, "seed": args.seed, "total": figures, "configs": rows}  # fmt: skip
         Path(args.json).write_text(json.dumps(doc, indent=1) + "\n")
-    failed = total.mismatches > 0 or total.unmodellable is not None or reports
+    failed = total.mismatches > 0 or total.unmodellable is not None or reports or stateless_problems
     print(("FAIL" if failed else "PASS") + f": {total.requests} requests, {total.interleavings} interleaved, "
           f"{total.busy_requests} named a busy slot, {total.busy_slot_by_id} busy-slot-by-id, "
           f"{total.concurrent_divergences} concurrent-output-divergence, {total.mismatches} mismatches")  # fmt: skip
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _stateless(cfg: ServerConfig, binary: Path, semantics: str, args: argparse.Namespace, logs: str,
+               row: dict[str, object]) -> int:  # fmt: skip
+    """The mixed stateless differential on ``cfg``: one line, its figures in ``row``; the problems found."""
+    d = stateless_differential(cfg, binary, semantics, args.seed, args.embedding_clients, log_dir=logs)
+    row["stateless"] = d.as_dict()
+    print(
+        f"  [{'FAIL' if d.problems else 'ok  '}] {cfg.name:<16} {d.requests:>4} mixed requests, {d.stateless_requests} "
+        f"embeddings/reranks; {d.stateless_entries} cache entries from them ({d.stateless_mib:.3f} MiB; model "
+        f"{d.predicted_entries}: idle-stateless-slot-cached), RSS +{d.rss_growth >> 10} KiB"
+    )
+    for p in d.problems[:3]:
+        print(f"      {p}")
+    return len(d.problems)

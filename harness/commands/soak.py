@@ -7,7 +7,9 @@ latency, the RSS curve, cache size and entries, evictions, fault trials survived
 under the libllama trace (``faults/trace.c``; ``--no-trace`` without, and without under ``--memory-limit``,
 whose cgroup would be charged for the trace file's page cache): the trace of a server that gave
 an output no known finding explains is kept beside the server logs and printed with the lines that
-replay and shrink it (``python -m harness trace replay|shrink``).
+replay and shrink it (``python -m harness trace replay|shrink``). ``--embedding-clients N`` adds N clients
+sending ``/embeddings`` and ``/rerank`` requests to the same servers (started with ``--rerank``; mean-pooled
+embeddings only on lfm2: :mod:`harness.load.stateless`), under the same bounds.
 
 Exit 0 when every bound held, 1 when one broke (RSS over its bound, the logged cache over its
 limit, a crash or a request error with faults off, an OOM kill under ``--memory-limit MIB`` (the server in a

@@ -54,7 +54,7 @@ from harness.load.clients import soak_prompt
 from harness.load.live import LiveServer, oom_killed, rss_bytes
 from harness.load.order import LOG_PREFIX, STATE_LINE
 from harness.load.outputs import Divergences, compare_output
-from harness.load.stateless import StatelessCounts, reranks, server_args, stateless_clients
+from harness.load.stateless import StatelessCounts, server_args, stateless_clients
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import RequestFailed, ServerProcess
 from harness.targets.memlimit import MemoryCgroup
@@ -338,16 +338,14 @@ def _run(
             with lock:
                 res.requests += 1
                 res.latencies.append(dt)
-            if len(res.responses) < OUTPUT_CHECKS:
-                with lock:
+                if len(res.responses) < OUTPUT_CHECKS:
                     res.responses.append((t - t0, toks, tuple(int(x) for x in r.get("tokens") or ()),
                                           int(r["timings"]["cache_n"]), int(r["id_slot"]), gen + 1))  # fmt: skip
 
     threads = [threading.Thread(target=client, args=(k,), daemon=True) for k in range(N_CLIENTS)]
     for t in threads:
         t.start()
-    threads += stateless_clients(live, st.embedding_clients, st.seed, stop, deadline, res.stateless, shim is not None,
-                                 reranks(res.arch))  # fmt: skip
+    threads += stateless_clients(live, st.embedding_clients, st.seed, stop, deadline, res)
     next_fault = t0 + FAULT_PERIOD_S
     try:
         while time.monotonic() < deadline and not stop.is_set():
@@ -370,7 +368,6 @@ def _run(
         for t in threads:
             t.join(live.server.request_timeout)
     res.seconds = time.monotonic() - t0
-    res.violations += res.stateless.failures
 
 
 def _sample(live: LiveServer, res: PhaseResult, t0: float) -> None:

@@ -27,7 +27,7 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from fixtures.models import BOS_ID, BYTE_TOKEN_OFFSET, SPACE_ID, model_path
 from harness.backends.llama_server.differential import ServerConfig
@@ -46,6 +46,7 @@ __all__ = [
     "Prediction",
     "StatelessCounts",
     "StatelessDiff",
+    "StatelessPhase",
     "Step",
     "cache_entries",
     "mismatches",
@@ -95,26 +96,35 @@ def _text(rng: random.Random, n_words: int) -> str:
 
 @dataclass
 class StatelessCounts:
-    """What the stateless clients of one soak phase did; ``failures`` are errors with faults off."""
+    """What the stateless clients of one soak phase did."""
 
     embeddings: int = 0
     reranks: int = 0
     errors: int = 0
-    failures: list[str] = field(default_factory=list)
     lock: threading.Lock = field(default_factory=threading.Lock, repr=False, compare=False)
 
     def summary(self) -> dict[str, Any]:
         return {"embeddings": self.embeddings, "reranks": self.reranks, "errors": self.errors}
 
 
+class StatelessPhase(Protocol):
+    """What the clients record into (a soak phase's result): its counts, and a failure with faults off."""
+
+    arch: str
+    faults: bool
+    stateless: StatelessCounts
+    violations: list[str]
+
+
 def _stateless_client(
-    live: LiveServer, k: int, seed: int, stop: threading.Event, deadline: float, res: StatelessCounts, faults: bool,
-    rank: bool,
-) -> None:  # fmt: skip
+    live: LiveServer, k: int, seed: int, stop: threading.Event, deadline: float, phase: StatelessPhase
+) -> None:
     rng = random.Random(seed * 1000 + 500 + k)
+    res, rank = phase.stateless, reranks(phase.arch)
     while not stop.is_set() and time.monotonic() < deadline:
         gen = live.generation
         rerank = rank and rng.random() < 0.4
+        what = "rerank" if rerank else "embedding"
         try:
             if rerank:
                 docs = [_text(rng, rng.randint(2, 12)) for _ in range(rng.randint(1, 3))]
@@ -127,26 +137,26 @@ def _stateless_client(
         except RequestFailed as e:
             with res.lock:
                 res.errors += 1
-                if not faults and not live.in_crash(gen):
-                    res.failures.append(f"{'rerank' if rerank else 'embedding'} request failed with faults off: {e}")
+                if not phase.faults and not live.in_crash(gen):
+                    phase.violations.append(f"{what} request failed with faults off: {e}")
             time.sleep(0.05)
             continue
         with res.lock:
             if not ok:
-                res.failures.append(f"{'rerank' if rerank else 'embedding'} answer malformed: {str(r)[:120]}")
+                phase.violations.append(f"{what} answer malformed: {str(r)[:120]}")
             res.reranks += rerank
             res.embeddings += not rerank
 
 
 def stateless_clients(
-    live: LiveServer, n: int, seed: int, stop: threading.Event, deadline: float, res: StatelessCounts, faults: bool,
-    rank: bool = True,
-) -> list[threading.Thread]:  # fmt: skip
-    """``n`` started daemon threads sending embedding and rerank requests to ``live`` until ``stop`` or
-    ``deadline``; with ``faults`` a failed request is counted, without it is a failure (unless the server
-    crashed under it, which the soak reports itself). ``rank``: the server answers ``/rerank`` (:func:`reranks`)."""
+    live: LiveServer, n: int, seed: int, stop: threading.Event, deadline: float, phase: StatelessPhase
+) -> list[threading.Thread]:
+    """``n`` started daemon threads sending embedding and rerank requests (embeddings only where
+    :func:`reranks` says no) to ``live`` until ``stop`` or ``deadline``, counted in ``phase.stateless``; a failed
+    request is a violation of ``phase`` with faults off, unless the server crashed under it (the soak reports
+    that itself)."""
     threads = [
-        threading.Thread(target=_stateless_client, args=(live, k, seed, stop, deadline, res, faults, rank), daemon=True)
+        threading.Thread(target=_stateless_client, args=(live, k, seed, stop, deadline, phase), daemon=True)
         for k in range(n)
     ]
     for t in threads:

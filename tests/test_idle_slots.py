@@ -1,0 +1,163 @@
+"""Idle slots of other task types (#39): embedding and rerank slots saved into the RAM prompt cache.
+
+The model (``ServerContext.handle_stateless``), the check ``stateless_not_cached`` with its registered finding
+``idle-stateless-slot-cached`` and its mutants, the real pr server against the model's prediction, and the
+embedding/rerank clients of ``soak`` and ``concurrent``."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from fixtures.models import model_path
+from harness.findings import finding
+from harness.load.stateless import SERVER_ARGS, mismatches, mixed_program, mixed_run, predict
+from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerContext, ServerParams
+from harness.targets.llama_build import build_server
+from harness.targets.llama_server import ServerProcess
+from harness.targets.synthetic import make_server
+from properties.invariants import Violation
+from properties.mutants import MUTANTS, STATELESS_MUTANTS
+from properties.stateless import FINDING, PROPERTY, check_stateless_not_cached
+
+ROOT = Path(__file__).resolve().parents[1]
+server = pytest.mark.llama_server_builds  # the tests on a real server: built before the first (tests/conftest.py)
+
+
+@pytest.fixture(scope="module")
+def pr_binary() -> Path:
+    return build_server("pr")
+
+
+def _prompt(i: int, n: int = 30) -> tuple[int, ...]:
+    """BOS then ``n`` tokens no other ``i`` shares (no slot is chosen by similarity)."""
+    return (1, *((i * 5 + j * 7) % 23 + 2 for j in range(n)))
+
+
+def _model(sem: object = "shared", *, idle: bool = True, kind: str = "transformer") -> ServerContext:
+    params = ServerParams(cache_ram=64, cache_ram_unit=1024, cache_idle_slots=idle)
+    return make_server(sem, kind, params=params)  # type: ignore[arg-type]
+
+
+def _run(m: ServerContext, steps: list[tuple[str, tuple[int, ...]]]) -> None:
+    for kind, toks in steps:
+        if kind == "completion":
+            m.handle_completion(toks)
+        else:
+            m.handle_stateless(toks, kind)
+        m.run_until_idle()
+
+
+def test_the_idle_loop_saves_every_embedding_slot_and_the_check_counts_the_finding() -> None:
+    m = _model()
+    steps = [("completion", _prompt(100))] + [(TASK_EMBEDDING, _prompt(i)) for i in range(6)]
+    _run(m, steps)
+    # each launch saves the other (idle) slot: the completion once, then every embedding but the last
+    assert [(s.where, s.task_type) for s in m.stateless_saves] == [("idle", TASK_EMBEDDING)] * 5
+    assert m.prompt_cache is not None and len(m.prompt_cache.states) == 6
+    stateless = [t for k, t in steps if k != "completion"]
+    found = check_stateless_not_cached(m, stateless)
+    assert (found.entries, found.idle_saves, found.select_saves, found.finding) == (5, 5, 0, FINDING)
+    assert found.nbytes == sum(s.nbytes for s in m.stateless_saves) > 0
+    with pytest.raises(Violation) as e:  # strict: the finding itself fails
+        check_stateless_not_cached(m, stateless, strict=True)
+    assert e.value.name == PROPERTY and FINDING in str(e.value)
+    assert finding(FINDING).property == PROPERTY and (ROOT / str(finding(FINDING).reproducer)).is_file()
+
+
+def test_a_stateless_task_reuses_nothing_makes_no_checkpoint_and_saves_nothing_at_selection() -> None:
+    m = _model(idle=False, kind="hybrid")
+    p = _prompt(1, 40)
+    _run(m, [("completion", p)])
+    slot = next(s for s in m.slots if s.prompt.tokens)
+    assert slot.prompt.checkpoints.items  # a completion on hybrid memory leaves checkpoints
+    r = m.handle_stateless(p, TASK_RERANK, id_slot=slot.id)
+    m.run_until_idle()
+    assert r.slot == slot.id and slot.n_prompt_cached == 0  # is_stateless_task: n_past = 0 (:3196-3198)
+    assert not slot.prompt.checkpoints.items and slot.prompt.tokens == p  # invalidated, none made (:3444)
+    assert m.prompt_cache is not None and not m.prompt_cache.states  # no save at its selection (:1620)
+    assert slot.task_prev is not None and slot.task_prev.type == TASK_RERANK
+    # without idle caching a completion that takes the slot by LRU still saves the rerank's state (:1616-1628)
+    _run(m, [("completion", _prompt(2, 40)), ("completion", _prompt(3, 40))])
+    assert [(s.where, s.task_type, s.by) for s in m.stateless_saves] == [("select", TASK_RERANK, "completion")]
+    assert check_stateless_not_cached(m, [p]).entries == 1
+
+
+def test_the_select_saves_mutant_is_killed_by_the_check() -> None:
+    steps = [(TASK_EMBEDDING, _prompt(i)) for i in range(3)]
+    upstream, mutant = _model(idle=False), _model(STATELESS_MUTANTS["stateless-select-saves"], idle=False)
+    _run(upstream, steps)
+    _run(mutant, steps)
+    assert check_stateless_not_cached(upstream, [t for _, t in steps]).entries == 0
+    with pytest.raises(Violation, match=r"server-context\.cpp:1620"):
+        check_stateless_not_cached(mutant, [t for _, t in steps])
+    assert not set(STATELESS_MUTANTS) & set(MUTANTS)  # the gate's machines send no stateless task
+
+
+@server
+@pytest.mark.parametrize("idle", [True, False], ids=["idle-slots", "no-cache-idle-slots"])
+def test_the_pr_server_caches_what_the_model_predicts(pr_binary: Path, tmp_path: Path, idle: bool) -> None:
+    program = mixed_program(0, 24)
+    args = [*SERVER_ARGS, "--no-warmup", "-lv", "4", *(() if idle else ("--no-cache-idle-slots",))]
+    with ServerProcess(pr_binary, args, model=model_path("llama"), n_parallel=2, ctx_size=8192, cache_ram=64,
+                       log_path=tmp_path / "server.log") as srv:  # fmt: skip
+        res = mixed_run(srv, program)
+    assert not res.errors
+    want = predict(program, res.generated, params=ServerParams(n_slots=2, cache_ram=-1, cache_idle_slots=idle))
+    assert mismatches(program, res, want) == []
+    held = res.stateless_entries(program)
+    # measured on 0c1e570: every one of the 18 embeddings/reranks leaves an entry with idle caching; without
+    # it, the 4 a completion took by LRU still do
+    assert len(held) == want.finding_entries == (18 if idle else 4)
+    # the reverse mutant (the idle loop skips stateless slots, as a fix would) predicts another cache: killed
+    reverse = predict(program, res.generated, STATELESS_MUTANTS["idle-skips-stateless"],
+                      params=ServerParams(n_slots=2, cache_ram=-1, cache_idle_slots=idle))  # fmt: skip
+    assert (mismatches(program, res, reverse) != []) is idle
+
+
+@server
+def test_the_reproducer_shows_embeddings_alone_filling_the_cache(pr_binary: Path) -> None:
+    script = ROOT / "fixtures" / "findings" / "idle_stateless_slot_cached.py"
+    p = subprocess.run([sys.executable, str(script), str(pr_binary), "-", "20"], capture_output=True, text=True,
+                       timeout=300, cwd=ROOT)  # fmt: skip
+    assert p.returncode == 1, p.stdout + p.stderr
+    assert "the cache holds 19 entries" in p.stdout
+
+
+@server
+def test_soak_and_concurrent_with_embedding_clients(pr_binary: Path, tmp_path: Path) -> None:
+    out = tmp_path / "soak.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "harness", "soak", "--minutes", "0.1", "--arch", "llama", "--embedding-clients", "1",
+         "--no-trace", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    doc = json.loads(out.read_text())
+    for phase in doc["phases"]:
+        assert phase["stateless"]["embeddings"] + phase["stateless"]["reranks"] > 0
+        assert phase["output_checks"] > 0 and phase["rss_max_bytes"] <= phase["rss_bound_bytes"]
+        assert phase["cache_max_mib"] <= phase["cache_limit_mib"]
+    assert "embeddings" in p.stdout and "reranks besides" in p.stdout
+    out = tmp_path / "concurrent.json"
+    p = subprocess.run(
+        [sys.executable, "-m", "harness", "concurrent", "--short", "--traces", "1", "--embedding-clients", "1",
+         "--no-trace", "--json", str(out)],
+        capture_output=True, text=True, timeout=600, cwd=ROOT,
+    )  # fmt: skip
+    assert p.returncode == 0, p.stdout + p.stderr
+    rows = json.loads(out.read_text())["configs"]
+    for row in rows.values():
+        s = row["stateless"]
+        assert s["problems"] == [] and s["stateless_entries"] == s["predicted_entries"] > 0
+
+
+def test_bad_embedding_clients_are_one_line() -> None:
+    for cmd in (["soak", "--minutes", "1"], ["concurrent"]):
+        p = subprocess.run([sys.executable, "-m", "harness", *cmd, "--embedding-clients", "-1"], capture_output=True,
+                           text=True, timeout=60, cwd=ROOT)  # fmt: skip
+        assert p.returncode == 2 and "--embedding-clients" in p.stderr and "Traceback" not in p.stderr
