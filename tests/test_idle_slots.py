@@ -15,6 +15,7 @@ import pytest
 
 from fixtures.models import model_path
 from harness.findings import finding
+from harness.load.outputs import compare_output
 from harness.load.stateless import SERVER_ARGS, mismatches, mixed_program, mixed_run, predict
 from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerContext, ServerParams
 from harness.targets.llama_build import build_server
@@ -117,6 +118,30 @@ def test_the_pr_server_caches_what_the_model_predicts(pr_binary: Path, tmp_path:
     reverse = predict(program, res.generated, STATELESS_MUTANTS["idle-skips-stateless"],
                       params=ServerParams(n_slots=2, cache_ram=-1, cache_idle_slots=idle))  # fmt: skip
     assert (mismatches(program, res, reverse) != []) is idle
+
+
+@server
+def test_an_embedding_entry_is_loaded_only_by_a_completion_that_starts_with_it(pr_binary: Path) -> None:
+    # the one use of such an entry: a later completion whose prompt starts with the embedded tokens (here after
+    # the slot that ran the embedding was overwritten); on a causal model its state is a completion's
+    x = (1, *(3 + (j * 11) % 250 for j in range(60)))
+    others = [(1, *(3 + (j * k + 5) % 250 for j in range(40))) for k in (13, 17)]
+    c = (*x, *(3 + (j * 19) % 250 for j in range(20)))
+    args = [*SERVER_ARGS, "--no-warmup"]
+    with ServerProcess(pr_binary, args, model=model_path("llama"), n_parallel=2, ctx_size=4096, cache_ram=64) as srv:
+        for e in (x, *others):
+            srv.request("POST", "/embeddings", {"content": list(e)})
+        r = srv.completion(list(c), 4, ignore_eos=True, return_tokens=True)
+    m = make_server("shared", "transformer", params=ServerParams(n_slots=2, cache_ram=-1), n_ctx=4096)
+    for e in (x, *others):
+        m.handle_stateless(e, TASK_EMBEDDING)
+        m.run_until_idle()
+    launched = m.handle_completion(c, n_predict=4)
+    m.run_until_idle()
+    assert m.prompt_cache is not None and m.prompt_cache.loads == 1
+    assert r["timings"]["cache_n"] == m.slots[launched.slot].n_prompt_cached == len(x)
+    with ServerProcess(pr_binary, args, model=model_path("llama"), n_parallel=1, ctx_size=4096, cache_ram=0) as fresh:
+        assert compare_output(fresh, c, r["tokens"], "llama") is None
 
 
 @server
