@@ -26,7 +26,11 @@ Deviations (deliberate, to keep the model small):
 * Embedding and rerank tasks (``TASK_EMBEDDING``, ``TASK_RERANK``) carry token ids, not query/document
   pairs; no pooling and no output are modelled, only what they do to the slot and the cache. The model
   records every cache save of a slot whose last task (``task_prev``, :223, :350) was one of them in
-  ``ServerContext.stateless_saves`` (harness-only, for the finding ``idle-stateless-slot-cached``).
+  ``ServerContext.stateless_saves`` (harness-only, for the finding ``idle-stateless-slot-cached``). Not
+  modelled: the refusal of an embedding longer than one ubatch under non-causal pooling (``n_batch`` =
+  ``n_ubatch`` with embeddings on, tools/server/server.cpp:150-154), multi-prompt requests (one task each here;
+  upstream posts them together, which the sequential calls of ``handle_stateless`` match when each one is
+  launched or deferred in order).
 
 Size: it mirrors upstream's tools/server/server-context.cpp method by method (that file is about 4,000 lines);
 splitting it would break the line-for-line correspondence the docstrings cite.
