@@ -161,6 +161,7 @@ _ALL = [
         "get_available_slot saves the selected slot's prompt before it loads (server-context.cpp:1628-1630): "
         "the save makes room by evicting the oldest entries (server-task.cpp:1750-1758), which can be the entry "
         "load would have picked; load then finds nothing better and the request recomputes what that entry held",
+        "fixtures/findings/save_evicts_better_entry.py",
     ),
     Finding(
         "load-picks-unresumable-entry",

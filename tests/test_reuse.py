@@ -6,8 +6,8 @@ Cases (issue #39, point 2), on 0c1e570:
 (b) ``similar-slot-skips-better-entry``: a slot kept by the ``f_keep >= 0.5`` gate hides a better entry;
 (c) an LRU slot keeps an unrelated conversation's tokens: saved to the cache first (S-C.cpp:1628), so
     nothing is lost and the property holds (not a finding);
-plus the two the property found in the gate's machines: ``save-evicts-better-entry`` and
-``load-picks-unresumable-entry``.
+plus the two the property found in the gate's machines: ``save-evicts-better-entry`` (also on the real
+server) and ``load-picks-unresumable-entry`` (one token a request in the campaigns; model only).
 
 The real-server tests send the same token ids to the pinned tree's ``llama-server`` (the reproducers in
 ``fixtures/findings/``) and compare ``timings.cache_n`` with the model's resumed prefix.
@@ -16,6 +16,9 @@ The real-server tests send the same token ids to the pinned tree's ``llama-serve
 from __future__ import annotations
 
 import importlib.util
+import json
+import subprocess
+import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -25,6 +28,7 @@ import pytest
 from fixtures.models import model_path
 from harness.findings import finding
 from harness.model.server_context import ServerContext, ServerParams
+from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
@@ -186,6 +190,27 @@ def test_load_picks_an_entry_the_memory_cannot_resume() -> None:
     assert [(s.finding, s.best, s.resumed) for s in reuse.shortfalls][-1] == ("load-picks-unresumable-entry", 1, 0)
 
 
+def test_the_save_evicts_the_entry_on_the_model_of_the_real_server() -> None:
+    # the reproducer's requests on the model over real libllama state (llama, one slot, --cache-ram 1 MiB)
+    rep = _reproducer("save_evicts_better_entry")
+    got = []
+    for ram in (1, 2):
+        server = make_llama_server(
+            "shared",
+            model_path("llama"),
+            params=ServerParams(n_slots=1, cache_ram=ram, n_batch=512, n_ubatch=512),
+            n_ctx=1024,
+            check_restores=False,
+        )
+        try:
+            tracer = ReuseTracer(server)
+            got += [[_send(server, tuple(p)) for p in (rep.E, *rep.OTHERS, rep.E + rep.EXT)][-1]]
+            got += [[(sf.finding, sf.recomputed) for sf in tracer.shortfalls]]
+        finally:
+            close_server(server)
+    assert got == [0, [("save-evicts-better-entry", 1000)], 1000, []]
+
+
 # ---- the mutant --------------------------------------------------------------------------------
 
 
@@ -209,6 +234,24 @@ def test_an_unmatched_shortfall_is_a_violation_not_a_pass() -> None:
     assert tracer.counts == {}
 
 
+# ---- a campaign counts them -----------------------------------------------------------------
+
+
+def test_a_campaign_prints_and_writes_the_known_findings_it_counted(tmp_path: Path) -> None:
+    out = tmp_path / "campaign.json"
+    argv = ["fuzz", "--examples", "20", "--workers", "1", "--plain", "--no-target"]
+    argv += ["--machine", "Shared_transformer_kvu", "--db", str(tmp_path / "db"), "--json", str(out)]
+    r = subprocess.run([sys.executable, "-m", "harness", *argv], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout + r.stderr
+    data = json.loads(out.read_text())
+    n = data["known_findings"]["id-slot-empty-skips-cache"]
+    assert n > 0 and data["known_findings"]["id-slot-empty-skips-cache:tokens"] >= n
+    tokens = data["known_findings"]["id-slot-empty-skips-cache:tokens"]
+    assert f"known finding id-slot-empty-skips-cache: {n} requests, {tokens} tokens recomputed" in r.stdout
+    [m] = data["machines"]
+    assert m["known_findings"] == data["known_findings"]
+
+
 # ---- the real server ---------------------------------------------------------------------------
 
 
@@ -227,6 +270,12 @@ def test_a_on_the_real_server(server_bin: Path) -> None:
 def test_b_on_the_real_server(server_bin: Path) -> None:
     rep = _reproducer("similar_slot_skips_better_entry")
     assert (rep.run(server_bin, True), rep.run(server_bin, False)) == (16, 40)  # the model: 16, then 40
+
+
+@pytest.mark.llama_server_builds
+def test_save_evicts_on_the_real_server(server_bin: Path) -> None:
+    rep = _reproducer("save_evicts_better_entry")
+    assert (rep.run(server_bin, 1), rep.run(server_bin, 2)) == (0, 1000)  # the model: 0, then 1000
 
 
 @pytest.mark.llama_server_builds
