@@ -181,6 +181,8 @@ class ReuseTracer:
         self._pending: dict[int, _Pending] = {}  # task id -> what it should resume from
         self._load_failed: set[int] = set()  # slots whose prompt_load returned False since the selection
         self._at_load: set[int] = set()  # id() of the entries the last prompt_load saw
+        self.best_of: dict[int, int] = {}  # task id -> tokens the best usable source held (each task checked)
+        self.finding_of: dict[int, str] = {}  # task id -> the registered finding its shortfall is
         cls = type(self)
         self._wrap(server, "get_available_slot", cls._select)
         self._wrap(server, "_start_prompt", cls._start)
@@ -262,6 +264,7 @@ class ReuseTracer:
         if p is None or task is None or p.excused or slot.state is not SlotState.PROCESSING_PROMPT:
             return res
         self.checked += 1
+        self.best_of[task.id] = p.best
         resumed = slot.n_prompt_cached
         if resumed >= p.best:
             return res
@@ -280,6 +283,7 @@ class ReuseTracer:
             if self.strict:
                 raise Violation("reuse", sf.line())
             return res
+        self.finding_of[task.id] = fid
         self.counts[fid] += 1
         self.counts[fid + ":tokens"] += sf.recomputed
         return res

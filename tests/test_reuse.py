@@ -15,6 +15,7 @@ The real-server tests send the same token ids to the pinned tree's ``llama-serve
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import json
 import subprocess
@@ -26,6 +27,7 @@ from typing import Any
 import pytest
 
 from fixtures.models import model_path
+from harness.backends.llama_server.differential import Differential, ServerConfig
 from harness.findings import finding
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
@@ -287,3 +289,18 @@ def test_c_on_the_real_server(server_bin: Path) -> None:
             for p in (A, (90, 91, 92, 93, 94, 95), (80, 81, 82, 83, 84, 85, 86), A + EXT)
         ]
     assert got == [0, 0, 0, 40]  # as the model: the LRU slot's old prompt went to the cache, and came back
+
+
+@pytest.mark.llama_server_builds
+def test_the_server_differential_compares_cache_n_with_the_best_usable_source(server_bin: Path) -> None:
+    # case (b) through the server backend's differential: the server's cache_n (16) is the model's, below the
+    # best usable source (40: the cache entry), and the shortfall is the registered finding, not a failure
+    with Differential(ServerConfig("llama", n_ctx=1024), server_bin) as d:
+        rows = [d.request(p, 1) for p in (A, (*A[:16], 90, 91, 92, 93), A + EXT)]
+    assert all(r.ok and r.reuse_problem() is None for r in rows)
+    last = rows[-1]
+    assert (last.cache_n, last.best_usable, last.reuse_finding) == (16, 40, "similar-slot-skips-better-entry")
+    assert d.reuse_counts == {"similar-slot-skips-better-entry": 1, "similar-slot-skips-better-entry:tokens": 24}
+    # an unexplained shortfall of the server is the property's failure
+    unexplained = dataclasses.replace(last, reuse_finding=None).reuse_problem()
+    assert unexplained is not None and unexplained.endswith("the best usable source held 40 tokens")
