@@ -170,7 +170,9 @@ _ALL = [
         "server_prompt_cache::load ranks entries by raw common prefix (server-task.cpp:1810-1823), not by what "
         "the memory can resume: on recurrent/hybrid/SWA memory an entry without a checkpoint at the divergence "
         "(or one equal to the prompt, [TAG_PROMPT_LOGITS]) resumes at 0 (server-context.cpp:3330-3366), so "
-        "moving it into the slot loses the slot's own usable prefix",
+        "moving it into the slot loses the slot's own usable prefix: with the cache a request can recompute more "
+        "than with none",
+        "fixtures/findings/load_picks_unresumable_entry.py",
     ),
     # ---- libllama (llama backend) ----
     Finding(

@@ -7,7 +7,7 @@ Cases (issue #39, point 2), on 0c1e570:
 (c) an LRU slot keeps an unrelated conversation's tokens: saved to the cache first (S-C.cpp:1628), so
     nothing is lost and the property holds (not a finding);
 plus the two the property found in the gate's machines: ``save-evicts-better-entry`` (also on the real
-server) and ``load-picks-unresumable-entry`` (one token a request in the campaigns; model only).
+server) and ``load-picks-unresumable-entry`` (also on the real server, hybrid ``jamba``).
 
 The real-server tests send the same token ids to the pinned tree's ``llama-server`` (the reproducers in
 ``fixtures/findings/``) and compare ``timings.cache_n`` with the model's resumed prefix.
@@ -213,6 +213,25 @@ def test_the_save_evicts_the_entry_on_the_model_of_the_real_server() -> None:
     assert got == [0, [("save-evicts-better-entry", 1000)], 1000, []]
 
 
+def test_load_picks_an_unresumable_entry_on_the_model_of_the_real_server() -> None:
+    # the reproducer's requests on the model over real libllama state (jamba, one slot, the server's defaults:
+    # n_batch 2048, n_ubatch 512, 32 checkpoints, min spacing 8192); --cache-ram 0 is the control
+    rep = _reproducer("load_picks_unresumable_entry")
+    got: list[list[Any]] = []
+    for ram in (64, 0):
+        params = ServerParams(
+            n_slots=1, cache_ram=ram, n_batch=2048, n_ubatch=512, n_ctx_checkpoints=32, checkpoint_min_step=8192
+        )
+        server = make_llama_server("shared", model_path("jamba"), params=params, n_ctx=1024, check_restores=False)
+        try:
+            tracer = ReuseTracer(server)
+            got.append([_send(server, tuple(p)) for p in rep.PROGRAM])
+            got.append([(s.finding, s.best, s.resumed) for s in tracer.shortfalls])
+        finally:
+            close_server(server)
+    assert got == [[0, 0, 40, 0], [("load-picks-unresumable-entry", 40, 0)], [0, 0, 40, 40], []]
+
+
 # ---- the mutant --------------------------------------------------------------------------------
 
 
@@ -278,6 +297,12 @@ def test_b_on_the_real_server(server_bin: Path) -> None:
 def test_save_evicts_on_the_real_server(server_bin: Path) -> None:
     rep = _reproducer("save_evicts_better_entry")
     assert (rep.run(server_bin, 1), rep.run(server_bin, 2)) == (0, 1000)  # the model: 0, then 1000
+
+
+@pytest.mark.llama_server_builds
+def test_load_picks_unresumable_entry_on_the_real_server(server_bin: Path) -> None:
+    rep = _reproducer("load_picks_unresumable_entry")
+    assert (rep.run(server_bin, 64), rep.run(server_bin, 0)) == ([0, 0, 40, 0], [0, 0, 40, 40])  # as the model
 
 
 @pytest.mark.llama_server_builds
