@@ -28,9 +28,20 @@ with the tokens it recomputed, or a :class:`~properties.invariants.Violation` of
   ``f_keep >= 0.5`` (:1579-1589), so the cache is not asked either, although ``load`` would have
   picked an entry that resumes further.
 
+* ``save-evicts-better-entry`` (found by this property): the cache was asked, but the slot's own
+  ``prompt_save`` (:1628, before ``prompt_load`` at :1630) evicted the entry ``load`` would have picked
+  (S-T.cpp:1750-1758);
+* ``load-picks-unresumable-entry`` (found by this property): the cache was asked and ``load`` moved in
+  an entry with a longer raw prefix that the memory resumes from less far than the slot's own prompt
+  (recurrent/hybrid/SWA: no checkpoint at or below the divergence).
+
 A slot chosen by LRU (the reported case (c)) always saves and loads (:1594-1633): if an entry beats
 it, the entry is loaded; if none does, the slot keeps its old tokens (and the cache a copy of them),
 and the request resumes from their common prefix, which is then the best there was: no shortfall.
+
+The server backend's differential (``harness/backends/llama_server/differential.py``) runs this tracer on
+its model (``strict=False``): each row carries the best usable source and the finding, and a server
+``cache_n`` below it that no finding explains fails ``reuse``.
 
 Excused: a request whose cache load or state read failed (a fault; ``restore_failure`` judges it),
 one that named a busy slot (known finding ``busy-slot-by-id``), and ``cache_prompt: false``.
