@@ -133,6 +133,47 @@ _ALL = [
         "wrong output, no error (server-context.cpp:3280, 3339-3342, 3355-3356, 3370-3377)",
         "fixtures/findings/stale_checkpoint_after_miss.py",
     ),
+    # ---- the reuse property (properties/reuse.py): counted, with the tokens each request recomputed ----
+    Finding(
+        "id-slot-empty-skips-cache",
+        "synthetic",
+        "reuse",
+        "a request that names an empty slot with id_slot never asks the RAM prompt cache: the similarity scan "
+        "skips an empty slot, so ret is the named slot with f_sim_best = 0 and f_keep = (0 * n) / 0 = NaN, and "
+        "`NaN < 0.5f` is false: no prompt_save/prompt_load, the whole prompt is recomputed although the cache "
+        "holds a prefix of it (server-context.cpp:1533-1538, 1557-1560, 1578-1590, 1617-1633)",
+        "fixtures/findings/id_slot_empty_skips_cache.py",
+    ),
+    Finding(
+        "similar-slot-skips-better-entry",
+        "synthetic",
+        "reuse",
+        "a slot chosen by LCP similarity whose own prompt would keep f_keep >= 0.5 is used as it is: the cache "
+        "is not asked, although server_prompt_cache::load would pick an entry that shares a longer prefix with "
+        "the prompt; the tokens between the slot's prefix and the entry's are recomputed "
+        "(server-context.cpp:1578-1590, 1617-1633; server-task.cpp:1793-1823)",
+        "fixtures/findings/similar_slot_skips_better_entry.py",
+    ),
+    Finding(
+        "save-evicts-better-entry",
+        "synthetic",
+        "reuse",
+        "get_available_slot saves the selected slot's prompt before it loads (server-context.cpp:1628-1630): "
+        "the save makes room by evicting the oldest entries (server-task.cpp:1750-1758), which can be the entry "
+        "load would have picked; load then finds nothing better and the request recomputes what that entry held",
+        "fixtures/findings/save_evicts_better_entry.py",
+    ),
+    Finding(
+        "load-picks-unresumable-entry",
+        "synthetic",
+        "reuse",
+        "server_prompt_cache::load ranks entries by raw common prefix (server-task.cpp:1810-1823), not by what "
+        "the memory can resume: on recurrent/hybrid/SWA memory an entry without a checkpoint at the divergence "
+        "(or one equal to the prompt, [TAG_PROMPT_LOGITS]) resumes at 0 (server-context.cpp:3330-3366), so "
+        "moving it into the slot loses the slot's own usable prefix: with the cache a request can recompute more "
+        "than with none",
+        "fixtures/findings/load_picks_unresumable_entry.py",
+    ),
     # ---- libllama (llama backend) ----
     Finding(
         "kv-layout-dependent-logits",
