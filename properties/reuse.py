@@ -69,7 +69,7 @@ __all__ = [
 
 Tokens = tuple[int, ...]
 
-#: the registered findings (harness/findings.py) a shortfall may be, by the condition that makes it
+#: the registered findings (harness/findings/) a shortfall may be, by the condition that makes it
 REUSE_FINDINGS = (
     "id-slot-empty-skips-cache",
     "similar-slot-skips-better-entry",
