@@ -26,9 +26,10 @@ from harness.model.cache import (
 from harness.model.checkpoint import CheckpointList, CommonPromptCheckpoint
 from harness.model.memory import Payload
 from harness.model.semantics import MASTER, SHARED, Semantics
-from harness.model.server_context import STATELESS_TASKS, TASK_COMPLETION, ServerContext, ServerSlot, Task
+from harness.model.server_context import ServerContext, ServerSlot
 from properties.machine import MachineConfig
 from properties.run import SHRINKS, machines_for, make_settings, run_machine
+from properties.stateless import STATELESS_MUTANTS
 
 __all__ = ["MUTANTS", "STATELESS_MUTANTS", "Mutant", "config", "kill", "resolve"]
 
@@ -276,47 +277,15 @@ class _LoadRestoresOldestBytes(ServerPromptCache):
         return res
 
 
-class _StatelessSelectSaves(ServerContext):
-    """stateless_not_cached: an embedding/rerank task's selection saves the slot it takes, as a completion's
-    does (upstream's :1620 gate dropped)."""
+class _SelectionIgnoresCache(ServerContext):
+    """reuse: get_available_slot never saves to or loads from the prompt cache (an LRU slot keeps its old prompt)."""
 
-    def get_available_slot(self, task: Task) -> ServerSlot | None:
-        ret = super().get_available_slot(task)
-        if ret is not None and task.type != TASK_COMPLETION and self.prompt_cache is not None:
-            if ret.prompt_save(self.prompt_cache):
-                self._note_stateless(ret, "select", task.type)
-            self.prompt_cache.update()
-        return ret
-
-
-class _IdleSkipsStateless(ServerContext):
-    """the reverse, upstream's rule not modelled: the idle-slot loop skips a slot whose last task was an
-    embedding or a rerank (what a fix would do; 0c1e570 saves it, :2419-2432)."""
-
-    def _cache_idle_slots(self) -> None:
-        if self.prompt_cache is None:
-            return
-        for s in self.slots:
-            if not s.is_processing():
-                stateless = s.task_prev is not None and s.task_prev.type in STATELESS_TASKS
-                if not stateless and s.prompt_save(self.prompt_cache):
-                    self.prompt_cache.update()
-                if self.params.kv_unified:
-                    s.prompt_clear()
-
-
-# Mutants of the stateless-task rules. Not in MUTANTS: the gate's machines send no embedding or rerank task
-# (a rule for them would move every seed's program), so tests/test_idle_slots.py kills these: the first by
-# properties.stateless.check_stateless_not_cached on the model, the second by the model's prediction against
-# a real llama-server's log.
-STATELESS_MUTANTS: dict[str, Semantics] = {
-    "stateless-select-saves": Semantics(
-        "stateless-select-saves", shared_payloads=True, wide_try=True, server_cls=_StatelessSelectSaves
-    ),
-    "idle-skips-stateless": Semantics(
-        "idle-skips-stateless", shared_payloads=True, wide_try=True, server_cls=_IdleSkipsStateless
-    ),
-}
+    def get_available_slot(self, task: Any) -> Any:
+        cache, self.prompt_cache = self.prompt_cache, None
+        try:
+            return super().get_available_slot(task)
+        finally:
+            self.prompt_cache = cache
 
 
 @dataclass(frozen=True)
@@ -424,6 +393,8 @@ MUTANTS: dict[str, Mutant] = {
         # killed on the gate's draft machine: its own first
         _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored, draft=True),
         _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
+        # on a transformer (every prefix resumes): the first request that an LRU slot could have loaded
+        _m("selection-ignores-cache", "reuse", _SelectionIgnoresCache, kind="transformer"),
     ]
 }
 

@@ -16,7 +16,7 @@ saving on one of the two paths, fails even when the finding is excused.
 The entries are found independently of the model's records: by the token sequences the driver sent as
 stateless tasks (and never as completions). Not one of the gate machine's properties (its machines send
 no stateless task, and a new rule would move every seed's program): ``tests/test_idle_slots.py`` drives it,
-on the model and on the mutants (``properties.mutants.STATELESS_MUTANTS``).
+on the model and on the mutants (:data:`STATELESS_MUTANTS`, below).
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 
 from harness.model.cache import Tokens
-from harness.model.server_context import TASK_COMPLETION, ServerContext
+from harness.model.semantics import Semantics
+from harness.model.server_context import STATELESS_TASKS, TASK_COMPLETION, ServerContext, ServerSlot, Task
 from properties.invariants import Violation
 
-__all__ = ["FINDING", "PROPERTY", "StatelessEntries", "check_stateless_not_cached"]
+__all__ = ["FINDING", "PROPERTY", "STATELESS_MUTANTS", "StatelessEntries", "check_stateless_not_cached"]
 
 PROPERTY = "stateless_not_cached"
 FINDING = "idle-stateless-slot-cached"
@@ -87,3 +88,46 @@ def check_stateless_not_cached(
             f"which is never reused: {FINDING} (server-context.cpp:2419-2432)",
         )
     return found
+
+
+class _StatelessSelectSaves(ServerContext):
+    """stateless_not_cached: an embedding/rerank task's selection saves the slot it takes, as a completion's
+    does (upstream's :1620 gate dropped)."""
+
+    def get_available_slot(self, task: Task) -> ServerSlot | None:
+        ret = super().get_available_slot(task)
+        if ret is not None and task.type != TASK_COMPLETION and self.prompt_cache is not None:
+            if ret.prompt_save(self.prompt_cache):
+                self._note_stateless(ret, "select", task.type)
+            self.prompt_cache.update()
+        return ret
+
+
+class _IdleSkipsStateless(ServerContext):
+    """the reverse, upstream's rule not modelled: the idle-slot loop skips a slot whose last task was an
+    embedding or a rerank (what a fix would do; 0c1e570 saves it, :2419-2432)."""
+
+    def _cache_idle_slots(self) -> None:
+        if self.prompt_cache is None:
+            return
+        for s in self.slots:
+            if not s.is_processing():
+                stateless = s.task_prev is not None and s.task_prev.type in STATELESS_TASKS
+                if not stateless and s.prompt_save(self.prompt_cache):
+                    self.prompt_cache.update()
+                if self.params.kv_unified:
+                    s.prompt_clear()
+
+
+# Mutants of the stateless-task rules (re-exported by properties.mutants), not in its MUTANTS: the gate's
+# machines send no embedding or rerank task (a rule for them would move every seed's program), so
+# tests/test_idle_slots.py kills these: the first by check_stateless_not_cached on the model, the second by the
+# model's prediction against a real llama-server's log.
+STATELESS_MUTANTS: dict[str, Semantics] = {
+    "stateless-select-saves": Semantics(
+        "stateless-select-saves", shared_payloads=True, wide_try=True, server_cls=_StatelessSelectSaves
+    ),
+    "idle-skips-stateless": Semantics(
+        "idle-skips-stateless", shared_payloads=True, wide_try=True, server_cls=_IdleSkipsStateless
+    ),
+}
