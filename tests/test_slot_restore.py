@@ -2,13 +2,17 @@
 
 from __future__ import annotations
 
+import os
+
 import pytest
 from hypothesis import Phase, settings
 
+from harness.backends.llama_server.slot_restore import enospc, run_differential
 from harness.errors import GgmlAbort, PropertyFailure
 from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerParams
 from harness.model.slot_files import HEADER, SlotFile, SlotFileStore, slot_erase, slot_restore, slot_save
+from harness.targets.llama_build import build_server
 from harness.targets.synthetic import make_server
 from properties.machine import MachineConfig
 from properties.mutants import SLOT_FILE_MUTANTS
@@ -92,3 +96,27 @@ def test_slot_file_mutant_is_killed(name: str) -> None:
     with pytest.raises(PropertyFailure) as e:
         _machine_run(cls, 300)
     assert e.value.name == kills
+
+
+@pytest.mark.llama_server_builds
+def test_real_server_restores_match_the_model_and_a_fresh_evaluation() -> None:
+    out = run_differential(build_server("pr"), archs=("llama", "jamba"))
+    t = out["total"]
+    assert out["mismatches"] == []
+    assert t["restores"] == 4 and t["actions_matched"] == t["actions"] == 8
+    assert t["compared"] == 4 and t["outputs_equal"] + t["near_ties"] == 4 and t["cache_n_matched"] == 4
+    llama, jamba = out["models"]
+    assert llama["tokens_reprocessed"] == 0  # a transformer slot rolls back without checkpoints
+    assert jamba["tokens_reprocessed"] > 0  # registered finding slot-restore-drops-checkpoints
+
+
+@pytest.mark.llama_server_builds
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
+def test_real_server_full_disk_leaves_a_short_file_and_its_restore_aborts() -> None:
+    out = enospc(build_server("pr"))
+    fails, silent = out["cases"]
+    assert fails["save_status"] == 500 and 0 < fails["file_bytes"] < out["file_size"]  # slot-save-partial-file
+    assert silent["save_status"] == 200 and silent["n_written"] == out["file_size"] > silent["file_bytes"]
+    assert fails["restore"] == silent["restore"] == "server died"  # slot-restore-truncated-file-abort
+    with open("/proc/mounts") as m:
+        assert "slot-enospc-" not in m.read()  # unmounted
