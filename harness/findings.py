@@ -9,6 +9,9 @@ by a broad tolerance); this table says *what* each one is, once. :meth:`Finding.
 at fault (``upstream``) and the state that shows them (:class:`ContractCondition`).
 
 Imports nothing of the project: every floor may use it.
+
+Size: one table (:data:`_ALL`) of every finding, one entry each; split by backend it would no longer be the one
+place to read them all.
 """
 
 from __future__ import annotations
