@@ -451,6 +451,18 @@ _ALL = [
         "fixtures/findings/slot_restore_drops_checkpoints.py",
         upstream="tools/server/server-context.cpp:2555-2557, 2618-2619",
     ),
+    Finding(
+        "slot-restore-stale-draft",
+        "server",
+        "http_error",
+        "With a draft model, POST /slots/{id}?action=restore loads the target context only (server-context.cpp:2555, "
+        "2600-2603: the draft state is neither saved nor restored), so the draft sequence keeps the slot's previous "
+        "prompt; the next completion fails with HTTP 500 'decode() failed: failed to process speculative batch' (the "
+        "draft batch starts at the restored position, the draft memory ends at the old prompt: inconsistent "
+        "sequence positions). After an erase the restore works, with an empty draft state",
+        "fixtures/findings/slot_restore_stale_draft.py",
+        upstream="tools/server/server-context.cpp:2555-2557, 2596-2619",
+    ),
     # ---- llama-cpp-python 0.3.36's own caches ----
     Finding(
         "ram_size_ignores_scores",

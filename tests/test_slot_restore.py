@@ -7,7 +7,7 @@ import os
 import pytest
 from hypothesis import Phase, settings
 
-from harness.backends.llama_server.slot_restore import enospc, run_differential
+from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
 from harness.errors import GgmlAbort, PropertyFailure
 from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerParams
@@ -120,3 +120,11 @@ def test_real_server_full_disk_leaves_a_short_file_and_its_restore_aborts() -> N
     assert fails["restore"] == silent["restore"] == "server died"  # slot-restore-truncated-file-abort
     with open("/proc/mounts") as m:
         assert "slot-enospc-" not in m.read()  # unmounted
+
+
+@pytest.mark.llama_server_builds
+def test_real_server_restore_on_a_speculative_slot_keeps_a_stale_draft() -> None:
+    out = stale_draft(build_server("pr"))
+    assert out["after_other_prompt"]["status"] == 500  # registered finding slot-restore-stale-draft
+    assert "speculative batch" in out["after_other_prompt"]["message"]
+    assert out["after_erase"] == {"status": 200, "cache_n": 75}  # an erase clears the draft: the restore then works

@@ -10,8 +10,8 @@ escapes, a name that must be refused and is not answered 4xx, or a benign name n
 
 ``--differential`` runs instead :mod:`harness.backends.llama_server.slot_restore`: saves, restores and erases between
 completions on llama, jamba and mamba, each compared with the model (token counts, ``timings.cache_n``) and a fresh
-evaluation (outputs), then the full-disk case on a 64 KiB tmpfs (root only); JSON figures on stdout (and
-``--json``). Exit 1 on a mismatch; the registered findings it shows are listed as known.
+evaluation (outputs), a restore on a speculative slot, then the full-disk case on a 64 KiB tmpfs (root only);
+JSON figures on stdout (and ``--json``). Exit 1 on a mismatch; the registered findings it shows are listed as known.
 
 Exit 0 when nothing but known findings showed, 1 on a failure, 3 when the server died, 2 on a usage error.
 """
@@ -24,7 +24,7 @@ import sys
 from pathlib import Path
 
 from harness.backends.llama_server.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
-from harness.backends.llama_server.slot_restore import enospc, run_differential
+from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
 from harness.commands.common import add_semantics, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.findings import finding
@@ -100,8 +100,11 @@ def _differential(binary: Path, args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     out = run_differential(binary, rounds=args.rounds, seed=args.seed)
+    out["stale_draft"] = stale_draft(binary)
     out["enospc"] = enospc(binary)
     known = ["slot-restore-drops-checkpoints"] if out["total"]["tokens_reprocessed"] else []
+    if out["stale_draft"]["after_other_prompt"]["status"] == 500:
+        known.append("slot-restore-stale-draft")
     for c in out["enospc"]["cases"]:
         if c["save_status"] == 500 and c["file_bytes"]:
             known.append("slot-save-partial-file")

@@ -17,6 +17,10 @@ restored slot's is what the file lost (the checkpoints it does not hold: registe
 that a save runs out of space mid-file, twice: with a free space that fails an ``fwrite`` (answer 500, the bytes
 written are left: ``slot-save-partial-file``) and with only the buffered tail missing (answer 200, a short file:
 ``slot-save-silent-truncation``); each file is then restored (the server aborts: ``slot-restore-truncated-file-abort``).
+
+:func:`stale_draft`: with a draft model, a restore onto a slot that held another prompt, then a completion (HTTP 500
+while ``slot-restore-stale-draft`` stands: the file has no draft state and restore leaves the draft context as it
+was); after an erase the same restore works.
 """
 
 from __future__ import annotations
@@ -30,14 +34,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fixtures.models import model_path
+from fixtures.models import draft_path, model_path
 from harness.backends.llama_server.differential import Differential, ServerConfig, check_output
 from harness.errors import RequestFailed, Unavailable
 from harness.interrupt import check
 from harness.model.slot_files import SlotFileStore, slot_erase, slot_restore, slot_save
 from harness.targets.llama_server import ServerProcess
 
-__all__ = ["ARCHS", "SlotDifferential", "enospc", "run_differential"]
+__all__ = ["ARCHS", "SlotDifferential", "enospc", "run_differential", "stale_draft"]
 
 ARCHS = ("llama", "jamba", "mamba")
 FILE = "a.bin"
@@ -152,6 +156,32 @@ def run_differential(binary: Path, archs: tuple[str, ...] = ARCHS, rounds: int =
     total = {k: sum(getattr(f, k) for f in figs) for k in keys}
     return {"models": [f.to_json() for f in figs], "total": total,
             "mismatches": [m for f in figs for m in f.mismatches]}  # fmt: skip
+
+
+def stale_draft(binary: Path, arch: str = "llama") -> dict[str, Any]:
+    """A restore onto a speculative slot that held another prompt, then a completion extending the restored one:
+    its status (500 while ``slot-restore-stale-draft`` stands) and, after an erase and the same restore, again."""
+    rng = random.Random(0)
+    a, b = _prompt(rng, 60), _prompt(rng, 30)
+    out: dict[str, Any] = {"arch": arch}
+    with tempfile.TemporaryDirectory() as save, ServerProcess(
+        binary, ["--slot-save-path", save + "/", "--no-warmup"], model=model_path(arch), draft=draft_path(),
+        n_parallel=1, ctx_size=512, cache_ram=0,
+    ) as srv:  # fmt: skip
+        gen = srv.completion(a, 16, ignore_eos=True, return_tokens=True)["tokens"]
+        srv.request("POST", "/slots/0?action=save", {"filename": FILE})
+        srv.completion(b, 16, ignore_eos=True)
+        for label in ("after_other_prompt", "after_erase"):
+            check()
+            if label == "after_erase":
+                srv.request("POST", "/slots/0?action=erase", {})
+            srv.request("POST", "/slots/0?action=restore", {"filename": FILE})
+            try:
+                r = srv.completion([*a, *gen[:15], 5, 6, 7], 16, ignore_eos=True)
+                out[label] = {"status": 200, "cache_n": int(r["timings"]["cache_n"])}
+            except RequestFailed as e:
+                out[label] = {"status": e.status, "message": e.message}
+    return out
 
 
 def _mount(path: Path, size: str) -> None:
