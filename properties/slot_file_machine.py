@@ -9,7 +9,8 @@ back, and, on a libllama machine, restore equivalence compares the first decode 
 fresh evaluation):
 
 * ``slot_file_restore`` (checked in the restore step): after a restore that answered 200 the slot's tokens are
-  the file's, its target state is the file's bytes (``state_seq_get_data`` equals what was saved), and every
+  the file's, its target state is the file's bytes (``state_seq_get_data`` equals what was saved, when the file
+  came from the same slot: a real state names its sequence), and every
   checkpoint it holds was made for a prefix of those tokens (upstream holds none: ``prompt.clear()``);
 * ``no_partial_file`` (after every step): every file in the store is complete, except the two registered
   upstream findings (``slot-save-partial-file``: a save that answered 500 leaves the bytes it wrote;
@@ -41,12 +42,18 @@ PARTIAL_500 = "slot-save-partial-file"
 SILENT = "slot-save-silent-truncation"
 
 
-def check_slot_restore(server: Any, id_slot: int, tokens: tuple[int, ...], state: bytes) -> None:
-    """``slot_file_restore``: the slot holds the file's tokens and state, and no checkpoint of another prompt."""
+def check_slot_restore(server: Any, id_slot: int, tokens: tuple[int, ...], state: bytes | None) -> None:
+    """``slot_file_restore``: the slot holds the file's tokens and state, and no checkpoint of another prompt.
+
+    ``state``: the saved bytes when the file was written from this slot (a real state names its sequence, so
+    another slot's differs in that field: there libllama's restore-equivalence check compares logits instead)."""
     s = server.slots[id_slot]
     if s.prompt.tokens != tokens:
         inv._fail("slot_file_restore", f"slot{id_slot}: {len(s.prompt.tokens)} tokens, file {len(tokens)}")
-    if server.ctx_tgt.state_seq_get_data_ext(id_slot, 0) != state:
+    # an empty file is skipped: libllama's KV cache reads a zero-cell stream without clearing the destination
+    # (src/llama-kv-cache.cpp:2179-2185: ``continue`` before state_read_meta's seq_rm), so the old cells stay;
+    # harmless on the server (the next request finds n_past 0 and removes them), an observation, not a finding
+    if state is not None and tokens and server.ctx_tgt.state_seq_get_data_ext(id_slot, 0) != state:
         inv._fail("slot_file_restore", f"slot{id_slot}: the target state after restore is not the file's")
     for c in s.prompt.checkpoints.items:
         if c.made_for != tokens[: c.n_tokens]:
@@ -114,7 +121,7 @@ class SlotFileMachine(PromptCacheMachine):
             return
         type(self).actions[f"restore {r.status}"] += 1
         if r.ok and f is not None and self.checks_on:
-            check_slot_restore(self.server, id_slot, f.tokens, f.state)
+            check_slot_restore(self.server, id_slot, f.tokens, f.state if f.id_slot == id_slot else None)
 
     @precondition(_idle)
     @rule(id_slot=st.integers(0, 1))

@@ -68,7 +68,7 @@ def test_enospc_leaves_a_partial_file_and_its_restore_aborts() -> None:
 
 def _machine_run(cls: type, examples: int = 60) -> None:
     cls.TestCase.settings = settings(
-        max_examples=examples, deadline=None, stateful_step_count=30, database=None,
+        max_examples=examples, deadline=None, stateful_step_count=30, database=None, derandomize=True,
         phases=[Phase.explicit, Phase.generate],  # a kill needs no shrunk program here
     )  # fmt: skip
     cls.TestCase("runTest").runTest()
@@ -128,3 +128,11 @@ def test_real_server_restore_on_a_speculative_slot_keeps_a_stale_draft() -> None
     assert out["after_other_prompt"]["status"] == 500  # registered finding slot-restore-stale-draft
     assert "speculative batch" in out["after_other_prompt"]["message"]
     assert out["after_erase"] == {"status": 200, "cache_n": 75}  # an erase clears the draft: the restore then works
+
+
+def test_libllama_slot_file_machine_checks_restores_against_a_fresh_evaluation() -> None:
+    cls = slot_file_machine(MachineConfig("shared", arch="llama"))
+    _machine_run(cls, 120)
+    assert cls.actions["restore 200"] > 0
+    # the first decode after a file restore (a full set_data) compared with a fresh context's logits
+    assert cls.llama_stats["restores_by:set_data"] > 0 and cls.llama_stats["layout_diffs"] == 0

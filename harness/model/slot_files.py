@@ -58,6 +58,7 @@ class SlotFile:
     tokens: Tokens
     state: bytes  # the target's state_seq_get_data(seq, flags 0)
     written: int  # bytes on disk
+    id_slot: int = -1  # harness-only: the slot that wrote it (a state names its sequence)
 
     @property
     def size(self) -> int:
@@ -125,7 +126,7 @@ def slot_save(server: ServerContext, id_slot: int, filename: str, store: SlotFil
         return None
     tokens = slot.prompt.tokens
     state = server.ctx_tgt.state_seq_get_data_ext(slot.id, STATE_SEQ_FLAGS_NONE)
-    f = SlotFile(tokens, state, 0)
+    f = SlotFile(tokens, state, 0, id_slot)
     store.files.pop(filename, None)  # fopen "wb" truncates
     room = None if store.capacity is None else store.capacity - store.used()
     written = 0
@@ -144,9 +145,9 @@ def slot_save(server: ServerContext, id_slot: int, filename: str, store: SlotFil
                 break
             written += n
     if failed:
-        store.after_write_error(filename, SlotFile(tokens, state, written))
+        store.after_write_error(filename, SlotFile(tokens, state, written, id_slot))
         return SlotFileResult(500, message="Unable to save slot")
-    store.files[filename] = SlotFile(tokens, state, written)
+    store.files[filename] = SlotFile(tokens, state, written, id_slot)
     return SlotFileResult(200, n_tokens=len(tokens), n_bytes=f.size)
 
 
