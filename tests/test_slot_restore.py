@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 
 import pytest
 from hypothesis import Phase, settings
@@ -116,6 +118,7 @@ def test_real_server_full_disk_leaves_a_short_file_and_its_restore_aborts() -> N
     out = enospc(build_server("pr"))
     fails, silent = out["cases"]
     assert fails["save_status"] == 500 and 0 < fails["file_bytes"] < out["file_size"]  # slot-save-partial-file
+    assert [c["predicted_status"] for c in out["cases"]] == [500, 200]  # the model's stdio-tail rule
     assert silent["save_status"] == 200 and silent["n_written"] == out["file_size"] > silent["file_bytes"]
     assert fails["restore"] == silent["restore"] == "server died"  # slot-restore-truncated-file-abort
     with open("/proc/mounts") as m:
@@ -136,3 +139,9 @@ def test_libllama_slot_file_machine_checks_restores_against_a_fresh_evaluation()
     assert cls.actions["restore 200"] > 0
     # the first decode after a file restore (a full set_data) compared with a fresh context's logits
     assert cls.llama_stats["restores_by:set_data"] > 0 and cls.llama_stats["layout_diffs"] == 0
+
+
+def test_differential_flag_refuses_a_bad_round_count_in_one_line() -> None:
+    r = subprocess.run([sys.executable, "-m", "harness", "slot-files", "--differential", "--rounds", "0"],
+                       capture_output=True, text=True, check=False)  # fmt: skip
+    assert r.returncode == 2 and "--rounds must be >= 1" in r.stderr and "Traceback" not in r.stderr

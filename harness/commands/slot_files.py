@@ -68,6 +68,8 @@ def table(rep: SlotFilesReport) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.examples < 0:
         raise UsageError(f"--examples must be >= 0, got {args.examples}")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     if args.server_bin is not None:
         if not args.server_bin.is_file():
             raise UsageError(f"--server-bin {args.server_bin}: no such file")
@@ -97,8 +99,6 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _differential(binary: Path, args: argparse.Namespace) -> int:
-    if args.rounds < 1:
-        raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     out = run_differential(binary, rounds=args.rounds, seed=args.seed)
     out["stale_draft"] = stale_draft(binary)
     out["enospc"] = enospc(binary)

@@ -227,6 +227,8 @@ def enospc(binary: Path, arch: str = "llama") -> dict[str, Any]:
                 if label == "probe":
                     size = int(row.get("n_written", 0))
                     continue
+                # the model's answer for a save of this size meeting ENOSPC after the free bytes
+                row["predicted_status"] = 500 if SlotFileStore().write_failed(size, free) else 200
                 try:
                     srv.request("POST", "/slots/0?action=restore", {"filename": FILE})
                     row["restore"] = "200"
