@@ -102,7 +102,7 @@ def test_slot_file_mutant_is_killed(name: str) -> None:
 
 @pytest.mark.llama_server_builds
 def test_real_server_restores_match_the_model_and_a_fresh_evaluation() -> None:
-    out = run_differential(build_server("pr"), archs=("llama", "jamba"))
+    out = run_differential(build_server("pr"), archs=("llama", "jamba"), cache_ram=(0,))
     t = out["total"]
     assert out["mismatches"] == []
     assert t["restores"] == 4 and t["actions_matched"] == t["actions"] == 8

@@ -3,7 +3,8 @@
 
 :class:`SlotDifferential` is :class:`.differential.Differential` (one server, -np 1, ``--cache-ram 0`` so that only
 the slot and its file move state; the reference model on libllama contexts of the same model) with
-``--slot-save-path`` and a :class:`~harness.model.slot_files.SlotFileStore` beside the model: every save,
+``--slot-save-path`` and a :class:`~harness.model.slot_files.SlotFileStore` beside the model (also with
+``--cache-ram 8``): every save,
 restore and erase goes to both (the model's :func:`~harness.model.slot_files.slot_save` and kin). Per round of
 :func:`run_differential` on each model: a prompt A (answered), save, an unrelated prompt B, restore, then a prompt
 that diverges from A before its end (Q), erase, restore, and a prompt that extends the whole restored slot. After
@@ -79,6 +80,7 @@ class SlotDifferential(Differential):
 @dataclass
 class Figures:
     arch: str
+    cache_ram: int = 0  # --cache-ram MiB
     restores: int = 0
     actions_matched: int = 0
     actions: int = 0
@@ -101,7 +103,7 @@ def _one_round(arch: str, binary: Path, fresh: ServerProcess, seed: int, fig: Fi
     rng = random.Random(seed)
     a, b = _prompt(rng, 100), _prompt(rng, 60)
     q = a[:80] + [rng.randrange(2, 200) for _ in range(8)]
-    cfg = ServerConfig(arch, n_parallel=1, cache_ram_mib=0)
+    cfg = ServerConfig(arch, n_parallel=1, cache_ram_mib=fig.cache_ram)
     d = SlotDifferential(cfg, binary)
     with d, Differential(cfg, binary) as control:
         control.request(a, 4)
@@ -141,16 +143,21 @@ def _one_round(arch: str, binary: Path, fresh: ServerProcess, seed: int, fig: Fi
                 fig.tokens_reprocessed += max(0, want - row.cache_n)
 
 
-def run_differential(binary: Path, archs: tuple[str, ...] = ARCHS, rounds: int = 1, seed: int = 0) -> dict[str, Any]:
-    """Every round on every model; the figures per model and their sums."""
+def run_differential(
+    binary: Path, archs: tuple[str, ...] = ARCHS, rounds: int = 1, seed: int = 0, cache_ram: tuple[int, ...] = (0, 8)
+) -> dict[str, Any]:
+    """Every round on every model, with each ``--cache-ram`` (0: the slot alone; 8 MiB: the RAM cache beside it,
+    which holds A with its checkpoints once B displaced it, and which the restored slot, sharing 80 of Q's 88
+    tokens, never consults); the figures per model and cache, and their sums."""
     figs = []
     for arch in archs:
-        fig = Figures(arch)
         with ServerProcess(binary, ["--no-warmup"], model=model_path(arch), n_parallel=1, ctx_size=2048,
                            cache_ram=0) as fresh:  # fmt: skip
-            for r in range(rounds):
-                _one_round(arch, binary, fresh, seed + r, fig)
-        figs.append(fig)
+            for mib in cache_ram:
+                fig = Figures(arch, mib)
+                for r in range(rounds):
+                    _one_round(arch, binary, fresh, seed + r, fig)
+                figs.append(fig)
     keys = ("restores", "actions", "actions_matched", "compared", "outputs_equal", "near_ties", "cache_n_matched",
             "tokens_reprocessed")  # fmt: skip
     total = {k: sum(getattr(f, k) for f in figs) for k in keys}
