@@ -447,7 +447,9 @@ _ALL = [
         "state) is written (llama_state_seq_save_file, server-context.cpp:2555) and restore clears the slot's "
         "checkpoints (slot->prompt.clear(), :2618; server-task.h:571-574), so a restored hybrid or recurrent slot "
         "reprocesses the whole prompt on the next request that diverges before its end: jamba and mamba, a 100-token "
-        "prompt, the next diverging at 80: cache_n 0 after a restore, 32 on a slot that kept its checkpoints",
+        "prompt, the next diverging at 80: cache_n 0 after a restore, 32 on a slot that kept its checkpoints (with "
+        "--cache-ram 8 too: the RAM cache holds the prompt with its checkpoints, but the restored slot matches 80 of "
+        "88 tokens, f_keep >= 0.5, and the cache is never consulted)",
         "fixtures/findings/slot_restore_drops_checkpoints.py",
         upstream="tools/server/server-context.cpp:2555-2557, 2618-2619",
     ),

@@ -17,6 +17,9 @@ fresh evaluation):
   ``slot-save-silent-truncation``: a save that met ENOSPC only in its last ``BUFSIZ`` bytes answers 200), each
   excused only in exactly that shape unless the config's ``known`` has ``strict-slot-files``.
 
+* ``draft_in_step`` (the gate's) excuses, on a draft machine, the draft of a slot restored from a file until it is
+  back in step (registered finding ``slot-restore-stale-draft``: the file has no draft state), unless ``strict``.
+
 A restore of a partial file aborts upstream (``slot-restore-truncated-file-abort``); the machine does not send
 it (it counts the restores it skipped, ``partial_restores_skipped``), the model's tests do.
 """
@@ -25,6 +28,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any, ClassVar
 
 from hypothesis import strategies as st
@@ -40,6 +44,7 @@ __all__ = ["NAMES", "SlotFileMachine", "slot_file_machine"]
 NAMES = ("a.bin", "b.bin")
 PARTIAL_500 = "slot-save-partial-file"
 SILENT = "slot-save-silent-truncation"
+STALE_DRAFT = "slot-restore-stale-draft"
 
 
 def check_slot_restore(server: Any, id_slot: int, tokens: tuple[int, ...], state: bytes | None) -> None:
@@ -85,11 +90,29 @@ class SlotFileMachine(PromptCacheMachine):
         super().__init__()
         self.store = self.store_cls()
         self.statuses: dict[str, int] = {}  # file name -> the status of the save that wrote it
+        self.stale_draft: set[int] = set()  # slots restored on a draft machine whose draft is not yet back in step
         self.checks = (*self.checks, ("no_partial_file", self._check_files))
 
     def _check_files(self, server: Any) -> None:
         strict = "strict-slot-files" in self.config.known
         check_no_partial_file(self.store, self.statuses, strict, type(self).found)
+
+    def _check_in_step(self, server: Any) -> None:
+        """``draft_in_step``, with the draft of a slot restored from a file excused (``slot-restore-stale-draft``:
+        upstream restores the target only) until it is back in step (an erase, a request from n_past 0)."""
+        if "strict-slot-files" in self.config.known or server.ctx_dft is None or not self.stale_draft:
+            super()._check_in_step(server)
+            return
+        for s in list(self.stale_draft):
+            if server.ctx_dft.seq_tokens(s) == server.slots[s].prompt.tokens:
+                self.stale_draft.discard(s)
+            else:
+                type(self).found[STALE_DRAFT] += 1
+        rest = [s for s in server.slots if s.id not in self.stale_draft]
+        stale = [s for s in server.slots if s.id in self.stale_draft]
+        common = {"ctx_tgt": server.ctx_tgt, "stale_restores": server.stale_restores}
+        super()._check_in_step(SimpleNamespace(slots=rest, ctx_dft=server.ctx_dft, **common))
+        super()._check_in_step(SimpleNamespace(slots=stale, ctx_dft=None, **common))  # their target, still
 
     def _idle(self) -> bool:
         return not self.crashed and not self._busy()
@@ -120,6 +143,8 @@ class SlotFileMachine(PromptCacheMachine):
         if r is None:
             return
         type(self).actions[f"restore {r.status}"] += 1
+        if r.ok and self.server.ctx_dft is not None:
+            self.stale_draft.add(id_slot)
         if r.ok and f is not None and self.checks_on:
             check_slot_restore(self.server, id_slot, f.tokens, f.state if f.id_slot == id_slot else None)
 
