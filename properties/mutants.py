@@ -277,6 +277,17 @@ class _LoadRestoresOldestBytes(ServerPromptCache):
         return res
 
 
+class _SelectionIgnoresCache(ServerContext):
+    """reuse: get_available_slot never saves to or loads from the prompt cache (an LRU slot keeps its old prompt)."""
+
+    def get_available_slot(self, task: Any) -> Any:
+        cache, self.prompt_cache = self.prompt_cache, None
+        try:
+            return super().get_available_slot(task)
+        finally:
+            self.prompt_cache = cache
+
+
 @dataclass(frozen=True)
 class Mutant:
     semantics: Semantics
@@ -382,6 +393,8 @@ MUTANTS: dict[str, Mutant] = {
         # killed on the gate's draft machine: its own first
         _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored, draft=True),
         _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
+        # on a transformer (every prefix resumes): the first request that an LRU slot could have loaded
+        _m("selection-ignores-cache", "reuse", _SelectionIgnoresCache, kind="transformer"),
     ]
 }
 

@@ -184,6 +184,7 @@ def slot_file_machine(config: MachineConfig, store_cls: type[SlotFileStore] = Sl
         attrs = {
             "config": base.config, "stats_checked": Counter(), "stats_seconds": Counter(), "stats_branches": Counter(),
             "peaks": [], "llama_stats": Counter(), "layout_example": [], "finding_examples": {}, "reach": Counter(),
+            "reuse_counts": Counter(),
             "found": Counter(), "actions": Counter(), "store_cls": store_cls, "__module__": __name__,
         }  # fmt: skip
         cls = type(name, (SlotFileMachine,), attrs)

@@ -151,7 +151,8 @@ def test_differential_flag_refuses_a_bad_round_count_in_one_line() -> None:
 def test_draft_machine_sees_the_stale_draft_after_a_restore() -> None:
     cls = slot_file_machine(MachineConfig("shared", "transformer", draft=True))
     _machine_run(cls, 100)
-    assert cls.found["slot-restore-stale-draft"] > 0  # the registered finding, excused until back in step
+    # draft_in_step held across file restores, the stale draft (the next test) excused until back in step
+    assert cls.actions["restore 200"] > 0
 
 
 def test_model_restore_leaves_the_draft_as_upstream_does() -> None:
