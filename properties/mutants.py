@@ -27,11 +27,12 @@ from harness.model.checkpoint import CheckpointList, CommonPromptCheckpoint
 from harness.model.memory import Payload
 from harness.model.semantics import MASTER, SHARED, Semantics
 from harness.model.server_context import ServerContext, ServerSlot
+from harness.model.slot_files import SlotFileStore
 from properties.machine import MachineConfig
 from properties.run import SHRINKS, machines_for, make_settings, run_machine
 from properties.stateless import STATELESS_MUTANTS
 
-__all__ = ["MUTANTS", "STATELESS_MUTANTS", "Mutant", "config", "kill", "resolve"]
+__all__ = ["MUTANTS", "SLOT_FILE_MUTANTS", "STATELESS_MUTANTS", "Mutant", "config", "kill", "resolve"]
 
 
 class _UpdateIgnoresLimitSize(ServerPromptCache):
@@ -396,6 +397,30 @@ MUTANTS: dict[str, Mutant] = {
         # on a transformer (every prefix resumes): the first request that an LRU slot could have loaded
         _m("selection-ignores-cache", "reuse", _SelectionIgnoresCache, kind="transformer"),
     ]
+}
+
+
+class _RestoreKeepsCheckpoints(SlotFileStore):
+    """slot_file_restore: a slot file restore replaces the tokens and state but keeps the slot's checkpoints
+    (upstream's ``prompt.clear()`` drops them, server-context.cpp:2618)."""
+
+    def restore_prompt(self, slot: ServerSlot, tokens: tuple[int, ...]) -> None:
+        slot.prompt.tokens = tokens
+
+
+class _SaveIgnoresWriteError(SlotFileStore):
+    """no_partial_file: a save whose write fails mid-file answers 200 and leaves the bytes written."""
+
+    def write_failed(self, size: int, room: int | None) -> bool:
+        return False
+
+
+#: the slot-file mutants (issue #39): name -> (the store class, the property expected to kill it). They run on
+#: :func:`properties.slot_file_machine.slot_file_machine` (the gate's machines have no slot-file rule), so they
+#: are not in :data:`MUTANTS` (``python -m harness mutants`` and the report run those on the gate's machines).
+SLOT_FILE_MUTANTS: dict[str, tuple[type[SlotFileStore], str]] = {
+    "restore-keeps-checkpoints": (_RestoreKeepsCheckpoints, "slot_file_restore"),
+    "save-ignores-write-error": (_SaveIgnoresWriteError, "no_partial_file"),
 }
 
 

@@ -8,6 +8,11 @@ the save directory, its verdict. Registered findings (``slot-file-follows-symlin
 in :mod:`harness.findings`) are reported as known and do not fail the run, as in the gate; anything else that
 escapes, a name that must be refused and is not answered 4xx, or a benign name not saved is a failure.
 
+``--differential`` runs instead :mod:`harness.backends.llama_server.slot_restore`: saves, restores and erases between
+completions on llama, jamba and mamba, each compared with the model (token counts, ``timings.cache_n``) and a fresh
+evaluation (outputs), a restore on a speculative slot, then the full-disk case on a 64 KiB tmpfs (root only);
+JSON figures on stdout (and ``--json``). Exit 1 on a mismatch; the registered findings it shows are listed as known.
+
 Exit 0 when nothing but known findings showed, 1 on a failure, 3 when the server died, 2 on a usage error.
 """
 
@@ -19,6 +24,7 @@ import sys
 from pathlib import Path
 
 from harness.backends.llama_server.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
+from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
 from harness.commands.common import add_semantics, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.findings import finding
@@ -34,6 +40,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_semantics(parser)
     parser.add_argument("--server-bin", metavar="PATH", type=Path, help="run this llama-server binary instead")
     parser.add_argument("--json", metavar="PATH", help="write every name's requests and effects as JSON")
+    parser.add_argument("--differential", action="store_true",
+                        help="save/restore/erase between completions against the model and a fresh server, "
+                             "then a save on a full tmpfs (root), instead of the names")  # fmt: skip
+    parser.add_argument("--rounds", type=int, default=1, metavar="N", help="--differential: rounds per model (1)")
 
 
 def _short(text: str, n: int) -> str:
@@ -58,12 +68,16 @@ def table(rep: SlotFilesReport) -> str:
 def run(args: argparse.Namespace) -> int:
     if args.examples < 0:
         raise UsageError(f"--examples must be >= 0, got {args.examples}")
+    if args.rounds < 1:
+        raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     if args.server_bin is not None:
         if not args.server_bin.is_file():
             raise UsageError(f"--server-bin {args.server_bin}: no such file")
         binary = args.server_bin
     else:
         binary = build_server("pr" if semantics_of(args) == "shared" else "master")
+    if args.differential:
+        return _differential(binary, args)
     rep = run_slot_files(binary, examples=args.examples, seed=args.seed,
                          progress=lambda m: print("  " + m, file=sys.stderr))  # fmt: skip
     print(table(rep))
@@ -82,3 +96,27 @@ def run(args: argparse.Namespace) -> int:
     print("PASS: nothing read or written outside --slot-save-path but the known findings; every name that must be "
           "refused got a 4xx (or the known 500); every benign name was saved in place")  # fmt: skip
     return EXIT_OK
+
+
+def _differential(binary: Path, args: argparse.Namespace) -> int:
+    out = run_differential(binary, rounds=args.rounds, seed=args.seed)
+    out["stale_draft"] = stale_draft(binary)
+    out["enospc"] = enospc(binary)
+    known = ["slot-restore-drops-checkpoints"] if out["total"]["tokens_reprocessed"] else []
+    if out["stale_draft"]["after_other_prompt"]["status"] == 500:
+        known.append("slot-restore-stale-draft")
+    for c in out["enospc"]["cases"]:
+        if c["save_status"] == 500 and c["file_bytes"]:
+            known.append("slot-save-partial-file")
+        if c["save_status"] == 200 and c["file_bytes"] != c["n_written"]:
+            known.append("slot-save-silent-truncation")
+        if c["restore"] == "server died":
+            known.append("slot-restore-truncated-file-abort")
+    out["known_findings"] = [finding(i).entry("llama-server slot files", "reproduced") for i in dict.fromkeys(known)]
+    text = json.dumps(out, indent=1) + "\n"
+    print(text, end="")
+    if args.json:
+        Path(args.json).write_text(text)
+    for m in out["mismatches"]:
+        print(f"FAIL {m}", file=sys.stderr)
+    return EXIT_FAILED if out["mismatches"] else EXIT_OK

@@ -129,4 +129,64 @@ SERVER = [
         "fixtures/findings/lfm2_pooled_completion_segv.py",
         upstream="src/models/lfm2.cpp:287; tools/server/server-context.cpp:2844",
     ),
+    Finding(
+        "slot-save-partial-file",
+        "server",
+        "no_partial_file",
+        "POST /slots/{id}?action=save that fails mid-file (ENOSPC, a write error) answers 500 'Unable to save slot' "
+        "and leaves the bytes it wrote under the file's name (llama_file::write_raw throws, "
+        "src/llama-mmap.cpp:363-366; "
+        "llama_state_seq_save_file returns 0, src/llama-context.cpp:4354-4363; nothing unlinks the file): on a "
+        "64 KiB tmpfs with 8 KiB free a 17,548-byte save leaves 8,192 bytes, and restoring it aborts the server",
+        "fixtures/findings/slot_save_enospc.py",
+        upstream="src/llama-context.cpp:3377-3395, 4354-4363; tools/server/server-context.cpp:2555-2561",
+    ),
+    Finding(
+        "slot-save-silent-truncation",
+        "server",
+        "no_partial_file",
+        "POST /slots/{id}?action=save answers 200 with n_written the full size when the disk fills inside the last "
+        "stdio buffer: fwrite only buffers it and llama_file's destructor closes the FILE without checking fclose "
+        "(src/llama-mmap.cpp:358-366, 377-383), so the error is lost: 17,548 bytes reported, 16,384 on disk",
+        "fixtures/findings/slot_save_enospc.py",
+        upstream="src/llama-mmap.cpp:377-383; src/llama-context.cpp:3391",
+    ),
+    Finding(
+        "slot-restore-truncated-file-abort",
+        "server",
+        "crash",
+        "POST /slots/{id}?action=restore of a slot file cut inside its state aborts llama-server: read_raw_unsafe "
+        "clamps a read at the end of file and returns without an error (src/llama-mmap.cpp:270-280), the reader counts "
+        "the bytes it asked for, and GGML_ASSERT(nread <= state_size) (src/llama-context.cpp:3370) fails (SIGABRT); "
+        "the tensors were already set from the unread buffer. Any short file in --slot-save-path does it, e.g. one "
+        "a failed save left (slot-save-partial-file, slot-save-silent-truncation)",
+        "fixtures/findings/slot_save_enospc.py",
+        upstream="src/llama-mmap.cpp:270-280; src/llama-context.cpp:3365-3371",
+    ),
+    Finding(
+        "slot-restore-drops-checkpoints",
+        "server",
+        "reuse",
+        "A slot file holds the tokens and the target's sequence state only: no context checkpoint (and no draft "
+        "state) is written (llama_state_seq_save_file, server-context.cpp:2555) and restore clears the slot's "
+        "checkpoints (slot->prompt.clear(), :2618; server-task.h:571-574), so a restored hybrid or recurrent slot "
+        "reprocesses the whole prompt on the next request that diverges before its end: jamba and mamba, a 100-token "
+        "prompt, the next diverging at 80: cache_n 0 after a restore, 32 on a slot that kept its checkpoints (with "
+        "--cache-ram 8 too: the RAM cache holds the prompt with its checkpoints, but the restored slot matches 80 of "
+        "88 tokens, f_keep >= 0.5, and the cache is never consulted)",
+        "fixtures/findings/slot_restore_drops_checkpoints.py",
+        upstream="tools/server/server-context.cpp:2555-2557, 2618-2619",
+    ),
+    Finding(
+        "slot-restore-stale-draft",
+        "server",
+        "http_error",
+        "With a draft model, POST /slots/{id}?action=restore loads the target context only (server-context.cpp:2555, "
+        "2600-2603: the draft state is neither saved nor restored), so the draft sequence keeps the slot's previous "
+        "prompt; the next completion fails with HTTP 500 'decode() failed: failed to process speculative batch' (the "
+        "draft batch starts at the restored position, the draft memory ends at the old prompt: inconsistent "
+        "sequence positions). After an erase the restore works, with an empty draft state",
+        "fixtures/findings/slot_restore_stale_draft.py",
+        upstream="tools/server/server-context.cpp:2555-2557, 2596-2619",
+    ),
 ]
