@@ -26,7 +26,9 @@ Deviations: the synthetic memory applies each ``seq_rm``/``seq_add`` pair exactl
 (:mod:`harness.model.shift`), so a reused chunk's state is that of a fresh evaluation of the new prompt's
 prefix; a real KV cell keeps what it attended to before the shift (the outputs differ from a fresh
 server's: the server tests show by how much). A recurrent state's position cannot move in the synthetic
-provider, so the reuse machines run transformer and iSWA memories.
+provider, so the reuse machines run transformer and iSWA memories. The libllama provider does not answer
+``can_shift``: reuse and context shift stay off on the libllama backend. ``ServerParams.ctx_limit`` (off by
+default) turns on the n_ctx limit of a generation at all; the machines from before it never reach n_ctx.
 """
 
 from __future__ import annotations
