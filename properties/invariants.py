@@ -77,6 +77,9 @@ INVARIANTS: dict[str, str] = {
     "checkpoint_policy": "create_checkpoint thins (only when full), caps, supersedes and appends as upstream",
     "restore_failure": "a failed cache load keeps the entry and clears the slot; a failed checkpoint restore aborts",
     "restore_bytes": "a restored state equals a fresh evaluation of its tokens byte for byte (synthetic backend)",
+    # computed in properties/reuse.py: a shortfall is a counted registered finding, else a failure
+    "reuse": "a request resumes from at least as many tokens as the best usable source held (its slot's "
+    "prefix, the entry upstream's load would pick, a checkpoint)",
 }
 
 

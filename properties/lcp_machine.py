@@ -78,7 +78,7 @@ STEPS = 20
 ALLOWED_STATES = ("unchanged", "inserted")  # what diagnose_fault may find after a fault without a finding
 
 
-# llama-cpp-python's findings, from the one registry (harness/findings.py); ``scope`` holds the caches
+# llama-cpp-python's findings, from the one registry (harness/findings/); ``scope`` holds the caches
 KNOWN_LCP_FINDINGS: list[Finding] = [f for f in FINDINGS.values() if f.backend == "llama-cpp-python-cache"]
 KNOWN_BY_NAME = {f.id: f for f in KNOWN_LCP_FINDINGS}
 

@@ -62,7 +62,7 @@ Run: ``python -m harness contract [--arch llama gemma2] [--seed 0] [--max-exampl
 [--steps N] [--json]``.
 
 Size: the contract machine is one Hypothesis machine whose rules, reference replay and finding conditions read
-each other's state; the findings themselves live in harness/findings.py.
+each other's state; the findings themselves live in harness/findings/.
 """
 
 from __future__ import annotations

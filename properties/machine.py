@@ -49,6 +49,7 @@ from harness.targets.libllama import LlamaProvider, close_server, load_model, ma
 from harness.targets.synthetic import make_server
 from properties import invariants as inv
 from properties.policy import ExpectedAbort, PolicyTracer
+from properties.reuse import ReuseTracer
 from properties.teardown import noted, settle, stages
 
 __all__ = ["REACH", "MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
@@ -138,6 +139,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
     llama_stats: ClassVar[Counter[str]]  # restore_checks (summed), state_bytes / partial_bytes (max)
     layout_example: ClassVar[list[str]]  # the first kv-layout-dependent-logits difference seen
     finding_examples: ClassVar[dict[str, str]]  # finding id -> the first restore difference it explains
+    reuse_counts: ClassVar[Counter[str]]  # reuse finding id -> requests, "id:tokens" -> tokens recomputed
     reach: ClassVar[Counter[str]]  # REACH label -> the most any example of this class reached
     observe_reach: ClassVar[bool] = False  # measure REACH and hand it to hypothesis.target (campaigns)
     target_labels: ClassVar[tuple[str, ...]] = REACH  # the labels handed to hypothesis.target
@@ -184,6 +186,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
         self.policy = PolicyTracer(
             self.server, excuse_stale="strict-stale-checkpoint" not in cfg.known, wrap=self.checks_on
         )
+        # the reuse property (properties/reuse.py): a shortfall is a counted finding or a Violation
+        self.reuse = ReuseTracer(self.server, type(self).reuse_counts) if self.checks_on else None
         self.crashed = False  # the modelled server is gone (a crash, or an abort where upstream aborts)
         # the last step changed nothing the state invariants read (it only armed the fault seam):
         # their result is the previous step's, so that step's check stands for this one
@@ -486,6 +490,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
         for k, v in self.tracer.seconds.items():  # type: ignore[assignment]
             t.stats_seconds[k] += v
         t.stats_checked.update(self.policy.checked)
+        if self.reuse is not None:
+            t.stats_checked["reuse"] += self.reuse.checked
+            t.stats_seconds["reuse"] += self.reuse.seconds["reuse"]
         t.stats_branches.update(self.policy.branches)
         for key, secs in self.policy.seconds.items():
             t.stats_seconds[key] += secs  # type: ignore[assignment]
@@ -517,8 +524,10 @@ class PromptCacheMachine(RuleBasedStateMachine):
         stats["state_bytes"] = max(stats["state_bytes"], getattr(tgt, "max_state_bytes", 0))
         stats["partial_bytes"] = max(stats["partial_bytes"], getattr(tgt, "max_partial_bytes", 0))
         close_server(self.server)
-        inv.release(self.server, self.tracer, self.policy)  # freed by reference counting, not a full collection
-        del self.server, self.tracer, self.policy, self.shadow, self.checks  # Hypothesis' cycles hold the machine
+        tracers = (self.tracer, self.policy, *([self.reuse] if self.reuse else []))
+        inv.release(self.server, *tracers)  # freed by reference counting, not a full collection
+        # Hypothesis' cycles hold the machine
+        del self.server, self.tracer, self.policy, self.shadow, self.checks, self.reuse
 
 
 _CLASSES: dict[MachineConfig, type[PromptCacheMachine]] = {}
@@ -541,6 +550,7 @@ def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
                 "llama_stats": Counter(),
                 "layout_example": [],
                 "finding_examples": {},
+                "reuse_counts": Counter(),
                 "reach": Counter(),
                 "__module__": __name__,
             },

@@ -25,13 +25,12 @@ from harness.model.cache import (
 )
 from harness.model.checkpoint import CheckpointList, CommonPromptCheckpoint
 from harness.model.memory import Payload
-from harness.model.reuse import Chunk
 from harness.model.semantics import MASTER, SHARED, Semantics
 from harness.model.server_context import ServerContext, ServerSlot
 from properties.machine import MachineConfig
 from properties.run import SHRINKS, machines_for, make_settings, run_machine
 
-__all__ = ["MUTANTS", "REUSE_MUTANTS", "Mutant", "config", "kill", "resolve"]
+__all__ = ["MUTANTS", "Mutant", "config", "kill", "resolve"]
 
 
 class _UpdateIgnoresLimitSize(ServerPromptCache):
@@ -277,27 +276,15 @@ class _LoadRestoresOldestBytes(ServerPromptCache):
         return res
 
 
-class _ReuseShiftOffByOne(ServerContext):
-    """reuse_equivalence: a reused chunk is moved by ``kv_shift - 1``, one position too far (:3250)."""
+class _SelectionIgnoresCache(ServerContext):
+    """reuse: get_available_slot never saves to or loads from the prompt cache (an LRU slot keeps its old prompt)."""
 
-    def shift_chunk(self, slot: ServerSlot, ch: Chunk) -> None:
-        slot.mem_seq_rm(ch.head_p, ch.head_c)
-        slot.mem_seq_add(ch.head_c, ch.head_c + ch.n_match, ch.kv_shift - 1)
-
-
-class _CtxShiftNoSeqAdd(ServerContext):
-    """context_shift: the discarded tokens are removed but the tail is not moved back (no seq_add, :2931)."""
-
-    def discard(self, slot: ServerSlot, n_keep: int, n_discard: int) -> None:
-        slot.mem_seq_rm(n_keep, n_keep + n_discard)
-
-
-class _CtxShiftKeepOffByOne(ServerContext):
-    """context_shift: n_keep is one less than :2914-2920 make it (the shift eats the last kept token)."""
-
-    def shift_bounds(self, slot: ServerSlot) -> tuple[int, int]:
-        n_keep, n_discard = super().shift_bounds(slot)
-        return n_keep - 1, n_discard
+    def get_available_slot(self, task: Any) -> Any:
+        cache, self.prompt_cache = self.prompt_cache, None
+        try:
+            return super().get_available_slot(task)
+        finally:
+            self.prompt_cache = cache
 
 
 @dataclass(frozen=True)
@@ -405,18 +392,8 @@ MUTANTS: dict[str, Mutant] = {
         # killed on the gate's draft machine: its own first
         _m("checkpoint-restore-failure-ignored", "restore_failure", _CheckpointRestoreFailureIgnored, draft=True),
         _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
-    ]
-}
-
-
-# in-slot reuse (issue #39): killed on the reuse machines (properties/reuse_machine.py, whose post-conditions
-# they break), not on the gate's, so kept apart from MUTANTS (the gate's matrix)
-REUSE_MUTANTS: dict[str, Mutant] = {
-    m.semantics.name: m
-    for m in [
-        _m("reuse-shift-off-by-one", "reuse_equivalence", _ReuseShiftOffByOne, kind="transformer"),
-        _m("ctx-shift-no-seq-add", "context_shift", _CtxShiftNoSeqAdd, kind="transformer"),
-        _m("ctx-shift-keep-off-by-one", "context_shift", _CtxShiftKeepOffByOne, kind="transformer"),
+        # on a transformer (every prefix resumes): the first request that an LRU slot could have loaded
+        _m("selection-ignores-cache", "reuse", _SelectionIgnoresCache, kind="transformer"),
     ]
 }
 
@@ -425,8 +402,6 @@ def resolve(name: str) -> Semantics:
     """The semantics of mutant ``name`` (or of ``shared``/``master``)."""
     if name == "shared":
         return SHARED
-    if name in REUSE_MUTANTS:
-        return REUSE_MUTANTS[name].semantics
     return MUTANTS[name].semantics
 
 

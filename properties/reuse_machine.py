@@ -25,6 +25,7 @@ the property then sees no reuse, and generations stop at n_ctx). Printed program
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import replace
 from typing import Any, ClassVar
 
 from hypothesis import HealthCheck, Phase, settings
@@ -38,8 +39,8 @@ from harness.model.provider import STATE_SEQ_FLAGS_NONE, SyntheticProvider
 from harness.model.reuse import can_shift
 from harness.model.server_context import ServerContext, ServerSlot, SlotState
 from properties.invariants import Violation
-from properties.machine import BOS, MAX_PROMPT, MachineConfig, PromptCacheMachine
-from properties.mutants import REUSE_MUTANTS, resolve
+from properties.machine import BOS, MAX_PROMPT, MachineConfig, PromptCacheMachine, machine_class
+from properties.reuse_mutants import REUSE_MUTANTS, resolve
 from properties.teardown import noted
 
 __all__ = ["N_CACHE_REUSE", "REUSE_KINDS", "ReuseMachine", "kill_reuse", "reuse_config", "reuse_machine_class",
@@ -211,11 +212,10 @@ def reuse_machine_class(config: MachineConfig) -> type[ReuseMachine]:
     cls = _CLASSES.get(config)
     if cls is None:
         name = "Reuse_" + config.class_name
-        attrs: dict[str, Any] = {
-            "config": config, "stats_checked": Counter(), "stats_seconds": Counter(), "stats_branches": Counter(),
-            "peaks": [], "llama_stats": Counter(), "layout_example": [], "finding_examples": {}, "reach": Counter(),
-            "shifts_seen": [0, 0], "__module__": __name__,
-        }  # fmt: skip
+        # the per-class statistics the synthetic machine's concrete classes carry, fresh (whatever they are)
+        base = machine_class(replace(config, resolve=None))
+        attrs: dict[str, Any] = {k: type(v)() for k, v in vars(base).items() if isinstance(v, Counter | list | dict)}
+        attrs.update(config=config, shifts_seen=[0, 0], __module__=__name__)
         cls = type(name, (ReuseMachine,), attrs)
         _CLASSES[config] = cls
         globals()[name] = cls

@@ -468,6 +468,7 @@ def run_machine(
     cls.llama_stats.clear()
     cls.layout_example.clear()
     cls.finding_examples.clear()
+    cls.reuse_counts.clear()
     cls.stats_branches.clear()
     t0 = time.perf_counter()
     failure: Failure | None = None

@@ -27,8 +27,8 @@ from harness.model.shift import HOLE
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
-from properties.mutants import REUSE_MUTANTS
 from properties.reuse_machine import REUSE_KINDS, kill_reuse, reuse_config, reuse_machine_class, run_reuse
+from properties.reuse_mutants import REUSE_MUTANTS
 
 ROOT = Path(__file__).resolve().parents[1]
 A = (1, *(3 + (i * 7) % 40 for i in range(40)))

@@ -5,7 +5,8 @@ memory kinds). The backend runs the machines of :func:`properties.run.machines_f
 machine per known finding of this backend, each with the pattern that reaches the suspected
 upstream bug switched on (``MachineConfig.known``): a finding is ``reproduced`` when that machine
 fails on exactly the property the finding names, and a failure on any other property is a new
-failure of the gate.
+failure of the gate. The reuse property's findings (``properties/reuse.py``) are counted in the main
+machines (``counted``: requests and tokens recomputed), never failed.
 
 Campaign machines: the gate's ``fuzz`` profile (:func:`properties.run.machines_for`), 60 steps, batch
 30; with a mutant, that mutant's own machine first, then the others on its semantics, so that a
@@ -14,6 +15,7 @@ campaign can be seen to find a planted bug.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import replace
 
@@ -21,9 +23,10 @@ from hypothesis import settings
 
 from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec, Out, Plan, model_spec
 from harness.findings import finding
-from properties.machine import MachineConfig
+from properties.machine import MachineConfig, machine_class
 from properties.mutants import config as mutant_config
 from properties.mutants import resolve
+from properties.reuse import finding_counts
 from properties.run import SHRINKS, machines_for, make_settings, run_machine
 
 __all__ = ["KNOWN_MACHINES", "SyntheticBackend"]
@@ -71,11 +74,22 @@ class SyntheticBackend(Backend):
             f"commit={report.commit} machines={len(configs)} max_examples={cfg_settings.max_examples} "
             f"steps={cfg_settings.stateful_step_count}"
         )
+        counted: dict[str, Counter[str]] = {}  # reuse finding -> machine -> requests; "" -> tokens recomputed
         for cfg in configs:
             r = run_machine(cfg, cfg_settings, opts.seed, replay, shrinks=SHRINKS[opts.profile])
             report.machines.append(r)
             status = "ok  " if r.failure is None else "FAIL"
             out(f"  [{status}] {cfg.class_name:<32} {sum(r.checked.values()):>7} checks {r.seconds:6.1f}s")
+            for fid, n in finding_counts(machine_class(cfg).reuse_counts).items():
+                c = counted.setdefault(fid, Counter())
+                c[cfg.class_name] += n["requests"]
+                c[""] += n["tokens_recomputed"]
+        for fid, c in counted.items():  # counted, never failed: properties/reuse.py matched their exact condition
+            tokens = c.pop("")
+            n_req, first = sum(c.values()), next(iter(c))
+            report.known.append(
+                finding(fid).entry(first, "counted", requests=n_req, tokens_recomputed=tokens, machines=len(c))
+            )
         if self.known:
             run_known(report, opts.semantics, cfg_settings, opts.seed, replay, SHRINKS[opts.profile])
 

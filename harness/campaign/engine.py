@@ -60,6 +60,7 @@ class MachineStat:
     reach: Counter[str] = field(default_factory=Counter)  # maxima over the campaign
     failures: list[str] = field(default_factory=list)
     duplicates: int = 0
+    findings: Counter[str] = field(default_factory=Counter)  # known findings counted (RunResult.findings)
 
     @property
     def rate(self) -> float:
@@ -80,6 +81,7 @@ class MachineStat:
             "reach": dict(self.reach),
             "failures": self.failures,
             "duplicates": self.duplicates,
+            "known_findings": dict(self.findings),
         }
 
 
@@ -107,6 +109,13 @@ class CampaignState:
     def reach(self, label: str) -> int:
         return max((m.reach[label] for m in self.machines.values()), default=0)
 
+    def findings(self) -> Counter[str]:
+        """The known findings counted over every machine (``id`` requests, ``id:tokens`` tokens recomputed)."""
+        out: Counter[str] = Counter()
+        for m in self.machines.values():
+            out.update(m.findings)
+        return out
+
     def to_json(self) -> dict[str, Any]:
         return {
             "db": self.db,
@@ -118,6 +127,7 @@ class CampaignState:
             "broken_workers": self.broken_workers,
             "examples": self.total("examples"),
             "steps": self.total("steps"),
+            "known_findings": dict(self.findings()),
             "machines": [m.to_json() for m in self.machines.values()],
             "failures": [{**asdict(r), "replay": r.replay(self.db)} for r in self.failures],
             "replayed": [v.to_json(self.db) for v in self.replayed],
@@ -305,6 +315,7 @@ def _event(
         m.reach[k] = max(m.reach[k], v)
     if ev.get("duplicate"):
         m.duplicates += 1
+    m.findings.update(ev.get("findings") or {})
     raw = ev.get("record")
     if raw is not None:
         rec = FailureRecord(**raw)

@@ -71,6 +71,8 @@ class RunResult:
     seconds: float
     reach: dict[str, int]
     record: FailureRecord | None = None  # a new failure, saved
+    # known findings counted, not failed (the reuse property's: "id" requests, "id:tokens" tokens recomputed)
+    findings: dict[str, int] = field(default_factory=dict)  # a new failure, saved
     duplicate: str | None = None  # the id of a failure already recorded
 
 
@@ -198,6 +200,9 @@ def run_batch(
     reach: Counter[str] | None = getattr(base, "reach", None)
     if reach is not None:
         reach.clear()
+    counted: Counter[str] | None = getattr(base, "reuse_counts", None)
+    if counted is not None:
+        counted.clear()
     t0 = time.perf_counter()
     found = attempt(spec, cls, run_settings(spec, mem, n, plan.target))
     result = RunResult(spec.name, 0, 0, Counter(), 0.0, {})
@@ -222,6 +227,7 @@ def run_batch(
     result.examples, result.rules, result.steps = tally.examples, tally.rules, tally.steps
     result.seconds = time.perf_counter() - t0
     result.reach = dict(reach) if reach is not None else {}
+    result.findings = dict(counted) if counted is not None else {}
     return result
 
 

@@ -87,6 +87,10 @@ def summary_lines(state: CampaignState) -> list[str]:
     lines = [("interrupted: " if state.interrupted else "done: ") + status(state), "  " + fmt(COLUMNS)]
     lines += ["  " + fmt(_row(m)) for m in state.machines.values()]
     lines += [f"note: {n}" for n in state.notes]
+    found = state.findings()
+    for fid in sorted(k for k in found if ":" not in k):
+        tokens = f", {found[fid + ':tokens']} tokens recomputed" if fid + ":tokens" in found else ""
+        lines.append(f"known finding {fid}: {found[fid]} requests{tokens}")
     for v in state.replayed:
         lines.append(f"replayed first: [{v.verdict}] {v.record.id} {v.record.property} in {v.record.machine}")
     lines.append(f"new failures: {len(state.failures)}")

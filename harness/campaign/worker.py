@@ -86,6 +86,7 @@ def main(argv: list[str]) -> int:
                 n_rules=len(rule_names(spec.cls())),
                 seconds=round(r.seconds, 4),
                 reach=r.reach,
+                findings=r.findings,
                 record=None if r.record is None else asdict(r.record),
                 duplicate=r.duplicate,
             )

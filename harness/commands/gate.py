@@ -92,6 +92,9 @@ def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
         out("known findings (reported, not failing the gate):")
         for k in report.known:
             out(f"  {k['id']}: {k['status']}" + (f" ({k['property']}: {k['message']})" if "property" in k else ""))
+            if "requests" in k:  # counted (the reuse property's): how often, and what it cost
+                n, t = k["requests"], k["tokens_recomputed"]
+                out(f"    {n} requests, {t} tokens recomputed, {k['machines']} machines")
             if k.get("program"):
                 out("    " + k["program"].replace("\n", "\n    "))
     for f in report.failures:

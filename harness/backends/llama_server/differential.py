@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import itertools
 import os
+from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -41,6 +42,7 @@ from harness.errors import PropertyFailure
 from harness.model.server_context import ServerParams
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import RequestFailed, ServerProcess
+from properties.reuse import ReuseTracer
 
 __all__ = [
     "NEAR_TIE_LOGPROB",
@@ -130,6 +132,14 @@ class Row:
     evictions: int = 0  # "removing oldest entry" lines in the server's log so far
     predicted_evictions: int = 0
     draft_n: int = 0  # tokens the server's draft model proposed (timings.draft_n)
+    best_usable: int = -1  # the model's best usable source for this request (properties/reuse.py); -1 unknown
+    reuse_finding: str | None = None  # the registered finding the model's shortfall is, if it fell short
+
+    def reuse_problem(self) -> str | None:
+        """The ``reuse`` property on the server's answer: ``cache_n`` below the best usable source, unexplained."""
+        if self.cache_n >= self.best_usable or self.reuse_finding is not None:
+            return None
+        return f"{self.describe()}: the best usable source held {self.best_usable} tokens"
 
     @property
     def ok(self) -> bool:
@@ -160,6 +170,7 @@ class Differential:
     binary_expr: str = "build_server('pr')"  # only for the replay program: how to get the binary again
     _sent: int = field(default=0, init=False, repr=False)  # requests answered: the log's releases to wait for
     pending: tuple[tuple[int, ...], int] | None = field(default=None, init=False, repr=False)  # sent, unanswered
+    reuse_counts: Counter[str] = field(default_factory=Counter)  # reuse findings: requests, "id:tokens" tokens
 
     def __post_init__(self) -> None:
         self.model_file = model_path(self.cfg.arch)
@@ -184,6 +195,8 @@ class Differential:
             n_ctx=self.cfg.n_ctx,
             check_restores=False,
         )
+        # the reuse property on the model's side: the best usable source of each request, its finding if short
+        self.reuse = ReuseTracer(self.model, self.reuse_counts, strict=False)
 
     def __enter__(self) -> Differential:
         self.server.start()
@@ -238,6 +251,8 @@ class Differential:
             log.count("removing oldest entry"),
             cache.evictions if cache is not None else 0,
             int(answer["timings"].get("draft_n", 0)),
+            self.reuse.best_of.get(res.task, -1),
+            self.reuse.finding_of.get(res.task),
         )
         self.rows.append(row)
         return row
@@ -402,6 +417,8 @@ def server_machine(
             stats.drafted += row.draft_n
             if not row.ok:
                 raise ServerMismatch("cache_n", row.describe(), self.d.program())
+            if (problem := row.reuse_problem()) is not None:
+                raise ServerMismatch("reuse", problem, self.d.program())
             try:
                 problem = check_output(self.fresh, row)
             except RequestFailed as e:
@@ -425,6 +442,8 @@ def server_machine(
             stats.cache_hits += row.cache_n > 0
             if not row.ok:
                 raise ServerMismatch("cache_n", row.describe(), self.d.program())
+            if (problem := row.reuse_problem()) is not None:
+                raise ServerMismatch("reuse", problem, self.d.program())
 
     ServerMachine.__name__ = f"Server_{cfg.name.replace('-', '_')}"
     return ServerMachine

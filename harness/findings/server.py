@@ -1,0 +1,120 @@
+"""Known findings of a real llama-server (server backend)."""
+
+from __future__ import annotations
+
+from harness.findings.record import Finding
+
+__all__ = ["SERVER"]
+
+SERVER = [
+    # ---- a real llama-server (server backend) ----
+    Finding(
+        "greedy-flip-on-cache-path",
+        "server",
+        "output_equivalence",
+        "a prompt served partly from a slot, the cache or a checkpoint is evaluated in other batch "
+        "shapes and cell layouts than from scratch; where the two best tokens are within "
+        "0.02 logprob the greedy choice can differ from a fresh server's "
+        "(the same root cause as kv-layout-dependent-logits). Traced and replayed (python -m harness trace record "
+        "--sequential: the reproducer's 12 requests one at a time on -np 1 --cache-ram 8, 6 seeds, prompts loaded "
+        "from the cache in 4): the calls are consistent and replay to the server's logits bit for bit; against a "
+        "fresh evaluation of the same tokens the served logits move by up to 0.086 (the top-10 margins by up to "
+        "0.041) with flash attention on (auto), by at most 2.9e-6 with -fa off, cache loads included: the batch-"
+        "shape nondeterminism of CPU flash attention (ggml-cpu/ops.cpp:9547-9569), as concurrent-output-"
+        "divergence, not the cache's state; under load a flip within BATCH_SHAPE_FLIP_GAP with cache_n > 0",
+        "fixtures/findings/kv_layout_logits.py",
+    ),
+    Finding(
+        "concurrent-output-divergence",
+        "server",
+        "output",
+        "under concurrent requests llama-server (-np 2, with or without the prompt cache, unified or per-slot KV) "
+        "sometimes answers a prompt unlike a sequential evaluation of it on models with attention layers; pure "
+        "recurrent (mamba) never showed it. Traced and replayed (python -m harness trace; 66 rounds of the "
+        "reproducer's workload on llama, gemma2, jamba): the server's libllama calls are consistent (no wrong "
+        "seq_id, position or missing seq_rm) and their replay in one process gives the server's logits bit for "
+        "bit, so it is neither the server's use of libllama nor a race; it is batch-shape nondeterminism in "
+        "libllama's CPU flash attention (on by default: flash_attn auto): a query row is computed by the tiled "
+        "f32 kernel when its ubatch holds >= GGML_FA_TILE_Q rows of it, else by the one-row kernel that rounds Q "
+        "to f16 and accumulates V in f16 (ggml-cpu/ops.cpp:9547-9569, :8941-8942, :9007), so one sequence's "
+        "logits move with how its tokens share batches: up to 0.05-0.08 for the same prompt evaluated whole or "
+        "token by token on one sequence, 5e-5 with flash attention off and f32 KV. Measured again on 51 traced "
+        "concurrent runs (python -m harness concurrent --keep-traces, every configuration, ~36,000 reads): "
+        "|server - fresh| up to 0.196 and margin shifts up to llama 0.179, gemma2 0.077, jamba 0.063, lfm2 0.022, "
+        "mamba 2e-5; flips seen at gaps 0.003-0.039, the served token the fresh second best; the flipped token "
+        "then stays in the slot. Under load a divergence is this finding only as a flip within "
+        "BATCH_SHAPE_FLIP_GAP of its model with cache_n = 0 (harness.load.outputs.Divergences). A real "
+        "divergence shrunk by python -m harness trace shrink (191 calls to 3) is fixtures/findings/batch_shape_flip.py "
+        "on plain llama-cpp-python: one sequence whose last prompt row is decoded in a ubatch of its own (63 + 1) "
+        "answers the fresh second best with flash attention on, the fresh answer with it off",
+        "fixtures/findings/concurrent_output_divergence.py",
+    ),
+    Finding(
+        "fault-batch-assert",
+        "server",
+        "native_fault",
+        "under sustained load a failed host allocation (native shim, >= 16 KiB) once aborted llama-server with "
+        "GGML_ASSERT(batch.slot_batched || batch.size() == 0) right after pre_decode() in update_slots "
+        "(server-context.cpp:2826 of the PR build): a batch holding tokens for no slot; 1 of 66 fault trials",
+        "fixtures/findings/fault_half_built_batch_assert.py",
+    ),
+    Finding(
+        "decode-exception-keeps-slot-tokens",
+        "server",
+        "output",
+        "when decode() throws (a std::bad_alloc out of llama_decode), update_slots' catch calls abort_all_slots, "
+        "which releases every processing slot without prompt_clear(): the slot keeps the failed batch's tokens "
+        "although its memory never got them, the next request sharing the prefix reuses them (cache_n counts "
+        "them) and the slot is saved to the prompt cache as that prompt: wrong output, no error "
+        "(server-context.cpp:2870-2875, 2735-2742; decode()'s own error path clears the slots, :3693-3700)",
+        "fixtures/findings/decode_exception_keeps_slot_tokens.py",
+    ),
+    Finding(
+        "checkpoint-alloc-terminates",
+        "server",
+        "native_fault",
+        "a std::bad_alloc while creating a context checkpoint (common_prompt_checkpoint::update_tgt, "
+        "outside any try in update_slots) terminates llama-server, with or without PR #27451 (out of its scope)",
+    ),
+    Finding(
+        "slot-file-follows-symlink",
+        "server",
+        "slot_file_confined",
+        "POST /slots/{id}?action=save|restore opens --slot-save-path + filename with fopen, which follows a "
+        "symlink in the save directory: a name fs_validate_filename accepts (one component, no '..') writes the "
+        "slot file through the link to any path the server's user can write (truncating it; a dangling link "
+        "creates its target) and restore opens and reads the link's target, a directory included (server-context."
+        "cpp:5279, 5315 build the path; :2555, :2599 save/load it; src/llama-context.cpp:3324, 3378 -> "
+        "src/llama-mmap.cpp:195, 220 -> ggml/src/ggml.c:627, no O_NOFOLLOW, no realpath check). Needs someone who can "
+        "create a symlink in the save directory (the HTTP API cannot: names are one component and only regular "
+        "files are written); Linux's fs.protected_symlinks stops it only in a sticky world-writable directory "
+        "for a link owned by another user",
+        "fixtures/findings/slot_file_symlink_escape.py",
+        upstream="tools/server/server-context.cpp:5279, 5315; src/llama-mmap.cpp:220",
+    ),
+    Finding(
+        "slot-action-bad-body-500",
+        "server",
+        "bad_name_4xx",
+        "POST /slots/{id}?action=save|restore answers a client's malformed body with 500 server_error instead of "
+        '400: json::parse and .at("filename") (server-context.cpp:5273-5274, 5309-5310) throw nlohmann '
+        "exceptions, which are no std::invalid_argument, so ex_wrapper maps them to ERROR_TYPE_SERVER "
+        "(server.cpp:64-67): a filename with a lone surrogate escape or bytes that are not UTF-8 (overlong '/' "
+        "and '.'), a raw control byte, no filename, a filename that is not a string, a body that is not JSON",
+        "fixtures/findings/slot_action_bad_body_500.py",
+        upstream="tools/server/server.cpp:64-67; tools/server/server-context.cpp:5273-5274, 5309-5310",
+    ),
+    Finding(
+        "cache-reuse-recurrent-stale",
+        "server",
+        "reuse_equivalence",
+        "--cache-reuse on a recurrent or hybrid model: llama_memory_can_shift answers true for recurrent memory "
+        "(llama-memory-recurrent.cpp:716-719; hybrid :133-136), so the chunk loop (server-context.cpp:3219-3258) "
+        "runs; its seq_rm(head_p, head_c) of a range short of the state's tail removes nothing and succeeds "
+        "(recurrent-seq-rm-range-silent) and seq_add moves only the state's position, so when the last chunk "
+        "reaches the old end the slot resumes from the recurrent state of the old, undeleted conversation: "
+        "cache_n counts the deleted tokens as gone, the answer is the old conversation's, no error",
+        "fixtures/findings/cache_reuse_recurrent_stale.py",
+        upstream="src/llama-memory-recurrent.cpp:716-719, 161-240, 318-346; tools/server/server-context.cpp:3210-3258",
+    ),
+]
