@@ -189,4 +189,17 @@ SERVER = [
         "fixtures/findings/slot_restore_stale_draft.py",
         upstream="tools/server/server-context.cpp:2555-2557, 2596-2619",
     ),
+    Finding(
+        "cache-reuse-recurrent-stale",
+        "server",
+        "reuse_equivalence",
+        "--cache-reuse on a recurrent or hybrid model: llama_memory_can_shift answers true for recurrent memory "
+        "(llama-memory-recurrent.cpp:716-719; hybrid :133-136), so the chunk loop (server-context.cpp:3219-3258) "
+        "runs; its seq_rm(head_p, head_c) of a range short of the state's tail removes nothing and succeeds "
+        "(recurrent-seq-rm-range-silent) and seq_add moves only the state's position, so when the last chunk "
+        "reaches the old end the slot resumes from the recurrent state of the old, undeleted conversation: "
+        "cache_n counts the deleted tokens as gone, the answer is the old conversation's, no error",
+        "fixtures/findings/cache_reuse_recurrent_stale.py",
+        upstream="src/llama-memory-recurrent.cpp:716-719, 161-240, 318-346; tools/server/server-context.cpp:3210-3258",
+    ),
 ]

@@ -44,15 +44,10 @@ from dataclasses import dataclass
 from typing import Protocol, runtime_checkable
 
 from harness.errors import BadAlloc
+from harness.model.shift import kv_add, kv_rm, rs_add, rs_rm
 
-__all__ = [
-    "STATE_SEQ_FLAGS_NONE",
-    "STATE_SEQ_FLAGS_PARTIAL_ONLY",
-    "MemoryKind",
-    "SeqRmType",
-    "StateProvider",
-    "SyntheticProvider",
-]
+__all__ = ["STATE_SEQ_FLAGS_NONE", "STATE_SEQ_FLAGS_PARTIAL_ONLY", "MemoryKind", "SeqRmType", "StateProvider",
+           "SyntheticProvider"]  # fmt: skip
 
 STATE_SEQ_FLAGS_NONE = 0
 STATE_SEQ_FLAGS_PARTIAL_ONLY = 1
@@ -384,10 +379,14 @@ class SyntheticProvider:
     # ---- memory ---------------------------------------------------------------------------
 
     def memory_seq_rm(self, seq: int, p0: int, p1: int) -> bool:
-        """Remove positions [p0, p1) (p1 < 0: to the end). Only suffix removal is modelled."""
+        """Remove positions [p0, p1) (p1 < 0: to the end); a range inside: :mod:`harness.model.shift`."""
         s = self._seqs[seq]
         if p1 >= 0 and p0 > 0:
-            raise NotImplementedError("the synthetic provider models suffix removal only (p1 = -1)")
+            if any(rs_rm(c.hist, p0, p1) is None for c in s.comps if c.is_rs):  # recurrent parts first
+                return False
+            for c in (c for c in s.comps if not c.is_rs):  # a recurrent part keeps its state (rs_rm)
+                c.hist, c.lo = kv_rm(c.hist, c.lo, p0, p1)
+            return True
         p0 = max(0, p0)
         # recurrent parts first: if they refuse, nothing changes (llama_memory_hybrid::seq_rm)
         for c in s.comps:
@@ -402,6 +401,15 @@ class SyntheticProvider:
                 c.hist = c.hist[:p0]
                 c.lo = min(c.lo, p0)
         return True
+
+    def memory_seq_add(self, seq: int, p0: int, p1: int, delta: int) -> None:
+        """``llama_memory_seq_add``: the cells at [p0, p1) moved by ``delta`` (:mod:`harness.model.shift`)."""
+        for c in self._seqs[seq].comps:
+            c.hist = rs_add(c.hist, p0, p1, delta) if c.is_rs else kv_add(c.hist, c.lo, p0, p1, delta)
+
+    def can_shift(self) -> bool:
+        """``llama_memory_can_shift``: iSWA only where both caches have one size (not at the sizes modelled)."""
+        return self.kind is not MemoryKind.ISWA
 
     def memory_seq_cp(self, src: int, dst: int, p0: int, p1: int) -> None:
         if p0 > 0 or p1 >= 0:
@@ -465,12 +473,7 @@ class SyntheticProvider:
         return first
 
 
-_KIND_IDS = {
-    MemoryKind.TRANSFORMER: 1,
-    MemoryKind.RECURRENT: 2,
-    MemoryKind.HYBRID: 3,
-    MemoryKind.ISWA: 4,
-}
+_KIND_IDS = {MemoryKind.TRANSFORMER: 1, MemoryKind.RECURRENT: 2, MemoryKind.HYBRID: 3, MemoryKind.ISWA: 4}
 
 
 def _tokens(toks: tuple[int, ...]) -> bytes:

@@ -49,6 +49,7 @@ from harness.model.cache import ServerPrompt, ServerPromptCache, Tokens, f32, ge
 from harness.model.checkpoint import CommonPromptCheckpoint
 from harness.model.memory import Host
 from harness.model.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY, SeqRmType, StateProvider
+from harness.model.reuse import Chunk, can_shift, context_shift_bounds, reuse_chunks, shifted_tokens
 from harness.model.semantics import Semantics
 
 __all__ = [
@@ -108,6 +109,14 @@ class ServerParams:
     # the draft-KV recovery proposed in PR #27451's discussion (neither upstream nor the PR):
     # purge idle slots and retry the draft batch once, else clear the out-of-sync slot
     draft_recovery: bool = False
+    # in-slot reuse (harness.model.reuse): --cache-reuse N, --context-shift, --keep, the vocab's add_bos;
+    # ctx_limit models the slot's n_ctx in generation (the :1867 stop, the :2889 shift); off, the
+    # machines' programs from before it run as they did (their generations stay far below n_ctx)
+    n_cache_reuse: int = 0
+    ctx_shift: bool = False
+    ctx_limit: bool = False
+    n_keep: int = 0
+    add_bos: bool = True
 
 
 @dataclass
@@ -125,6 +134,10 @@ class Task:
     # (differential testing); empty: the model's own hash choice
     forced: Tokens = ()
     type: str = TASK_COMPLETION  # server_task::type
+    # task_params (server-task.h:59-65): n_cache_reuse and n_keep default to the server's (server-schema.cpp:529-531)
+    n_cache_reuse: int = 0
+    n_keep: int = 0
+    n_discard: int = 0
 
     def is_parent(self) -> bool:
         return self.n_children > 0
@@ -192,6 +205,7 @@ class ServerSlot:
         self.error: str | None = None
         self.resuming = False  # re-processing its tokens after a draft-KV recovery cleared it
         self.resyncs = 0  # draft-KV recoveries that cleared this slot during its current task
+        self.truncated = False  # the generation reached n_ctx: stopped, or went on after a context shift
 
     def __repr__(self) -> str:
         return f"slot{self.id}({self.state.value}, {self.prompt.n_tokens()} tok, {len(self.prompt.checkpoints)} ckpt)"
@@ -204,6 +218,12 @@ class ServerSlot:
         for ctx in (self.ctx_tgt, self.ctx_dft):
             if ctx is not None and not ctx.memory_seq_rm(self.id, p0, p1):
                 raise GgmlAbort(f"{ctx.name}: failed to remove sequence {self.id} [{p0}, {p1})")
+
+    # common_memory::seq_add (common.cpp:1572)
+    def mem_seq_add(self, p0: int, p1: int, delta: int) -> None:
+        for ctx in (self.ctx_tgt, self.ctx_dft):
+            if ctx is not None:
+                ctx.memory_seq_add(self.id, p0, p1, delta)  # type: ignore[attr-defined]
 
     # server-context.cpp:258
     def prompt_save(self, prompt_cache: ServerPromptCache) -> bool:
@@ -261,6 +281,7 @@ class ServerSlot:
         self.sampled = None
         self.resyncs = 0
         self.resuming = False
+        self.truncated = False
 
     # server-context.cpp:515
     def release(self) -> None:
@@ -309,6 +330,10 @@ class ServerContext:
     stale_restores: list[tuple[int, ...]] = field(default_factory=list)
     # id_task -> pos_next of tasks whose n_past [TAG_PROMPT_LOGITS] decremented below pos_next
     prompt_logits_resumes: dict[int, int] = field(default_factory=dict)
+    # harness-only records of in-slot reuse: (slot, n_past of the common prefix, chunks) per cache reuse,
+    # (slot, tokens before, n_keep, n_discard) per context shift
+    reuses: list[tuple[int, int, list[Chunk]]] = field(default_factory=list)
+    ctx_shifts: list[tuple[int, Tokens, int, int]] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         self.checkpoint_cls: type[CommonPromptCheckpoint] = self.sem.checkpoint_cls or CommonPromptCheckpoint
@@ -323,6 +348,10 @@ class ServerContext:
         if p.cache_idle_slots and p.cache_ram == 0:
             p.cache_idle_slots = False
         self.n_swa = self.ctx_tgt.n_swa
+        # :1166-1175 a memory that cannot shift turns both off
+        if not can_shift(self.ctx_tgt):
+            p.ctx_shift = False
+            p.n_cache_reuse = 0
         self.slots = [slot_cls(self, i) for i in range(p.n_slots)]
         self.slot_n_ctx = n_ctx if p.kv_unified else n_ctx // max(1, p.n_slots)
 
@@ -414,6 +443,9 @@ class ServerContext:
         n_predict: int = 4,
         cache_prompt: bool = True,
         forced: Tokens = (),
+        n_cache_reuse: int | None = None,
+        n_keep: int | None = None,
+        n_discard: int = 0,
     ) -> LaunchResult:
         """``process_single_task`` for a completion (server-context.cpp:2370-2432).
 
@@ -424,7 +456,10 @@ class ServerContext:
             raise ValueError("empty prompt")
         self._take_cancels()  # queued at the front: taken before this task
         self.next_task_id += 1
-        task = Task(self.next_task_id, tuple(tokens), id_slot, n_predict, cache_prompt, -1, n_cmpl - 1, tuple(forced))
+        reuse = self.params.n_cache_reuse if n_cache_reuse is None else n_cache_reuse
+        keep = self.params.n_keep if n_keep is None else n_keep
+        task = Task(self.next_task_id, tuple(tokens), id_slot, n_predict, cache_prompt, -1, n_cmpl - 1, tuple(forced),
+                    n_cache_reuse=reuse, n_keep=keep, n_discard=n_discard)  # fmt: skip
         self.events.clear()
         slot = self.get_available_slot(task)
         if slot is None or slot.is_processing():
@@ -435,7 +470,7 @@ class ServerContext:
                 return LaunchResult("deferred", slot.id, task.id)
             for child in children:
                 self.next_task_id += 1
-                child.task = Task(self.next_task_id, task.tokens, -1, n_predict, cache_prompt, task.id, 0, task.forced)
+                child.task = replace(task, id=self.next_task_id, id_slot=-1, id_parent=task.id, n_children=0)
                 child.state = SlotState.WAIT_OTHER
         self.launch_slot_with_task(slot, task)
 
@@ -574,9 +609,12 @@ class ServerContext:
             self.send_error(slot, "request exceeds the available context size")
             slot.release()
             return
-        # :3196-3198 is_stateless_task: an embedding or rerank prompt is evaluated from scratch (:3269)
+        # :3196-3198 is_stateless_task: an embedding or rerank prompt is evaluated from scratch (:3269); the
+        # chunk reuse (:3208-3265) is inside the same branch
         reuse = slot.task.cache_prompt and slot.task.type not in STATELESS_TASKS
         n_past = get_common_prefix(slot.prompt.tokens, input_tokens) if reuse else 0
+        if reuse:
+            n_past = self.cache_reuse(slot, input_tokens, n_past)
         pos_next = n_past
         has_new_tokens = n_past < len(input_tokens)
         pos_min_thold = max(0, pos_next - self.n_swa - (0 if has_new_tokens else 1))
@@ -626,6 +664,59 @@ class ServerContext:
         # :3424 truncate any tokens that are beyond n_past for this slot
         slot.mem_seq_rm(n_past, -1)
         slot.state = SlotState.PROCESSING_PROMPT
+
+    # server-context.cpp:3208-3265
+    def cache_reuse(self, slot: ServerSlot, input_tokens: Tokens, n_past: int) -> int:
+        """Reuse chunks of the slot's old prompt by shifting them into place; the new ``n_past``."""
+        assert slot.task is not None
+        n_cache_reuse = slot.task.n_cache_reuse
+        if n_cache_reuse <= 0 or not can_shift(self.ctx_tgt):  # :3210-3216 (text only: never has_mtmd)
+            return n_past
+        chunks = reuse_chunks(slot.prompt.tokens, input_tokens, n_past, n_cache_reuse)
+        for ch in chunks:
+            self.shift_chunk(slot, ch)
+        slot.prompt.tokens = shifted_tokens(slot.prompt.tokens, chunks)
+        self.reuses.append((slot.id, n_past, chunks))
+        return n_past + sum(ch.n_match for ch in chunks)
+
+    def shift_chunk(self, slot: ServerSlot, ch: Chunk) -> None:
+        """:3249-3250 ``seq_rm(head_p, head_c)`` then ``seq_add(head_c, head_c + n_match, kv_shift)``."""
+        slot.mem_seq_rm(ch.head_p, ch.head_c)
+        slot.mem_seq_add(ch.head_c, ch.head_c + ch.n_match, ch.kv_shift)
+
+    # server-context.cpp:2889-2950 (pre_decode)
+    def context_shift(self, slot: ServerSlot) -> bool:
+        """A generating slot at ``n_tokens + 1 >= n_ctx``: shift (True), or fail the task (False)."""
+        task = slot.task
+        assert task is not None
+        if not self.params.ctx_shift:
+            self.send_error(slot, "context shift is disabled")
+            slot.release()
+            return False
+        if task.is_parent() or task.is_child():
+            self.send_error(slot, "context shift cannot be used for shared prompt")
+            slot.release()
+            return False
+        n_keep, n_discard = self.shift_bounds(slot)
+        self.discard(slot, n_keep, n_discard)
+        tokens = slot.prompt.tokens
+        slot.prompt.clear()  # :2945 the checkpoints go too
+        slot.prompt.tokens = tokens[:n_keep] + tokens[n_keep + n_discard :]
+        slot.truncated = True
+        self.ctx_shifts.append((slot.id, tokens, n_keep, n_discard))
+        return True
+
+    def shift_bounds(self, slot: ServerSlot) -> tuple[int, int]:
+        """:2914-2926 (n_keep, n_discard) of ``slot``'s context shift."""
+        task = slot.task
+        assert task is not None
+        return context_shift_bounds(slot.prompt.n_tokens(), len(task.tokens), task.n_keep, task.n_discard,
+                                    add_bos=self.params.add_bos, n_ctx=self.slot_n_ctx)  # fmt: skip
+
+    def discard(self, slot: ServerSlot, n_keep: int, n_discard: int) -> None:
+        """:2930-2931 ``seq_rm(n_keep, n_keep + n_discard)``, ``seq_add(n_keep + n_discard, pos_next, -n_discard)``."""
+        slot.mem_seq_rm(n_keep, n_keep + n_discard)
+        slot.mem_seq_add(n_keep + n_discard, slot.prompt.n_tokens(), -n_discard)
 
     def _invalidate_checkpoints(self, slot: ServerSlot, pos_next: int) -> None:
         """:3369 erase any checkpoints with pos_max > pos_next."""
@@ -808,11 +899,17 @@ class ServerContext:
 
     def _finish_token(self, slot: ServerSlot) -> None:
         assert slot.task is not None
-        if slot.n_decoded >= slot.task.n_predict:
+        p = self.params
+        if p.ctx_limit and not p.ctx_shift and slot.prompt.n_tokens() + 1 >= self.slot_n_ctx:
+            slot.truncated = True  # :1866-1874 out of context: the generation stops
+            slot.release()
+        elif slot.n_decoded >= slot.task.n_predict:
             slot.release()
 
     def _generate(self, slot: ServerSlot) -> None:
         assert slot.sampled is not None
+        if self.params.ctx_limit and slot.prompt.n_tokens() + 1 >= self.slot_n_ctx and not self.context_shift(slot):
+            return
         if self.ctx_dft is not None and self.params.n_draft_max > 0:
             self._speculative_round(slot)
             return
