@@ -20,6 +20,7 @@ from harness.commands import (
     build_server,
     concurrent,
     contract,
+    coverage,
     demo,
     fuzz,
     gate,
@@ -55,6 +56,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "demo": (demo, "print the seed's central claim on the ledger (master vs shared)"),
     "report": (report, "the memory report: one self-contained HTML page and report.json, master vs PR"),
     "trace": (trace, "trace llama-server's libllama calls, replay them in one process, shrink a divergence"),
+    "coverage": (coverage, "line and branch coverage of the C++ under test (gcov build): gate, concurrent, soak, fuzz"),
     "bench": (bench, "the performance table: speed ratios with goals, as JSON and docs/bench.md"),
 }
 

@@ -44,6 +44,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--semantics", choices=SEMANTICS, help="the pinned build: shared (PR #27451, default) or master"
     )
     parser.add_argument("--source", metavar="DIR", type=Path, help="build llama-server from this llama.cpp tree")
+    parser.add_argument("--server-bin", metavar="PATH", type=Path,
+                        help="run this llama-server binary (e.g. the coverage build) instead of building one")
     parser.add_argument("--arch", nargs="+", metavar="NAME", help="the fixtures models (default: all five)")
     parser.add_argument("--cache-ram", type=int, default=CACHE_RAM_MIB, metavar="MIB",
                         help=f"the server's --cache-ram (default {CACHE_RAM_MIB})")  # fmt: skip
@@ -78,7 +80,11 @@ def run(args: argparse.Namespace) -> int:
     def log(m: str) -> None:
         print("  build: " + m, file=sys.stderr)
 
-    if args.source is not None:
+    if args.server_bin is not None:
+        if args.source is not None or args.semantics is not None or getattr(args, "asan", False):
+            raise UsageError("--server-bin runs the binary as it is: drop --source, --semantics and --asan")
+        build = server_build(binary=args.server_bin, log=log)
+    elif args.source is not None:
         build = server_build(source=args.source, log=log)
     else:
         build = server_build(flavour="master" if args.semantics == "master" else "pr", log=log)

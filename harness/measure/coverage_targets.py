@@ -1,0 +1,120 @@
+"""What the coverage of llama-server is measured on, and why a line the workloads never reached is not reached.
+
+:data:`TARGETS`: the C++ under test (issue #39 point 0), each a function of one source file, matched on its
+demangled name, or a region of a long function (``update_slots``, ``process_single_task``) between two lines
+matched on their source text (the first line matching ``start`` and the next matching ``end``, at 0c1e570 with
+PR #27451; a region whose markers are not found is reported empty, never guessed).
+
+:data:`REASONS`: a table, first match wins, from a block of unreached lines (its source text and its function)
+to the reason it is not reached. A block no row explains is ``unexplained`` and listed as such.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+
+__all__ = ["REASONS", "TARGETS", "UNEXPLAINED", "Reason", "Target", "reason_for"]
+
+SERVER_TASK = "tools/server/server-task.cpp"
+SERVER_CONTEXT = "tools/server/server-context.cpp"
+
+
+@dataclass(frozen=True)
+class Target:
+    """``function``: a regex on the demangled names of the functions of ``file`` (every match is one row);
+    ``start``/``end``: regexes on source lines delimiting a region of the (single) function matched."""
+
+    label: str
+    file: str
+    function: str
+    start: str | None = None
+    end: str | None = None
+
+
+_UPDATE = r"^server_context_impl::update_slots\(\)"
+_TASK = r"^server_context_impl::process_single_task\("
+
+TARGETS: tuple[Target, ...] = (
+    Target("server_prompt_cache::*", SERVER_TASK, r"^server_prompt_cache::"),
+    Target("server_prompt::*", SERVER_TASK, r"^server_prompt::"),
+    Target("get_available_slot", SERVER_CONTEXT, r"^server_context_impl::get_available_slot\("),
+    Target("prompt_save", SERVER_CONTEXT, r"^server_slot::prompt_save\("),
+    Target("prompt_load", SERVER_CONTEXT, r"^server_slot::prompt_load\("),
+    Target("prompt_clear", SERVER_CONTEXT, r"^server_slot::prompt_clear\("),
+    Target("try_clear_idle_slots", SERVER_CONTEXT, r"^server_context_impl::try_clear_idle_slots\("),
+    Target("create_checkpoint", SERVER_CONTEXT, r"^server_context_impl::create_checkpoint\("),
+    Target("checkpoint restore (update_slots)", SERVER_CONTEXT, _UPDATE,
+           r"the largest pos_min required for a checkpoint", r"// erase any checkpoints with pos_max > pos_next"),
+    Target("checkpoint invalidation (update_slots)", SERVER_CONTEXT, _UPDATE,
+           r"// erase any checkpoints with pos_max > pos_next", r"^\s*// \[TAG_PROMPT_LOGITS\]$"),
+    Target("checkpoint creation (update_slots)", SERVER_CONTEXT, _UPDATE,
+           r"bool do_checkpoint = params_base.n_ctx_checkpoints > 0", r"create_checkpoint\(slot, n_tokens_cur"),
+    Target("speculative checkpoint (update_slots)", SERVER_CONTEXT, _UPDATE,
+           r"// make checkpoints if needed", r"ckpt.update_dft\(ctx_dft"),
+    Target("idle slot caching (process_single_task)", SERVER_CONTEXT, _TASK,
+           r"if \(params_base.cache_idle_slots\) \{", r"case SERVER_TASK_TYPE_CANCEL:"),
+    Target("slot files (process_single_task)", SERVER_CONTEXT, _TASK,
+           r"case SERVER_TASK_TYPE_SLOT_SAVE:", r"case SERVER_TASK_TYPE_GET_LORA:"),
+    Target("handle_slots_save", SERVER_CONTEXT, r"^server_routes::handle_slots_save\("),
+    Target("handle_slots_restore", SERVER_CONTEXT, r"^server_routes::handle_slots_restore\("),
+    Target("handle_slots_erase", SERVER_CONTEXT, r"^server_routes::handle_slots_erase\("),
+    Target("context shift (update_slots)", SERVER_CONTEXT, _UPDATE, r"// Shift context", r"new_tokens.resize\("),
+    Target("cache reuse (update_slots)", SERVER_CONTEXT, _UPDATE,
+           r"const auto n_cache_reuse = slot.task->params.n_cache_reuse", r"after context reuse, new n_past"),
+    Target("common_prompt_checkpoint::*", "common/common.cpp", r"^common_prompt_checkpoint"),
+    Target("llama_context state", "src/llama-context.cpp", r"^(llama_context::state_|llama_state_)"),
+    Target("llama_memory seq_*", "src/llama-context.cpp", r"^llama_memory_seq_"),
+    Target("llama_kv_cache seq_*/state_*", "src/llama-kv-cache.cpp", r"^llama_kv_cache::(seq_|state_)"),
+    Target("llama_memory_recurrent seq_*/state_*", "src/llama-memory-recurrent.cpp",
+           r"^llama_memory_recurrent::(seq_|state_)"),
+    Target("llama_memory_hybrid seq_*/state_*", "src/llama-memory-hybrid.cpp", r"^llama_memory_hybrid::(seq_|state_)"),
+    Target("llama_kv_cache_iswa seq_*/state_*", "src/llama-kv-cache-iswa.cpp", r"^llama_kv_cache_iswa::(seq_|state_)"),
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class Reason:
+    """``text`` (a regex on the block's source lines) or ``function`` (a regex on its function's name)."""
+
+    reason: str
+    text: str | None = None
+    function: str | None = None
+
+    def matches(self, source: str, function: str) -> bool:
+        return (self.text is not None and re.search(self.text, source) is not None) or (
+            self.function is not None and re.search(self.function, function) is not None
+        )
+
+
+UNEXPLAINED = "unexplained"
+
+REASONS: tuple[Reason, ...] = (
+    Reason("abort path: an invariant upstream asserts (the process dies: no counters)",
+           r"GGML_ABORT|GGML_ASSERT|should not happen"),
+    Reason("slot files: #39 point 1", r"SLOT_(SAVE|RESTORE|ERASE)|slot_save_path|state_seq_(save|load)_file|filepath|"
+           r"fs_validate_filename|n_erased|_file\(",
+           r"handle_slots_|state_(save|load)_file|state_seq_(save|load)_file"),
+    Reason("--cache-reuse / context shift: #39 point 1", r"n_cache_reuse|cache_reuse|n_discard|ctx_shift|n_keep",
+           r"seq_(add|div)"),
+    Reason("needs a multimodal model (mtmd)", r"mtmd|mmproj|LLAMA_TOKEN_NULL|image"),
+    Reason("unreachable on CPU: a device/GPU branch", r"ggml_backend_buffer_is_host|is_host|cuda|GPU|gpu|offload|"
+           r"ggml_backend_dev|dev_type|n_gpu_layers|io\.read_to\(|read_to"),
+    Reason("needs a speculative draft model (or its checkpoint type)", r"ctx_dft|spec_|draft|drft|size_dft|data_dft"),
+    Reason("idle slots of other task types (embedding, rerank): #39 point 1", r"embedding|rerank|pooling"),
+    Reason("needs --slots-debug (a debugging printout)", r"slots_debug|ss0|ss1|st0|st1"),
+    Reason("error path: allocation failure", r"bad_alloc|nullptr\)\s*\{?\s*$|== nullptr|failed to allocate|"
+           r"cannot allocate|OOM|out of memory"),
+    Reason("error path: a corrupt or mismatched state read", r"LLAMA_LOG_ERROR|failed to (read|restore|load)|"
+           r"mismatch|invalid|!= (n_|cell_count|v_trans|n_layer|n_stream)|return false;|return 0;"),
+    Reason("error path: a bad request", r"send_error|ERROR_TYPE_|res_err|format_error"),
+    Reason("a LoRA adapter", r"lora"),
+)  # fmt: skip
+
+
+def reason_for(source: str, function: str) -> str:
+    """The first reason of :data:`REASONS` that explains a block, else :data:`UNEXPLAINED`."""
+    for r in REASONS:
+        if r.matches(source, function):
+            return r.reason
+    return UNEXPLAINED
