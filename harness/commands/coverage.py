@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, default=1.5, help="soak and fuzz: their length (default 1.5)")
     parser.add_argument("--quick", action="store_true", help="concurrent: only the gate's two configurations")
     parser.add_argument("--seed", type=int, default=0, help="the workloads' seed (default 0)")
+    parser.add_argument("--report-only", action="store_true",
+                        help="run nothing: report again on the counters an earlier run left in OUT/run")
     parser.add_argument("--top", type=int, default=15, help="unexplained blocks printed (default 15; all in the JSON)")
 
 
@@ -95,22 +97,22 @@ def run(args: argparse.Namespace) -> int:
     out: Path = args.out
     run_ = CoverageRun.create(out / "run", binary)
     modules = {"gate": gate, "concurrent": concurrent, "soak": soak, "fuzz": fuzz}
-    exits: dict[str, tuple[int, str]] = {}
-    for w in workloads:
+    exits: dict[str, tuple[int, str]] = {w: (-1, "not run (--report-only)") for w in workloads}
+    for w in [] if args.report_only else workloads:
         argv = _argv(w, binary, args, run_)
         print(f"coverage: running {w}: python -m harness {w} {' '.join(argv)}", flush=True)
+        run_.reset(w)
         env = {**run_.env(w), **({SERVER_BIN_ENV: str(binary)} if w == "fuzz" else {})}
         with _environ(env):
             exits[w] = _run_workload(modules[w], argv)
         print(f"coverage: {w} exited {exits[w][0]}" + (f" ({exits[w][1]})" if exits[w][1] else ""), flush=True)
-    docs = {}
-    for w in workloads:
-        if run_.workloads().count(w):
-            docs[w] = gcovr_report(run_, [w], out / f"gcovr-{w}.json")
-    counted = [w for w in workloads if w in docs]
+    counted = [w for w in workloads if w in run_.workloads()]
     if not counted:
         raise UsageError("no server of the coverage build exited cleanly: no counters to report")
-    docs["all"] = gcovr_report(run_, counted, out / "gcovr-all.json", html=out / "coverage.html")
+    print(f"coverage: gcovr over {', '.join(counted)} (a minute or more each)", flush=True)
+    docs = {"all": gcovr_report(run_, counted, out / "gcovr-all.json", html=out / "coverage.html")}
+    for w in counted:
+        docs[w] = docs["all"] if len(counted) == 1 else gcovr_report(run_, [w], out / f"gcovr-{w}.json")
     report = write_report(run_, docs, exits, out / "coverage.json")
     print_report(report, top=args.top)
     print(f"coverage: {out / 'coverage.json'}, {out / 'coverage.html'}")

@@ -78,6 +78,10 @@ class CoverageRun:
     def gcda(self, workload: str) -> Path:
         return self.root / workload / "gcda"
 
+    def reset(self, workload: str) -> None:
+        """Forget a workload's counters of an earlier run into this directory (libgcov would add to them)."""
+        shutil.rmtree(self.root / workload, ignore_errors=True)
+
     def env(self, workload: str) -> dict[str, str]:
         """What a workload's servers need in their environment to count into this run."""
         self.gcda(workload).mkdir(parents=True, exist_ok=True)

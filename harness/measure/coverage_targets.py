@@ -1,7 +1,7 @@
 """What the coverage of llama-server is measured on, and why a line the workloads never reached is not reached.
 
 :data:`TARGETS`: the C++ under test (issue #39 point 0), each a function of one source file, matched on its
-demangled name, or a region of a long function (``update_slots``, ``process_single_task``) between two lines
+demangled name, or a region of a long function (``pre_decode``, ``process_single_task``) between two lines
 matched on their source text (the first line matching ``start`` and the next matching ``end``, at 0c1e570 with
 PR #27451; a region whose markers are not found is reported empty, never guessed).
 
@@ -32,25 +32,27 @@ class Target:
     end: str | None = None
 
 
-_UPDATE = r"^server_context_impl::update_slots\(\)"
+_DECODE = r"^server_context_impl::pre_decode\(\)"  # update_slots' prompt and checkpoint half, lambdas included
 _TASK = r"^server_context_impl::process_single_task\("
 
 TARGETS: tuple[Target, ...] = (
     Target("server_prompt_cache::*", SERVER_TASK, r"^server_prompt_cache::"),
-    Target("server_prompt::*", SERVER_TASK, r"^server_prompt::"),
+    Target("server_prompt::*", "tools/server/server-task.h", r"^server_prompt(_data)?::"),
     Target("get_available_slot", SERVER_CONTEXT, r"^server_context_impl::get_available_slot\("),
     Target("prompt_save", SERVER_CONTEXT, r"^server_slot::prompt_save\("),
     Target("prompt_load", SERVER_CONTEXT, r"^server_slot::prompt_load\("),
     Target("prompt_clear", SERVER_CONTEXT, r"^server_slot::prompt_clear\("),
     Target("try_clear_idle_slots", SERVER_CONTEXT, r"^server_context_impl::try_clear_idle_slots\("),
     Target("create_checkpoint", SERVER_CONTEXT, r"^server_context_impl::create_checkpoint\("),
-    Target("checkpoint restore (update_slots)", SERVER_CONTEXT, _UPDATE,
+    Target("checkpoint restore (pre_decode)", SERVER_CONTEXT, _DECODE,
            r"the largest pos_min required for a checkpoint", r"// erase any checkpoints with pos_max > pos_next"),
-    Target("checkpoint invalidation (update_slots)", SERVER_CONTEXT, _UPDATE,
+    Target("checkpoint invalidation (pre_decode)", SERVER_CONTEXT, _DECODE,
            r"// erase any checkpoints with pos_max > pos_next", r"^\s*// \[TAG_PROMPT_LOGITS\]$"),
-    Target("checkpoint creation (update_slots)", SERVER_CONTEXT, _UPDATE,
-           r"bool do_checkpoint = params_base.n_ctx_checkpoints > 0", r"create_checkpoint\(slot, n_tokens_cur"),
-    Target("speculative checkpoint (update_slots)", SERVER_CONTEXT, _UPDATE,
+    Target("checkpoint decision (pre_decode)", SERVER_CONTEXT, _DECODE,
+           r"bool do_checkpoint = params_base.n_ctx_checkpoints > 0", r"n_swa > 0\);"),
+    Target("checkpoint creation (pre_decode)", SERVER_CONTEXT, _DECODE,
+           r"// skip ordinary mid-prompt checkpoints", r"create_checkpoint\(slot, n_tokens_cur"),
+    Target("speculative checkpoint (pre_decode)", SERVER_CONTEXT, _DECODE,
            r"// make checkpoints if needed", r"ckpt.update_dft\(ctx_dft"),
     Target("idle slot caching (process_single_task)", SERVER_CONTEXT, _TASK,
            r"if \(params_base.cache_idle_slots\) \{", r"case SERVER_TASK_TYPE_CANCEL:"),
@@ -59,8 +61,8 @@ TARGETS: tuple[Target, ...] = (
     Target("handle_slots_save", SERVER_CONTEXT, r"^server_routes::handle_slots_save\("),
     Target("handle_slots_restore", SERVER_CONTEXT, r"^server_routes::handle_slots_restore\("),
     Target("handle_slots_erase", SERVER_CONTEXT, r"^server_routes::handle_slots_erase\("),
-    Target("context shift (update_slots)", SERVER_CONTEXT, _UPDATE, r"// Shift context", r"new_tokens.resize\("),
-    Target("cache reuse (update_slots)", SERVER_CONTEXT, _UPDATE,
+    Target("context shift (pre_decode)", SERVER_CONTEXT, _DECODE, r"// Shift context", r"new_tokens.resize\("),
+    Target("cache reuse (pre_decode)", SERVER_CONTEXT, _DECODE,
            r"const auto n_cache_reuse = slot.task->params.n_cache_reuse", r"after context reuse, new n_past"),
     Target("common_prompt_checkpoint::*", "common/common.cpp", r"^common_prompt_checkpoint"),
     Target("llama_context state", "src/llama-context.cpp", r"^(llama_context::state_|llama_state_)"),
@@ -81,15 +83,18 @@ class Reason:
     text: str | None = None
     function: str | None = None
 
-    def matches(self, source: str, function: str) -> bool:
-        return (self.text is not None and re.search(self.text, source) is not None) or (
-            self.function is not None and re.search(self.function, function) is not None
-        )
-
 
 UNEXPLAINED = "unexplained"
 
 REASONS: tuple[Reason, ...] = (
+    # a function the workloads never entered: what it needs (workloads on the llama model alone reach none)
+    Reason("needs a recurrent or hybrid model (mamba, jamba, lfm2) in the workload", None,
+           r"^llama_memory_(recurrent|hybrid)::"),
+    Reason("needs an SWA model (gemma2) in the workload", None, r"^llama_kv_cache_iswa::"),
+    Reason("needs context checkpoints (a recurrent, hybrid or SWA model)", None,
+           r"^(common_prompt_checkpoint|server_context_impl::create_checkpoint)"),
+    Reason("whole-state save/load (llama_state_*): the server saves per sequence only", None,
+           r"^(llama_state_(get|set)_|llama_context::state_(get|set|write|read)_data|llama_state_seq_(get|set)_(data|size)\()"),
     Reason("abort path: an invariant upstream asserts (the process dies: no counters)",
            r"GGML_ABORT|GGML_ASSERT|should not happen"),
     Reason("slot files: #39 point 1", r"SLOT_(SAVE|RESTORE|ERASE)|slot_save_path|state_seq_(save|load)_file|filepath|"
@@ -113,8 +118,12 @@ REASONS: tuple[Reason, ...] = (
 
 
 def reason_for(source: str, function: str) -> str:
-    """The first reason of :data:`REASONS` that explains a block, else :data:`UNEXPLAINED`."""
+    """The first reason of :data:`REASONS` whose function pattern names the block's function, else the first
+    whose text pattern is in its lines, else :data:`UNEXPLAINED`."""
     for r in REASONS:
-        if r.matches(source, function):
+        if r.function is not None and re.search(r.function, function):
+            return r.reason
+    for r in REASONS:
+        if r.text is not None and re.search(r.text, source):
             return r.reason
     return UNEXPLAINED

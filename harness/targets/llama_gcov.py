@@ -73,7 +73,8 @@ def _prefix_maps() -> str:
 
 
 def is_coverage(args: Sequence[str]) -> bool:
-    return any(a.startswith("-DCMAKE_CXX_FLAGS=") and COVERAGE_FLAGS in a.split() for a in args)
+    flags = "-DCMAKE_CXX_FLAGS="
+    return any(a.startswith(flags) and COVERAGE_FLAGS in a.removeprefix(flags).split() for a in args)
 
 
 def keep_notes(build_dir: Path, stage_src: Path, out: Path) -> dict[str, Any]:
