@@ -8,6 +8,7 @@ files", and a server killed with SIGKILL is counted as a server whose counters a
 
 from __future__ import annotations
 
+import json
 import re
 import sys
 from collections.abc import Iterator
@@ -18,11 +19,11 @@ import pytest
 
 from fixtures.models import model_path
 from harness.cli import main as cli_main
-from harness.errors import Unavailable
+from harness.errors import Unavailable, UsageError
 from harness.measure import coverage as cov
 from harness.measure.coverage_targets import TARGETS, UNEXPLAINED, reason_for
-from harness.targets.llama_build import build_server
-from harness.targets.llama_gcov import SOURCES
+from harness.targets.llama_build import build_server, cmake_args
+from harness.targets.llama_gcov import SOURCES, gcov_env, is_coverage
 from harness.targets.llama_server import ServerProcess
 
 pytestmark = pytest.mark.coverage_build  # built before the first test (tests/conftest.py)
@@ -100,6 +101,21 @@ def test_every_region_marker_is_in_the_pinned_sources(binary: Path) -> None:
         assert t.end is not None and any(re.search(t.end, line) for line in text[start + 1 :]), t
 
 
+def test_the_flavour_compiles_with_gcov_and_counts_outside_the_cache(binary: Path, tmp_path: Path) -> None:
+    args = cmake_args("coverage")
+    assert is_coverage(args) and not is_coverage(cmake_args("pr")) and not is_coverage(cmake_args("asan"))
+    assert "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG" in args and "-DCMAKE_SHARED_LINKER_FLAGS=--coverage" in args
+    env = gcov_env(binary.parent, tmp_path)
+    build_dir = Path(json.loads((binary.parent / "build-info.json").read_text())["coverage"]["build_dir"])
+    # a counter named <build_dir>/x/y.gcda lands in <tmp_path>/x/y.gcda
+    assert env["GCOV_PREFIX"] == str(tmp_path) and int(env["GCOV_PREFIX_STRIP"]) == len(build_dir.parts) - 1
+    other = tmp_path / "pr-entry"
+    other.mkdir()
+    (other / "build-info.json").write_text(json.dumps({"flavour": "pr"}))
+    with pytest.raises(UsageError, match="not a coverage build"):
+        gcov_env(other, tmp_path)
+
+
 def test_reasons_table() -> None:
     assert reason_for("    if (ggml_backend_buffer_is_host(buf)) {", "llama_kv_cache::state_read") == (
         "unreachable on CPU: a device/GPU branch"
@@ -107,6 +123,10 @@ def test_reasons_table() -> None:
     assert reason_for('GGML_ABORT("failed to remove sequence %d\\n", slot.id);', "f").startswith("abort path")
     assert reason_for("x = 1;", "server_routes::handle_slots_erase") == "slot files: #39 point 1"
     assert reason_for("x = 1;", "server_prompt_cache::load") == UNEXPLAINED
+    # a function never entered is explained by its name first, whatever its lines hold
+    assert reason_for('GGML_ABORT("x");', "server_routes::handle_slots_save(server_http_req const&, int)") == (
+        "slot files: #39 point 1"
+    )
 
 
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

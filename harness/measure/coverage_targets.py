@@ -95,6 +95,8 @@ REASONS: tuple[Reason, ...] = (
            r"^(common_prompt_checkpoint|server_context_impl::create_checkpoint)"),
     Reason("whole-state save/load (llama_state_*): the server saves per sequence only", None,
            r"^(llama_state_(get|set)_|llama_context::state_(get|set|write|read)_data|llama_state_seq_(get|set)_(data|size)\()"),
+    Reason("error path: a failed state read (state_clear undoes a partial restore)", None, r"::state_clear\("),
+    Reason("needs a full unified KV cache (a decode that finds no room)", None, r"::try_clear_idle_slots\("),
     Reason("abort path: an invariant upstream asserts (the process dies: no counters)",
            r"GGML_ABORT|GGML_ASSERT|should not happen"),
     Reason("slot files: #39 point 1", r"SLOT_(SAVE|RESTORE|ERASE)|slot_save_path|state_seq_(save|load)_file|filepath|"
@@ -108,6 +110,13 @@ REASONS: tuple[Reason, ...] = (
     Reason("needs a speculative draft model (or its checkpoint type)", r"ctx_dft|spec_|draft|drft|size_dft|data_dft"),
     Reason("idle slots of other task types (embedding, rerank): #39 point 1", r"embedding|rerank|pooling"),
     Reason("needs --slots-debug (a debugging printout)", r"slots_debug|ss0|ss1|st0|st1"),
+    Reason("cache pressure: eviction (needs a fuller --cache-ram: soak)", r"removing oldest entry|making room|"
+           r"exceeds cache size limit|cache (size|token) limit|obsolete cached prompt"),
+    Reason("a full KV cache (a decode that finds no room)", r"failed to find free space|n_batch /= 2"),
+    Reason("needs cell extensions (M-RoPE positions)", r"llama_kv_cell_ext|ext_(get|set)\(|exts"),
+    Reason("all sequences at once (seq_id -1)", r"match any sequence|seq_id == -1|seq_id < 0"),
+    Reason("needs a busy slot (concurrent requests)", r"is_processing"),
+    Reason("error path: an exception", r"catch \(|throw "),
     Reason("error path: allocation failure", r"bad_alloc|nullptr\)\s*\{?\s*$|== nullptr|failed to allocate|"
            r"cannot allocate|OOM|out of memory"),
     Reason("error path: a corrupt or mismatched state read", r"LLAMA_LOG_ERROR|failed to (read|restore|load)|"
