@@ -165,6 +165,11 @@ class Row:
         return asdict(self)
 
 
+def _name(line: dict[str, Any]) -> str:
+    """A line's function as gcov demangles it, less the ``auto `` a lambda's name starts with."""
+    return str(line.get("function_name") or "?").removeprefix("auto ")
+
+
 def _short(name: str) -> str:
     """``server_prompt_cache::load(server_prompt&, ...)::{lambda...}`` -> ``server_prompt_cache::load``."""
     return name.split("(", 1)[0]
@@ -187,7 +192,7 @@ def _source(run: CoverageRun, file: str) -> list[str]:
 
 def _selected(run: CoverageRun, t: Target, lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """The lines of ``t``: of the functions it names, within its region when it has one."""
-    mine = [ln for ln in lines if re.search(t.function, ln.get("function_name") or "")]
+    mine = [ln for ln in lines if re.search(t.function, _name(ln))]
     if t.start is None or not mine:
         return mine
     text = _source(run, t.file)
@@ -210,7 +215,7 @@ def function_rows(run: CoverageRun, doc: Any) -> list[Row]:
         else:
             groups = {}
             for ln in lines:
-                groups.setdefault(_short(ln.get("function_name") or "?"), []).append(ln)
+                groups.setdefault(_short(_name(ln)), []).append(ln)
         for name, group in groups.items():
             row = Row(t.label, name, t.file, group[0]["line_number"] if group else 0)
             for ln in group:
@@ -243,6 +248,7 @@ class Block:
 def unreached_blocks(run: CoverageRun, doc: Any) -> list[Block]:
     """Every block of never-reached lines of the targets, with its reason (``unexplained`` when none fits)."""
     files = _code_lines(doc)
+    entered = {(f, _name(ln)) for f, lines in files.items() for ln in lines if ln.get("count", 0) > 0}
     seen: set[tuple[str, int]] = set()
     blocks: list[Block] = []
     for t in TARGETS:
@@ -251,17 +257,18 @@ def unreached_blocks(run: CoverageRun, doc: Any) -> list[Block]:
         prev_fn = None
         for ln in _selected(run, t, files.get(t.file, [])):
             key = (t.file, ln["line_number"])
-            if ln.get("count", 0) > 0 or key in seen or ln.get("function_name") != prev_fn:
+            if ln.get("count", 0) > 0 or key in seen or _name(ln) != prev_fn:
                 groups.append([])  # a reached line or another function ends a block
-            prev_fn = ln.get("function_name")
+            prev_fn = _name(ln)
             if ln.get("count", 0) == 0 and key not in seen:
                 seen.add(key)
                 groups[-1].append(ln)
         for g in (g for g in groups if g):
             first, last = g[0]["line_number"], g[-1]["line_number"]
             body = "\n".join(text[first - 1 : last])
-            fn = g[0].get("function_name") or "?"
-            blocks.append(Block(t.label, _short(fn), t.file, first, last, len(g), reason_for(body, fn), body))
+            fn = _name(g[0])
+            why = reason_for(body, fn, (t.file, fn) in entered)
+            blocks.append(Block(t.label, _short(fn), t.file, first, last, len(g), why, body))
     return blocks
 
 

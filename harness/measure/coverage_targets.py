@@ -77,39 +77,48 @@ TARGETS: tuple[Target, ...] = (
 
 @dataclass(frozen=True)
 class Reason:
-    """``text`` (a regex on the block's source lines) or ``function`` (a regex on its function's name)."""
+    """``text`` (a regex on the block's source lines; only for blocks of at most ``max_lines`` lines when given)
+    or ``function`` (a regex on its function's name; only for a function never entered when ``unentered``)."""
 
     reason: str
     text: str | None = None
     function: str | None = None
+    max_lines: int | None = None
+    unentered: bool = False
 
 
 UNEXPLAINED = "unexplained"
 
 REASONS: tuple[Reason, ...] = (
-    # a function the workloads never entered: what it needs (workloads on the llama model alone reach none)
-    Reason("needs a recurrent or hybrid model (mamba, jamba, lfm2) in the workload", None,
-           r"^llama_memory_(recurrent|hybrid)::"),
-    Reason("needs an SWA model (gemma2) in the workload", None, r"^llama_kv_cache_iswa::"),
-    Reason("needs context checkpoints (a recurrent, hybrid or SWA model)", None,
-           r"^(common_prompt_checkpoint|server_context_impl::create_checkpoint)"),
-    Reason("whole-state save/load (llama_state_*): the server saves per sequence only", None,
-           r"^(llama_state_(get|set)_|llama_context::state_(get|set|write|read)_data|llama_state_seq_(get|set)_(data|size)\()"),
     Reason("error path: a failed state read (state_clear undoes a partial restore)", None, r"::state_clear\("),
     Reason("needs a full unified KV cache (a decode that finds no room)", None, r"::try_clear_idle_slots\("),
+    Reason("needs n_cmpl > 1 (a parent's prompt and sequence copied to its children)", None,
+           r"^(server_prompt::clone|llama_memory_seq_cp|llama_kv_cache::seq_cp|llama_memory_recurrent::seq_cp)(\(|$)"),
+    Reason("seq_keep: no path of the server keeps one sequence only", None, r"seq_keep(\(|$)"),
+    # an abort among other lines does not explain them: only a short block that is the abort
     Reason("abort path: an invariant upstream asserts (the process dies: no counters)",
-           r"GGML_ABORT|GGML_ASSERT|should not happen"),
+           r"GGML_ABORT|GGML_ASSERT|should not happen", max_lines=4),
     Reason("slot files: #39 point 1", r"SLOT_(SAVE|RESTORE|ERASE)|slot_save_path|state_seq_(save|load)_file|filepath|"
            r"fs_validate_filename|n_erased|_file\(",
            r"handle_slots_|state_(save|load)_file|state_seq_(save|load)_file"),
     Reason("--cache-reuse / context shift: #39 point 1", r"n_cache_reuse|cache_reuse|n_discard|ctx_shift|n_keep",
            r"seq_(add|div)"),
+    Reason("needs --slots-debug (a debugging printout)", r"slots_debug|slots_n_diff"),
+    Reason("needs a transposed V cache (v_trans: flash attention off)", r"transposed|v_trans"),
     Reason("needs a multimodal model (mtmd)", r"mtmd|mmproj|LLAMA_TOKEN_NULL|image"),
     Reason("unreachable on CPU: a device/GPU branch", r"ggml_backend_buffer_is_host|is_host|cuda|GPU|gpu|offload|"
            r"ggml_backend_dev|dev_type|n_gpu_layers|io\.read_to\(|read_to"),
+    # a function the workloads never entered: the kind of model it needs (a workload of the llama model alone)
+    Reason("needs a recurrent or hybrid model (mamba, jamba, lfm2) in the workload", None,
+           r"^llama_memory_(recurrent|hybrid)::", unentered=True),
+    Reason("needs an SWA model (gemma2) in the workload", None, r"^llama_kv_cache_iswa::", unentered=True),
+    Reason("needs context checkpoints (a recurrent, hybrid or SWA model)", None,
+           r"^(common_prompt_checkpoint|server_context_impl::create_checkpoint)", unentered=True),
+    Reason("whole-state save/load (llama_state_*): the server saves per sequence only", None,
+           r"^(llama_state_(get|set)_|llama_context::state_(get|set|write|read)_data|llama_state_seq_(get|set)_(data|size)(\(|$))"),
     Reason("needs a speculative draft model (or its checkpoint type)", r"ctx_dft|spec_|draft|drft|size_dft|data_dft"),
-    Reason("idle slots of other task types (embedding, rerank): #39 point 1", r"embedding|rerank|pooling"),
-    Reason("needs --slots-debug (a debugging printout)", r"slots_debug|ss0|ss1|st0|st1"),
+    Reason("idle slots of other task types (embedding, rerank): #39 point 1",
+           r"task.*(embedding|rerank)|EMBEDDING|RERANK|pooling"),
     Reason("cache pressure: eviction (needs a fuller --cache-ram: soak)", r"removing oldest entry|making room|"
            r"exceeds cache size limit|cache (size|token) limit|obsolete cached prompt"),
     Reason("a full KV cache (a decode that finds no room)", r"failed to find free space|n_batch /= 2"),
@@ -126,13 +135,14 @@ REASONS: tuple[Reason, ...] = (
 )  # fmt: skip
 
 
-def reason_for(source: str, function: str) -> str:
-    """The first reason of :data:`REASONS` whose function pattern names the block's function, else the first
-    whose text pattern is in its lines, else :data:`UNEXPLAINED`."""
+def reason_for(source: str, function: str, entered: bool = True) -> str:
+    """The first reason of :data:`REASONS` whose function pattern names the block's function (``entered``: a
+    line of it was reached), else the first whose text pattern is in its lines, else :data:`UNEXPLAINED`."""
     for r in REASONS:
-        if r.function is not None and re.search(r.function, function):
+        if r.function is not None and (not r.unentered or not entered) and re.search(r.function, function):
             return r.reason
+    n = sum(1 for line in source.split("\n") if line.strip())
     for r in REASONS:
-        if r.text is not None and re.search(r.text, source):
+        if r.text is not None and (r.max_lines is None or n <= r.max_lines) and re.search(r.text, source):
             return r.reason
     return UNEXPLAINED
