@@ -15,6 +15,9 @@ memory cgroup; the requests that led to it written beside its log), an output un
 usage error, 4 when llama-server does not build, 5 when ``--memory-limit`` finds no memory cgroup to make.
 The figures come from a shared machine: compare
 runs made on the same machine only.
+
+Size: ``run`` is one piece from the build to the JSON, so that an error or Ctrl-C at any point still writes the
+JSON that says the run did not pass.
 """
 
 from __future__ import annotations
