@@ -267,7 +267,7 @@ def unreached_blocks(run: CoverageRun, doc: Any) -> list[Block]:
             first, last = g[0]["line_number"], g[-1]["line_number"]
             body = "\n".join(text[first - 1 : last])
             fn = _name(g[0])
-            why = reason_for(body, fn, (t.file, fn) in entered)
+            why = reason_for(body, fn, (t.file, fn) in entered, "\n".join(text[max(0, first - 3) : first - 1]) + "\n")
             blocks.append(Block(t.label, _short(fn), t.file, first, last, len(g), why, body))
     return blocks
 

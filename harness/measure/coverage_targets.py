@@ -119,8 +119,9 @@ REASONS: tuple[Reason, ...] = (
     Reason("needs a speculative draft model (or its checkpoint type)", r"ctx_dft|spec_|draft|drft|size_dft|data_dft"),
     Reason("idle slots of other task types (embedding, rerank): #39 point 1",
            r"task.*(embedding|rerank)|EMBEDDING|RERANK|pooling"),
-    Reason("cache pressure: eviction (needs a fuller --cache-ram: soak)", r"removing oldest entry|making room|"
-           r"exceeds cache size limit|cache (size|token) limit|obsolete cached prompt"),
+    Reason("cache pressure: an eviction path no workload hit (a limit reached at update)",
+           r"removing oldest entry|making room|exceeds cache size limit|cache (size|token) limit|"
+           r"obsolete cached prompt"),
     Reason("a full KV cache (a decode that finds no room)", r"failed to find free space|n_batch /= 2"),
     Reason("needs cell extensions (M-RoPE positions)", r"llama_kv_cell_ext|ext_(get|set)\(|exts"),
     Reason("all sequences at once (seq_id -1)", r"match any sequence|seq_id == -1|seq_id < 0"),
@@ -135,14 +136,15 @@ REASONS: tuple[Reason, ...] = (
 )  # fmt: skip
 
 
-def reason_for(source: str, function: str, entered: bool = True) -> str:
+def reason_for(source: str, function: str, entered: bool = True, context: str = "") -> str:
     """The first reason of :data:`REASONS` whose function pattern names the block's function (``entered``: a
-    line of it was reached), else the first whose text pattern is in its lines, else :data:`UNEXPLAINED`."""
+    line of it was reached), else the first whose text pattern is in its lines or the ``context`` before them (the
+    ``} else {  // when ...`` that opens the block), else :data:`UNEXPLAINED`."""
     for r in REASONS:
         if r.function is not None and (not r.unentered or not entered) and re.search(r.function, function):
             return r.reason
     n = sum(1 for line in source.split("\n") if line.strip())
     for r in REASONS:
-        if r.text is not None and (r.max_lines is None or n <= r.max_lines) and re.search(r.text, source):
+        if r.text is not None and (r.max_lines is None or n <= r.max_lines) and re.search(r.text, context + source):
             return r.reason
     return UNEXPLAINED
