@@ -21,7 +21,7 @@ from fixtures.models import model_path
 from harness.cli import main as cli_main
 from harness.errors import Unavailable, UsageError
 from harness.measure import coverage as cov
-from harness.measure.coverage_targets import TARGETS, UNEXPLAINED, reason_for
+from harness.measure.coverage_targets import TARGETS, UNEXPLAINED, Target, reason_for
 from harness.targets.llama_build import build_server, cmake_args
 from harness.targets.llama_gcov import SOURCES, gcov_env, is_coverage
 from harness.targets.llama_server import ServerProcess
@@ -91,6 +91,16 @@ def test_a_killed_server_is_counted_as_lost(measured: tuple[cov.CoverageRun, Any
     assert clean == 1 and lost == ["-9"], (clean, lost)
 
 
+def test_a_region_whose_marker_drifted_is_empty_not_guessed(measured: tuple[cov.CoverageRun, Any]) -> None:
+    """What the next test guards against: a start marker no line matches selects nothing (a 0/0 row)."""
+    run, doc = measured
+    lines = cov._code_lines(doc)["tools/server/server-context.cpp"]
+    real = next(t for t in TARGETS if t.label == "checkpoint restore (pre_decode)")
+    assert len(cov._selected(run, real, lines)) > 20
+    drifted = Target(real.label, real.file, real.function, "a line upstream renamed", real.end)
+    assert cov._selected(run, drifted, lines) == []
+
+
 def test_every_region_marker_is_in_the_pinned_sources(binary: Path) -> None:
     """A region whose markers drifted would be reported empty: each start and end line is found, in order."""
     for t in TARGETS:
@@ -131,7 +141,10 @@ def test_reasons_table() -> None:
 
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
     assert cli_main(["build-server", "--coverage", "--semantics", "master"]) == 2
+    assert cli_main(["soak", "--minutes", "1", "--server-bin", "/nonexistent"]) == 2
+    assert cli_main(["coverage", "--run", "gate", "--minutes", "0"]) == 2
     monkeypatch.setitem(sys.modules, "gcovr", None)  # as if not installed
     with pytest.raises(Unavailable, match="gcovr is not installed"):
         cov._gcovr()
-    assert "--coverage builds the pinned tree" in capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert "--coverage builds the pinned tree" in err and "--server-bin /nonexistent: not an executable" in err
