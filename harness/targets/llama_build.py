@@ -2,7 +2,7 @@
 
 Two entry points, one pipeline:
 
-:func:`build_server` (``build-server [--semantics shared|master] [--asan]``)
+:func:`build_server` (``build-server [--semantics shared|master] [--asan] [--coverage]``)
     the pinned tree (:mod:`harness.targets.llama_pinned`) in one of three flavours: ``master`` as
     vendored; ``pr`` with ``fixtures/pr-27451.patch`` (shared, immutable, refcounted checkpoint payloads
     and an OOM-safe ``server_prompt_cache::alloc``); ``asan``, the ``pr`` source with
