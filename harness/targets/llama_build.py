@@ -3,7 +3,7 @@
 Two entry points, one pipeline:
 
 :func:`build_server` (``build-server [--semantics shared|master] [--asan] [--coverage]``)
-    the pinned tree (:mod:`harness.targets.llama_pinned`) in one of three flavours: ``master`` as
+    the pinned tree (:mod:`harness.targets.llama_pinned`) in one of four flavours: ``master`` as
     vendored; ``pr`` with ``fixtures/pr-27451.patch`` (shared, immutable, refcounted checkpoint payloads
     and an OOM-safe ``server_prompt_cache::alloc``); ``asan``, the ``pr`` source with
     ``-fsanitize=address,undefined -fno-omit-frame-pointer -g`` at ``-O1``; ``coverage``, the ``pr``
