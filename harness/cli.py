@@ -20,6 +20,7 @@ from harness.commands import (
     build_server,
     concurrent,
     contract,
+    coverage,
     demo,
     fuzz,
     gate,
@@ -57,6 +58,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "report": (report, "the memory report: one self-contained HTML page and report.json, master vs PR"),
     "slot-files": (slot_files, "hostile slot file names against a real llama-server; nothing may escape the save dir"),
     "trace": (trace, "trace llama-server's libllama calls, replay them in one process, shrink a divergence"),
+    "coverage": (coverage, "line and branch coverage of the C++ under test (gcov build): gate, concurrent, soak, fuzz"),
     "bench": (bench, "the performance table: speed ratios with goals, as JSON and docs/bench.md"),
 }
 

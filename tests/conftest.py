@@ -5,7 +5,8 @@ And the llama-server builds, before the first test: a module whose tests run the
 builds (``shared`` and ``master``) are made or found in the cache once, after collection, with a line
 each. A cold build takes minutes (9 and 4.5 on 2 cores): inside a test it would trip pytest's
 ``faulthandler_timeout`` and print every thread's stack; here no test's timer runs. A module whose tests
-build users' trees (``pytest.mark.user_trees``) gets those trees made and built there too (:data:`BUILT`).
+build users' trees (``pytest.mark.user_trees``) gets those trees made and built there too (:data:`BUILT`), and
+one that runs the gcov build (``pytest.mark.coverage_build``) gets the ``coverage`` flavour made there.
 """
 
 from __future__ import annotations
@@ -37,9 +38,10 @@ BUILDS = (("shared", "pr"), ("master", "master"))
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
-    if session.config.option.collectonly or not any(
-        item.get_closest_marker("llama_server_builds") for item in session.items
-    ):
+    if session.config.option.collectonly:
+        return
+    coverage = any(item.get_closest_marker("coverage_build") for item in session.items)
+    if not coverage and not any(item.get_closest_marker("llama_server_builds") for item in session.items):
         return
     reporter = session.config.pluginmanager.get_plugin("terminalreporter")
 
@@ -49,7 +51,8 @@ def pytest_collection_finish(session: pytest.Session) -> None:
         else:
             print(line, file=sys.stderr)
 
-    for semantics, flavour in BUILDS:
+    wanted = BUILDS if any(item.get_closest_marker("llama_server_builds") for item in session.items) else ()
+    for semantics, flavour in (*wanted, *((("coverage", "coverage"),) if coverage else ())):
         if cached_binary(flavour) is not None:
             say(f"llama-server builds for the server tests: {semantics} cached")
             continue

@@ -2,7 +2,8 @@
 
 Without ``--source`` it builds the pinned tree (llama.cpp 0c1e570 from the llama-cpp-python 0.3.36
 sdist): ``--semantics shared`` (default) with ``fixtures/pr-27451.patch`` applied, ``--semantics
-master`` as vendored; ``--asan`` adds AddressSanitizer and UBSan (PR semantics). With ``--source DIR``
+master`` as vendored; ``--asan`` adds AddressSanitizer and UBSan (PR semantics); ``--coverage`` builds the
+PR semantics with gcov instrumentation at ``-O0`` (``python -m harness coverage`` runs it). With ``--source DIR``
 it builds any llama.cpp checkout, never writing into it; a tree with the same content as an earlier
 build reuses that build. Prints the binary's path; exit 2 on a usage error, 4 when the build fails.
 ``--export DIR`` writes the pinned tree (with or without the patch) into ``DIR`` instead, without building.
@@ -35,6 +36,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the pinned tree with PR #27451 (shared, default) or as vendored (master); not with --source",
     )
     parser.add_argument("--asan", action="store_true", help="build with AddressSanitizer and UBSan")
+    parser.add_argument("--coverage", action="store_true",
+                        help="gcov instrumentation, -O0, PR semantics (for python -m harness coverage)")
     parser.add_argument("--flavour", choices=["master", "pr", "asan"], help=argparse.SUPPRESS)  # deprecated
     parser.add_argument("--jobs", "-j", type=int, default=None, help="parallel compile jobs (default: min(cpus, 2))")
     parser.add_argument("--force", action="store_true", help="rebuild even if a cached binary exists")
@@ -52,7 +55,10 @@ def _flavour(args: argparse.Namespace) -> str:
         return str(args.flavour)
     if args.asan and args.semantics == "master":
         raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
-    return "asan" if args.asan else ("master" if args.semantics == "master" else "pr")
+    if args.coverage and (args.asan or args.semantics == "master" or args.source is not None):
+        raise UsageError("--coverage builds the pinned tree with PR semantics only; drop --asan, --semantics master "
+                         "and --source")  # fmt: skip
+    return "coverage" if args.coverage else "asan" if args.asan else ("master" if args.semantics == "master" else "pr")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -63,11 +69,12 @@ def run(args: argparse.Namespace) -> int:
         print(m, file=sys.stderr)
 
     if args.export is not None:
-        if args.source is not None or args.asan:
+        if args.source is not None or args.asan or args.coverage:
             raise UsageError("--export writes the pinned tree; it takes --semantics only")
         print(export_pinned(_flavour(args) != "master", args.export, log))
         return 0
     if args.source is not None:
+        _flavour(args)  # --coverage with --source: one line
         if args.semantics is not None or args.flavour is not None:
             raise UsageError("--semantics picks the pinned tree's build; with --source the tree is what it is")
         path = build_source(args.source, asan=args.asan, jobs=args.jobs, force=args.force, log=log)

@@ -49,6 +49,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--asan", action="store_true", help="the AddressSanitizer build (shared semantics)")
     parser.add_argument("--source", metavar="DIR", type=Path, help="build llama-server from this llama.cpp tree")
+    parser.add_argument("--server-bin", metavar="PATH", type=Path,
+                        help="run this llama-server binary (e.g. the coverage build) instead of building one")
     parser.add_argument("--traces", type=int, default=3, help="seeded traces per configuration (default 3)")
     parser.add_argument("--short", action="store_true", help="only the gate's two configurations")
     parser.add_argument("--seed", type=int, default=0)
@@ -76,7 +78,11 @@ def run(args: argparse.Namespace) -> int:
     def log(m: str) -> None:
         print("  build: " + m, file=sys.stderr)
 
-    if args.source is not None:
+    if args.server_bin is not None:
+        if args.source is not None or args.semantics is not None or getattr(args, "asan", False):
+            raise UsageError("--server-bin runs the binary as it is: drop --source, --semantics and --asan")
+        build = server_build(binary=args.server_bin, log=log)
+    elif args.source is not None:
         build = server_build(source=args.source, asan=args.asan, log=log)
     else:
         build = server_build(

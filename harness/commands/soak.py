@@ -33,7 +33,7 @@ from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.soak import CACHE_RAM_MIB, SoakSettings, soak
 from harness.load.traced import ServerTrace
-from harness.targets.llama_build import server_build
+from harness.targets.llama_build import ServerBuild, server_build
 from harness.targets.llama_probe import probe
 from harness.targets.memlimit import MemoryCgroup, cgroup_support
 
@@ -46,6 +46,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--semantics", choices=SEMANTICS, help="the pinned build: shared (PR #27451, default) or master"
     )
     parser.add_argument("--source", metavar="DIR", type=Path, help="build llama-server from this llama.cpp tree")
+    parser.add_argument("--server-bin", metavar="PATH", type=Path,
+                        help="run this llama-server binary (e.g. the coverage build) instead of building one")
     parser.add_argument("--arch", nargs="+", metavar="NAME", help="the fixtures models (default: all five)")
     parser.add_argument("--cache-ram", type=int, default=CACHE_RAM_MIB, metavar="MIB",
                         help=f"the server's --cache-ram (default {CACHE_RAM_MIB})")  # fmt: skip
@@ -86,25 +88,37 @@ def _check(args: argparse.Namespace) -> list[str]:
 
 
 def _replay_line(args: argparse.Namespace, archs: list[str]) -> str:
-    return (f"python -m harness soak --minutes {args.minutes} "
-            + (f"--source {args.source} " if args.source else f"--semantics {args.semantics or 'shared'} ")
+    origin = (f"--server-bin {args.server_bin} " if args.server_bin else f"--source {args.source} " if args.source
+              else f"--semantics {args.semantics or 'shared'} ")  # fmt: skip
+    return (f"python -m harness soak --minutes {args.minutes} " + origin
             + f"--arch {' '.join(archs)} --cache-ram {args.cache_ram} --seed {args.seed}"
             + (f" --rss-bound {args.rss_bound}" if args.rss_bound is not None else "")
             + (f" --memory-limit {args.memory_limit}" if args.memory_limit is not None else "")
             + (f" --embedding-clients {args.embedding_clients}" if args.embedding_clients else ""))  # fmt: skip
 
 
-def run(args: argparse.Namespace) -> int:
-    archs = _check(args)
+def _build(args: argparse.Namespace) -> ServerBuild:
+    """The binary to soak (``--server-bin``, ``--source`` or a pinned flavour), probed for its request form."""
 
     def log(m: str) -> None:
         print("  build: " + m, file=sys.stderr)
 
-    if args.source is not None:
+    if args.server_bin is not None:
+        if args.source is not None or args.semantics is not None or getattr(args, "asan", False):
+            raise UsageError("--server-bin runs the binary as it is: drop --source, --semantics and --asan")
+        build = server_build(binary=args.server_bin, log=log)
+    elif args.source is not None:
         build = server_build(source=args.source, log=log)
     else:
         build = server_build(flavour="master" if args.semantics == "master" else "pr", log=log)
     print("  " + probe(build.binary, log=log).line(), file=sys.stderr)  # the request form its version answers
+    return build
+
+
+def run(args: argparse.Namespace) -> int:
+    archs = _check(args)
+
+    build = _build(args)
     per_phase = args.minutes * 60 / (2 * len(archs))
     st = SoakSettings(per_phase, cache_ram_mib=args.cache_ram, rss_bound_mib=args.rss_bound, seed=args.seed,
                       memory_limit_mib=args.memory_limit, embedding_clients=args.embedding_clients)  # fmt: skip

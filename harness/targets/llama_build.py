@@ -2,11 +2,12 @@
 
 Two entry points, one pipeline:
 
-:func:`build_server` (``build-server [--semantics shared|master] [--asan]``)
-    the pinned tree (:mod:`harness.targets.llama_pinned`) in one of three flavours: ``master`` as
+:func:`build_server` (``build-server [--semantics shared|master] [--asan] [--coverage]``)
+    the pinned tree (:mod:`harness.targets.llama_pinned`) in one of four flavours: ``master`` as
     vendored; ``pr`` with ``fixtures/pr-27451.patch`` (shared, immutable, refcounted checkpoint payloads
     and an OOM-safe ``server_prompt_cache::alloc``); ``asan``, the ``pr`` source with
-    ``-fsanitize=address,undefined -fno-omit-frame-pointer -g`` at ``-O1``.
+    ``-fsanitize=address,undefined -fno-omit-frame-pointer -g`` at ``-O1``; ``coverage``, the ``pr``
+    source with ``--coverage`` at ``-O0``, its gcov notes kept in the entry (:mod:`~harness.targets.llama_gcov`).
 :func:`build_source` (``build-server --source DIR``)
     any llama.cpp checkout, never written to, cached by :func:`~harness.targets.llama_tree.tree_hash` of
     its content (a copy of a tree built before, or of the pinned tree, reuses that build).
@@ -45,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import EXIT_BUILD_FAILED, BuildError, UsageError
+from harness.targets.llama_gcov import coverage_cmake_args, is_coverage, keep_notes
 from harness.targets.llama_pinned import (
     PATCH_PATH,
     PINNED_COMMIT,
@@ -93,7 +95,7 @@ __all__ = [
     "tree_hash",
 ]
 
-FLAVOURS = ("master", "pr", "asan")
+FLAVOURS = ("master", "pr", "asan", "coverage")
 
 _SANITIZE = "-fsanitize=address,undefined -fno-omit-frame-pointer -g"
 
@@ -135,11 +137,11 @@ def cmake_args(flavour: str) -> list[str]:
             "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined",
             "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address,undefined",
         ]
-    return args
+    return args + (coverage_cmake_args() if flavour == "coverage" else [])
 
 
 def _uses_patch(flavour: str) -> bool:
-    return flavour in ("pr", "asan")
+    return flavour in ("pr", "asan", "coverage")
 
 
 def _compiler_id() -> str:
@@ -391,11 +393,12 @@ def _build_locked(
             out = tmp / "out"
             out.mkdir()
             copy_artifacts(build_dir / "bin", out)
+            gcov = keep_notes(build_dir, src, out) if is_coverage(args) else None
             shutil.copy2(log_path, out / "build.log")
             seconds = round(time.monotonic() - t0, 1)
             cc = None if before is None or after is None else {k: after[k] - before[k] for k in after}
             record = {**info, "cmake_args": args, "compiler": compiler, "seconds": seconds, "staged_changes": changed,
-                      "ccache": cc}  # fmt: skip
+                      "ccache": cc, **({"coverage": gcov} if gcov else {})}  # fmt: skip
             (out / "build-info.json").write_text(json.dumps(record, indent=2) + "\n")
             if final.exists():  # --force: swap the old build out, then drop it
                 os.rename(final, tmp / "old")

@@ -31,6 +31,7 @@ from typing import IO, Any
 from harness.errors import RequestFailed, ServerStartError
 from harness.interrupt import check, interrupted, shielded, track, untrack
 from harness.targets.llama_build import build_server, log_tail
+from harness.targets.llama_gcov import SERVER_EXITS_ENV
 
 __all__ = [
     "RequestFailed",
@@ -295,11 +296,19 @@ class ServerProcess:
                 raise
             finally:
                 rc = proc.returncode
+                self._record_exit(proc.pid, rc)
                 untrack(proc.pid)
                 with _LIVE_LOCK:
                     _LIVE.discard(self)
                 self._close_log()
         return rc
+
+    def _record_exit(self, pid: int, rc: int | None) -> None:
+        """A coverage run (:mod:`harness.targets.llama_gcov`) counts the servers that exited without their counters."""
+        path = self.env.get(SERVER_EXITS_ENV) or os.environ.get(SERVER_EXITS_ENV)
+        if path:
+            with contextlib.suppress(OSError), open(path, "a") as f:
+                f.write(f"{pid} {rc}\n")
 
     @staticmethod
     def _signal(proc: subprocess.Popen[bytes], sig: signal.Signals) -> None:

@@ -2,10 +2,15 @@
 
 One machine per :func:`~harness.backends.llama_server.differential.server_configs` row, on the cached build of
 the plan's semantics (``master``, or ``pr`` for ``shared``), 25 steps, batch 2. A campaign never builds:
-without the build it refuses with one line (exit 2) before any work starts.
+without the build it refuses with one line (exit 2) before any work starts. ``PROMPT_CACHE_SERVER_BIN`` in the
+environment names another binary of the same semantics instead (``python -m harness coverage --run fuzz`` runs
+the coverage build so).
 """
 
 from __future__ import annotations
+
+import os
+from pathlib import Path
 
 from hypothesis.stateful import RuleBasedStateMachine
 
@@ -14,13 +19,17 @@ from harness.backends.llama_server.differential import MachineStats, ServerConfi
 from harness.errors import UsageError
 from harness.targets.llama_build import cached_binary
 
-__all__ = ["campaign_machines", "campaign_models"]
+__all__ = ["SERVER_BIN_ENV", "campaign_machines", "campaign_models"]
+
+SERVER_BIN_ENV = "PROMPT_CACHE_SERVER_BIN"
 
 
 def campaign_machines(plan: Plan, backend: str) -> list[MachineSpec]:
     flavour = "master" if plan.semantics == "master" else "pr"
-    binary = cached_binary(flavour)
-    if binary is None:
+    named = os.environ.get(SERVER_BIN_ENV)
+    binary = Path(named) if named else cached_binary(flavour)
+    expr = f"Path({named!r})" if named else f"build_server({flavour!r})"
+    if binary is None or not binary.is_file():
         raise UsageError(
             f"no llama-server build for --semantics {plan.semantics}: "
             f"run python -m harness build-server --semantics {plan.semantics} first"
@@ -30,7 +39,7 @@ def campaign_machines(plan: Plan, backend: str) -> list[MachineSpec]:
 
         def make(cfg: ServerConfig = cfg) -> type[RuleBasedStateMachine]:
             cls: type[RuleBasedStateMachine] = server_machine(
-                cfg, binary, plan.semantics, MachineStats(), None, f"build_server({flavour!r})"
+                cfg, binary, plan.semantics, MachineStats(), None, expr
             )
             return cls
 

@@ -1,0 +1,150 @@
+"""Coverage of the C++ under test: the gcov build, a run's counters, gcovr's figures per function, the reasons.
+
+The real ``coverage`` build (made before the first test by tests/conftest.py), a few requests through
+:class:`ServerProcess` on the tiny llama model, then gcovr: ``server_prompt_cache::load`` is reached, the slot
+file handlers (no request saves a slot file) are 0 of their lines with their blocks given the reason "slot
+files", and a server killed with SIGKILL is counted as a server whose counters are lost.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from fixtures.models import model_path
+from harness.cli import main as cli_main
+from harness.errors import Unavailable, UsageError
+from harness.measure import coverage as cov
+from harness.measure.coverage_targets import TARGETS, UNEXPLAINED, Target, reason_for
+from harness.targets.llama_build import build_server, cmake_args
+from harness.targets.llama_gcov import SOURCES, gcov_env, is_coverage
+from harness.targets.llama_server import ServerProcess
+
+pytestmark = pytest.mark.coverage_build  # built before the first test (tests/conftest.py)
+
+PROMPT_A = "The quick brown fox jumps over the lazy dog. " * 3
+PROMPT_B = "Pack my box with five dozen liquor jugs, said the sphinx. " * 3
+
+
+@pytest.fixture(scope="module")
+def binary() -> Path:
+    return build_server("coverage", log=lambda m: print(m, file=sys.stderr))
+
+
+@pytest.fixture(scope="module")
+def measured(binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[cov.CoverageRun, Any]]:
+    run = cov.CoverageRun.create(tmp_path_factory.mktemp("coverage") / "run", binary)
+    with ServerProcess(binary, model=model_path("llama"), n_parallel=1, cache_ram=16, ctx_size=512,
+                       env=run.env("requests")) as srv:  # fmt: skip
+        for prompt in (PROMPT_A, PROMPT_B, PROMPT_A):  # A saved to the RAM cache by B, then loaded back
+            srv.completion(prompt, n_predict=2)
+    killed = ServerProcess(binary, model=model_path("llama"), env=run.env("requests"))
+    with killed:
+        assert killed.proc is not None
+        killed.proc.kill()  # no clean exit: no counters
+        killed.proc.wait()
+    yield run, cov.gcovr_report(run, ["requests"], run.root / "requests.json")
+
+
+def _row(rows: list[cov.Row], function: str) -> cov.Row:
+    found = [r for r in rows if r.function == function]
+    assert len(found) == 1, [r.function for r in rows]
+    return found[0]
+
+
+def test_a_cache_round_trip_reaches_load_and_not_the_slot_files(measured: tuple[cov.CoverageRun, Any]) -> None:
+    run, doc = measured
+    rows = cov.function_rows(run, doc)
+    load = _row(rows, "server_prompt_cache::load")
+    assert 0 < load.lines_reached <= load.lines_total and load.branches_total > 0, load
+    assert _row(rows, "server_slot::prompt_save").lines_reached > 0
+    for untouched in ("server_routes::handle_slots_save", "server_routes::handle_slots_restore"):
+        row = _row(rows, untouched)
+        assert row.lines_total > 0 and row.lines_reached == 0 and row.branches_reached == 0, row
+    region = _row(rows, "slot files (process_single_task)")
+    assert region.lines_total > 20 and region.lines_reached == 0, region
+
+
+def test_unreached_blocks_carry_their_reason(measured: tuple[cov.CoverageRun, Any]) -> None:
+    run, doc = measured
+    blocks = cov.unreached_blocks(run, doc)
+    slot_files = [b for b in blocks if b.function == "server_routes::handle_slots_save"]
+    assert slot_files and all(b.reason == "slot files: #39 point 1" for b in slot_files), slot_files
+    reached = cov.reached_lines(run.root)
+    load = next(r for r in cov.function_rows(run, doc) if r.function == "server_prompt_cache::load")
+    assert ("tools/server/server-task.cpp", load.first) in reached
+    # a block is never hidden: every unreached line of a target is in exactly one block
+    unreached = sum(r.lines_total - r.lines_reached for r in cov.function_rows(run, doc)
+                    if not r.target.endswith("(update_slots)") and not r.target.endswith("(process_single_task)"))
+    assert sum(b.lines for b in blocks) >= unreached > 0
+
+
+def test_a_killed_server_is_counted_as_lost(measured: tuple[cov.CoverageRun, Any]) -> None:
+    run, _ = measured
+    clean, lost = run.servers("requests")
+    assert clean == 1 and lost == ["-9"], (clean, lost)
+
+
+def test_a_region_whose_marker_drifted_is_empty_not_guessed(measured: tuple[cov.CoverageRun, Any]) -> None:
+    """What the next test guards against: a start marker no line matches selects nothing (a 0/0 row)."""
+    run, doc = measured
+    lines = cov._code_lines(doc)["tools/server/server-context.cpp"]
+    real = next(t for t in TARGETS if t.label == "checkpoint restore (pre_decode)")
+    assert len(cov._selected(run, real, lines)) > 20
+    drifted = Target(real.label, real.file, real.function, "a line upstream renamed", real.end)
+    assert cov._selected(run, drifted, lines) == []
+
+
+def test_every_region_marker_is_in_the_pinned_sources(binary: Path) -> None:
+    """A region whose markers drifted would be reported empty: each start and end line is found, in order."""
+    for t in TARGETS:
+        if t.start is None:
+            continue
+        text = (binary.parent / SOURCES / t.file).read_text().split("\n")
+        start = next(i for i, line in enumerate(text) if re.search(t.start, line))
+        assert t.end is not None and any(re.search(t.end, line) for line in text[start + 1 :]), t
+
+
+def test_the_flavour_compiles_with_gcov_and_counts_outside_the_cache(binary: Path, tmp_path: Path) -> None:
+    args = cmake_args("coverage")
+    assert is_coverage(args) and not is_coverage(cmake_args("pr")) and not is_coverage(cmake_args("asan"))
+    assert "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG" in args and "-DCMAKE_SHARED_LINKER_FLAGS=--coverage" in args
+    env = gcov_env(binary.parent, tmp_path)
+    build_dir = Path(json.loads((binary.parent / "build-info.json").read_text())["coverage"]["build_dir"])
+    # a counter named <build_dir>/x/y.gcda lands in <tmp_path>/x/y.gcda
+    assert env["GCOV_PREFIX"] == str(tmp_path) and int(env["GCOV_PREFIX_STRIP"]) == len(build_dir.parts) - 1
+    other = tmp_path / "pr-entry"
+    other.mkdir()
+    (other / "build-info.json").write_text(json.dumps({"flavour": "pr"}))
+    with pytest.raises(UsageError, match="not a coverage build"):
+        gcov_env(other, tmp_path)
+
+
+def test_reasons_table() -> None:
+    assert reason_for("    if (ggml_backend_buffer_is_host(buf)) {", "llama_kv_cache::state_read") == (
+        "unreachable on CPU: a device/GPU branch"
+    )
+    assert reason_for('GGML_ABORT("failed to remove sequence %d\\n", slot.id);', "f").startswith("abort path")
+    assert reason_for("x = 1;", "server_routes::handle_slots_erase") == "slot files: #39 point 1"
+    assert reason_for("x = 1;", "server_prompt_cache::load") == UNEXPLAINED
+    # a function never entered is explained by its name first, whatever its lines hold
+    assert reason_for('GGML_ABORT("x");', "server_routes::handle_slots_save(server_http_req const&, int)") == (
+        "slot files: #39 point 1"
+    )
+
+
+def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    assert cli_main(["build-server", "--coverage", "--semantics", "master"]) == 2
+    assert cli_main(["soak", "--minutes", "1", "--server-bin", "/nonexistent"]) == 2
+    assert cli_main(["coverage", "--run", "gate", "--minutes", "0"]) == 2
+    monkeypatch.setitem(sys.modules, "gcovr", None)  # as if not installed
+    with pytest.raises(Unavailable, match="gcovr is not installed"):
+        cov._gcovr()
+    err = capsys.readouterr().err
+    assert "--coverage builds the pinned tree" in err and "--server-bin /nonexistent: not an executable" in err
