@@ -1,4 +1,5 @@
-"""``python -m harness coverage --run gate|concurrent|soak|fuzz``: what the workloads reach of the C++ under test.
+"""``python -m harness coverage --run gate|concurrent|soak|fuzz|slot-files``: what the workloads reach of the C++
+under test.
 
 Builds (or reuses) the ``coverage`` llama-server (``build-server --coverage``: the pinned tree with PR #27451,
 gcov at ``-O0``), runs each workload on it with its counters sent into ``OUT/run/<workload>/gcda`` (never into
@@ -10,10 +11,12 @@ per function of :data:`~harness.measure.coverage_targets.TARGETS`: lines and bra
 
 The workloads: ``gate`` the server gate (``--semantics shared``, with its short concurrent run); ``concurrent``
 (``--short`` with ``--quick``); ``soak`` for ``--minutes``; ``fuzz`` a campaign on the server backend for
-``--minutes``, one worker. A server writes its counters when it exits cleanly (SIGTERM); one killed or crashed
-(a planted fault, an abort) writes none: each workload's line says how many servers that was. A workload that
-fails still counts: its exit code is printed, and the command exits 0 once the report is written; 2 when gcovr
-or gcov is missing or no server wrote counters, 4 when the coverage build fails.
+``--minutes``, one worker; ``slot-files`` the slot save/restore/erase differential (``slot-files
+--differential``: completions between the actions, then a full tmpfs, whose truncated restore aborts one
+server). A server writes its counters when it exits cleanly (SIGTERM); one killed or crashed (a planted fault,
+an abort) writes none: each workload's line says how many servers that was. A workload that fails still counts:
+its exit code is printed, and the command exits 0 once the report is written; 2 when gcovr or gcov is missing or
+no server wrote counters, 4 when the coverage build fails.
 """
 
 from __future__ import annotations
@@ -27,7 +30,7 @@ from pathlib import Path
 from types import ModuleType
 
 from harness.backends.llama_server.campaign import SERVER_BIN_ENV
-from harness.commands import concurrent, fuzz, gate, soak
+from harness.commands import concurrent, fuzz, gate, slot_files, soak
 from harness.errors import EXIT_OK, HarnessError, UsageError
 from harness.measure.coverage import CoverageRun, gcovr_report
 from harness.measure.coverage_report import print_report, write_report
@@ -35,7 +38,7 @@ from harness.targets.llama_build import build_server
 
 __all__ = ["WORKLOADS", "add_arguments", "run"]
 
-WORKLOADS = ("gate", "concurrent", "soak", "fuzz")
+WORKLOADS = ("gate", "concurrent", "soak", "fuzz", "slot-files")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,6 +62,8 @@ def _argv(workload: str, binary: Path, args: argparse.Namespace, run: CoverageRu
         return ["--server-bin", str(binary), "--traces", "1", *(["--short"] if args.quick else []), *seed]
     if workload == "soak":
         return ["--server-bin", str(binary), "--minutes", str(args.minutes), *seed]
+    if workload == "slot-files":
+        return ["--server-bin", str(binary), "--differential"]
     db = str(run.root / "fuzz-db")
     return ["--backend", "server", "--minutes", str(args.minutes), "--workers", "1", "--plain", "--db", db]
 
@@ -96,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     binary = build_server("coverage", log=lambda m: print("  build: " + m, file=sys.stderr))
     out: Path = args.out
     run_ = CoverageRun.create(out / "run", binary)
-    modules = {"gate": gate, "concurrent": concurrent, "soak": soak, "fuzz": fuzz}
+    modules = {"gate": gate, "concurrent": concurrent, "soak": soak, "fuzz": fuzz, "slot-files": slot_files}
     exits: dict[str, tuple[int, str]] = {w: (-1, "not run (--report-only)") for w in workloads}
     for w in [] if args.report_only else workloads:
         argv = _argv(w, binary, args, run_)
