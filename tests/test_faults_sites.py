@@ -162,6 +162,7 @@ _LINE_HOLDS = {
     "ckpt.update_spec": "data.resize(sizeof(llama_pos) + g.size() * sizeof(float))",
     "tgt.state_read": "size_t llama_context::state_seq_set_data(",
     "dft.state_read": "size_t llama_context::state_seq_set_data(",
+    "slot_file.write": "std::fwrite(ptr, len, 1, fp)",
 }
 
 

@@ -1,6 +1,7 @@
 """The model's allocation sites and the upstream code each one mirrors: one table, at llama.cpp 0c1e570.
 
-Every allocation the model makes is named by a site (``alloc.state_tgt``, ``ckpt_copy.tgt``, ...: the first
+Every allocation the model makes, and the one write it can fail (``slot_file.write``, a slot file's ``fwrite``
+on a full disk), is named by a site (``alloc.state_tgt``, ``ckpt_copy.tgt``, ...: the first
 argument of :meth:`~harness.model.memory.Host.allocate` and its kin, in :mod:`harness.model.cache`,
 :mod:`harness.model.checkpoint`, :mod:`harness.model.provider`). :data:`SITES` says, for each, the upstream
 function whose allocation it mirrors, where that allocation is (file:line at 0c1e570, as vendored by
@@ -114,6 +115,12 @@ SITES: dict[str, UpstreamSite] = {
     "dft.state_read": UpstreamSite(
         "llama_context::state_seq_set_data", "src/llama-context.cpp:3223",
         "an allocation while the draft's sequence state is read back (llama_state_seq_set_data_ext)", _STATE_READ,
+    ),
+    "slot_file.write": UpstreamSite(
+        "llama_file::impl::write_raw", "src/llama-mmap.cpp:363",
+        "not an allocation: the fwrite of a slot file (POST /slots/{id}?action=save), which fails on a full disk "
+        "(ENOSPC) or a write error (harness/model/slot_files.py)",
+        ("llama_file::impl::write_raw", "llama_file::write_raw*", "llama_state_seq_save_file*"),
     ),
 }  # fmt: skip
 
