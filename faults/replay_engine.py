@@ -1,6 +1,6 @@
-"""Replay a libllama trace in one process, through llama-cpp-python's low-level API, and shrink it.
+"""Replay a libllama trace in one process, through llama-cpp-python's low-level API.
 
-This module runs in the child :mod:`faults.replay` starts (``python -m faults.replay_engine``), whose
+This module runs in the child :mod:`faults.replay` starts (``python -m faults.replay_child``), whose
 ``LLAMA_CPP_LIB_PATH`` names the traced server's own ``libllama.so``: the same machine code, the
 same model file, the same context parameters (``n_threads`` 1), so a replay that does what the server did
 gives the server's logits bit for bit.
@@ -12,36 +12,40 @@ gives the server's logits bit for bit.
   compared with the trace's row (hash, and value by value when the trace kept the row). With
   ``fresh=True`` each read is also compared with a fresh sequential evaluation of the tokens its
   sequence holds (:class:`Fresh`: a context of its own, one sequence, the prompt in ``n_batch`` chunks,
-  then token by token, as a single-slot server evaluates it).
-* :func:`shrink` delta-debugs the call list (events, then the rows of the batches left) while the
-  replay still shows one divergence: ``("fresh", i)``, read ``i``'s argmax unlike the fresh
-  evaluation's, or ``("ret", i)``, call ``i`` returning unlike in the trace; every other call kept
-  must return what it returned in the trace.
+  then token by token, as a single-slot server evaluates it). On a model with a sliding window every
+  batch's first row of each sequence is checked against the replay's own ``llama_memory_seq_pos_min``
+  (:func:`~faults.trace.short_window`): ``RunResult.windows``.
 
-Size: one engine in the order a replay runs: the context wrapper both the replay and the fresh
-evaluation use, the event walk, the shrink that calls the walk again and again, and the child's command
-line that runs them; apart, each part would import the others' private types.
+The shrink that runs the engine again and again is :mod:`faults.shrink`; the child's command line,
+:mod:`faults.replay_child`.
 """
 
 from __future__ import annotations
 
-import argparse
 import ctypes
 import importlib
-import json
-import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
-from typing import Any, TypeVar
+from typing import Any
 
 import numpy as np
 
-from faults.trace import Event, Memory, Row, Trace, fnv1a64, logits_row, main_context, read_trace, rows, write_trace
-from harness.child import child_setup
+from faults.lineage import STATEFUL
+from faults.trace import (
+    Event,
+    Memory,
+    Row,
+    Trace,
+    fnv1a64,
+    logits_row,
+    main_context,
+    rows,
+    short_window,
+)
 from harness.targets.libllama import load_model
 
-__all__ = ["Engine", "Fresh", "ReadResult", "RunResult", "ddmin", "shrink"]
+__all__ = ["STATEFUL", "Engine", "Fresh", "ReadResult", "RunResult"]
 
 _INT_PARAMS = ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_rs_seq", "n_outputs_max", "n_outputs_max_per_seq",
                "ctx_type", "rope_scaling_type", "pooling_type", "attention_type", "flash_attn_type",
@@ -49,11 +53,6 @@ _INT_PARAMS = ("n_ctx", "n_batch", "n_ubatch", "n_seq_max", "n_rs_seq", "n_outpu
 _FLOAT_PARAMS = ("rope_freq_base", "rope_freq_scale", "yarn_ext_factor", "yarn_attn_factor", "yarn_beta_fast",
                  "yarn_beta_slow")  # fmt: skip
 _BOOL_PARAMS = ("embeddings", "offload_kqv", "op_offload", "swa_full", "kv_unified")
-#: the events that change a context's memory (the rest are reads and queries)
-STATEFUL = ("process", "decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear",
-            "state_seq_get_data", "state_seq_set_data", "state_set_data")  # fmt: skip
-
-T = TypeVar("T")
 
 
 def _ll() -> Any:
@@ -87,6 +86,9 @@ class RunResult:
     reads: list[ReadResult] = field(default_factory=list)
     rets: list[tuple[int, int, int]] = field(default_factory=list)  # (i, trace's, replay's) that differ
     issues: list[tuple[int, str]] = field(default_factory=list)  # what the calls themselves get wrong
+    # (call, seq, pos, pos_min): a row decoded while the replay's memory of its sequence started above
+    # its sliding window (faults.trace.short_window, asked of the replay's own libllama)
+    windows: list[tuple[int, int, int, int]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # what could not be replayed
     calls: int = 0
     seconds: float = 0.0
@@ -108,6 +110,8 @@ class RunResult:
             "first_diff": asdict(d) if d else None,
             "rets_differ": self.rets[:10],
             "issues": self.issues[:20],
+            "short_windows": len(self.windows),
+            "first_short_window": list(self.windows[0]) if self.windows else None,
             "skipped": self.skipped,
             "fresh_compared": len(fresh),
             "fresh_same": sum(bool(r.fresh_same) for r in fresh),
@@ -236,6 +240,7 @@ class Engine:
             raise RuntimeError("the trace names no model file: give one")
         self.model = load_model(path)
         self.n_vocab = self.model.n_vocab
+        self.n_swa = int(_ll().llama_model_n_swa(self.model.ptr))
         self.n_threads = n_threads
         self.trace_rets = trace.returns()
         self._fresh: Fresh | None = None
@@ -263,6 +268,7 @@ class Engine:
                     if e.get("embd"):
                         res.skipped.append(f"call {e['i']}: a batch of embeddings (not in the trace)")
                         break
+                    self._windows(ctx, e, res)
                     ret = ctx.process(rows(e))
                     want = self.trace_rets.get(int(e["i"]), 0)
                     if ret != want:
@@ -297,6 +303,22 @@ class Engine:
             ctx.close()
         res.seconds = time.monotonic() - t0
         return res
+
+    def _windows(self, ctx: _Ctx, e: Event, res: RunResult) -> None:
+        """Each sequence's first row of batch ``e`` against the replay's memory (:func:`short_window`)."""
+        if not self.n_swa:
+            return
+        first: dict[int, int] = {}
+        for r in rows(e):
+            for s in r.seqs:
+                if r.pos >= 0 and r.pos < first.get(s, r.pos + 1):
+                    first[s] = r.pos
+        for s, q in sorted(first.items()):
+            pm = int(_ll().llama_memory_seq_pos_min(ctx.mem, s))
+            if short_window(self.n_swa, pm, q):
+                res.windows.append((int(e["i"]), s, q, pm))
+                res.issues.append((int(e["i"]), f"seq {s} decodes position {q} with the replay's memory from {pm}: "
+                                   f"its window of {self.n_swa} starts at {max(0, q - self.n_swa + 1)}"))  # fmt: skip
 
     def _get_state(self, ctx: _Ctx, e: Event, states: dict[str, bytes]) -> None:
         ll = _ll()
@@ -337,209 +359,3 @@ class Engine:
         if self._fresh is not None:
             self._fresh.close()
             self._fresh = None
-
-
-# --------------------------------------------------------------------------------------------
-# shrinking
-# --------------------------------------------------------------------------------------------
-
-
-def ddmin(units: list[T], test: Callable[[list[T]], bool], *, budget: float = 600.0) -> list[T]:
-    """Zeller's delta debugging: a 1-minimal sublist of ``units`` that still passes ``test`` (which the
-    whole list must pass), or the smallest found when ``budget`` seconds run out."""
-    deadline = time.monotonic() + budget
-    n = 2
-    while len(units) >= 2 and time.monotonic() < deadline:
-        size = -(-len(units) // n)
-        parts = [units[k : k + size] for k in range(0, len(units), size)]
-        for cand in [*parts, *([u for j, p in enumerate(parts) if j != k for u in p] for k in range(len(parts)))]:
-            if len(cand) < len(units) and test(cand):
-                units = cand
-                n = max(n - 1, 2) if len(cand) > size else 2
-                break
-        else:
-            if n >= len(units):
-                break
-            n = min(2 * n, len(units))
-    return units
-
-
-def _with_rows(e: Event, keep: Sequence[int]) -> Event:
-    out = dict(e)
-    rs = rows(e)
-    sel = [rs[j] for j in keep]
-    out["n"] = len(sel)
-    out["tok"] = [r.tok for r in sel]
-    out["pos"] = [r.pos for r in sel]
-    out["seq"] = [list(r.seqs) if len(r.seqs) > 1 else r.seqs[0] for r in sel]
-    out["out"] = [j for j, r in enumerate(sel) if r.out]
-    out["embd"] = []
-    return out
-
-
-class _Shrinker:
-    """One shrink: the calls left (``base``) and the pinned target (its call; for a read, the batch
-    before it and the read)."""
-
-    def __init__(self, engine: Engine, events: list[Event], target: tuple[str, int]) -> None:
-        self.engine = engine
-        self.kind, self.at = target
-        by_i = {int(e["i"]): e for e in events if "i" in e and e.get("ev") != "ret"}
-        if self.at not in by_i:
-            raise ValueError(f"target call {self.at} is not in the trace")
-        # reads and queries change nothing: only the target read stays; nothing after the target matters
-        self.base = [e for e in events if e.get("ev") in STATEFUL and int(e["i"]) < self.at]
-        self.pinned: list[Event] = [by_i[self.at]]
-        if self.kind == "fresh":
-            proc = max((e for e in self.base if e.get("ev") == "process"), key=lambda e: int(e["i"]))
-            self.base.remove(proc)
-            self.pinned.insert(0, proc)
-        if not self.shows(self.base, self.pinned, None):
-            raise ValueError(f"the replay of the trace does not show {self.kind} at call {self.at}")
-        self.wanted = self.issues([*self.base, *self.pinned])[0]
-
-    def issues(self, evs: list[Event]) -> tuple[set[tuple[str, int, int]], bool]:
-        """The target call's inconsistencies (what, seq, pos), and whether any other call has one."""
-        mem = Memory(self.engine.ctx_id)
-        at_target: set[tuple[str, int, int]] = set()
-        others = False
-        for e in sorted(evs, key=lambda e: int(e["i"])):
-            found = {(x.what, x.seq, x.pos) for x in mem.apply(e) if x.what != "pos_max"}
-            if int(e["i"]) == self.at:
-                at_target |= found
-            else:
-                others = others or bool(found)
-        return at_target, others
-
-    def shows(self, base: list[Event], pinned: list[Event], wanted: set[tuple[str, int, int]] | None) -> bool:
-        evs = sorted([*base, *pinned], key=lambda e: int(e["i"]))
-        if self.kind == "ret" and wanted is not None:
-            # the same wrong call: its inconsistencies among the original's, none anywhere else
-            mine, others = self.issues(evs)
-            if others or not mine <= wanted or (wanted and not mine):
-                return False
-        res = self.engine.run(evs, fresh=lambda e: int(e["i"]) == self.at)
-        if self.kind == "ret":
-            return any(i == self.at for i, _, _ in res.rets) and all(i == self.at for i, _, _ in res.rets)
-        if res.rets:
-            return False
-        v = next((r for r in res.reads if r.i == self.at), None)
-        return v is not None and v.fresh_argmax is not None and v.fresh_argmax != v.argmax_replay
-
-    def out_row(self) -> int:
-        if self.kind != "fresh":
-            return -1
-        idx = int(self.pinned[1]["idx"])
-        return idx if idx >= 0 else len(rows(self.pinned[0])) + idx
-
-    def rebuild(self, sel: list[tuple[int, int]]) -> tuple[list[Event], list[Event]] | None:
-        """The calls with only the rows ``sel`` (event i, row j) left; None when the pinned batch is empty."""
-        keep: dict[int, list[int]] = {}
-        extra = [(int(self.pinned[0]["i"]), self.out_row())] if self.kind == "fresh" else []
-        for i, j in [*sel, *extra]:
-            keep.setdefault(i, []).append(j)
-        base = [e if e.get("ev") != "process" else _with_rows(e, sorted(keep[int(e["i"])]))
-                for e in self.base if e.get("ev") != "process" or int(e["i"]) in keep]  # fmt: skip
-        pin = self.pinned[0]
-        if pin.get("ev") != "process":
-            return base, list(self.pinned)
-        js = sorted(keep.get(int(pin["i"]), []))
-        if not js:
-            return None  # an empty batch fails for its own reason
-        pins = [_with_rows(pin, js)]
-        if self.kind == "fresh":
-            pins.append({**self.pinned[1], "idx": js.index(self.out_row())})
-        return base, pins
-
-    def run(self, budget: float) -> list[Event]:
-        deadline = time.monotonic() + budget
-        for _ in range(4):  # events, then rows, until neither shrinks
-            size = (len(self.base), sum(len(rows(e)) for e in [*self.base, *self.pinned] if e.get("ev") == "process"))
-            self.base = ddmin(self.base, lambda b: self.shows(b, self.pinned, self.wanted),
-                              budget=max(1.0, (deadline - time.monotonic()) / 2))  # fmt: skip
-            units = [(int(e["i"]), j) for e in [*self.base, *self.pinned[:1]] if e.get("ev") == "process"
-                     for j in range(len(rows(e)))]  # fmt: skip
-            if self.kind == "fresh":
-                units.remove((int(self.pinned[0]["i"]), self.out_row()))
-
-            def rows_show(sel: list[tuple[int, int]]) -> bool:
-                built = self.rebuild(sel)
-                return built is not None and self.shows(built[0], built[1], self.wanted)
-
-            sel = ddmin(units, rows_show, budget=max(1.0, deadline - time.monotonic())) if units else units
-            built = self.rebuild(sel)
-            if built is not None and rows_show(sel):
-                self.base, self.pinned = built
-            now = (len(self.base), sum(len(rows(e)) for e in [*self.base, *self.pinned] if e.get("ev") == "process"))
-            if now == size or time.monotonic() > deadline:
-                break
-        rets = self.engine.trace_rets
-        out = sorted([*self.base, *self.pinned], key=lambda e: int(e["i"]))
-        return [x for e in out for x in ([e, {"ev": "ret", "of": int(e["i"]), "ret": rets.get(int(e["i"]), 0)}]
-                                         if e.get("ev") == "process" else [e])]  # fmt: skip
-
-
-def shrink(engine: Engine, events: list[Event], target: tuple[str, int], *, budget: float = 600.0) -> list[Event]:
-    """The fewest calls (and batch rows) whose replay still shows ``target`` (see the module's text)."""
-    return _Shrinker(engine, events, target).run(budget)
-
-
-# --------------------------------------------------------------------------------------------
-# the child's command line
-# --------------------------------------------------------------------------------------------
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    child_setup(watchdog=False)
-    ap = argparse.ArgumentParser(prog="python -m faults.replay_engine")
-    ap.add_argument("action", choices=("replay", "shrink"))
-    ap.add_argument("trace")
-    ap.add_argument("--out", required=True)
-    ap.add_argument("--model")
-    ap.add_argument("--ctx", type=int, default=None)
-    ap.add_argument("--fresh", action="store_true")
-    ap.add_argument("--target", help="KIND:I, e.g. fresh:1234 or ret:88 (shrink; default: the first divergence)")
-    ap.add_argument("--shrunk", help="where the shrunk trace goes (shrink)")
-    ap.add_argument("--budget", type=float, default=600.0)
-    a = ap.parse_args(argv)
-    trace = read_trace(a.trace)
-    engine = Engine(trace, model=a.model, ctx=a.ctx)
-    out: dict[str, Any] = {"trace": a.trace, "libllama": _ll().llama_cpp._lib._name, "model": str(engine.model.path),
-                           "torn": trace.torn, "truncated": trace.truncated}  # fmt: skip
-    try:
-        res = engine.run(trace.events, fresh=a.fresh or a.action == "shrink")
-        out["replay"] = res.summary()
-        if a.action == "shrink":
-            if a.target:
-                k, _, i = a.target.partition(":")
-                target = (k, int(i))
-            elif res.rets:
-                target = ("ret", res.rets[0][0])
-            else:
-                v = res.first_divergence()
-                if v is None:
-                    out["shrink"] = {"error": "the replay shows no divergence to shrink"}
-                    return _write(a.out, out)
-                target = ("fresh", v.i)
-            t0 = time.monotonic()
-            small = shrink(engine, trace.events, target, budget=a.budget)
-            calls = [e for e in small if e.get("ev") != "ret"]
-            n_rows = sum(len(e.get("tok") or []) for e in calls if e.get("ev") == "process")
-            took = round(time.monotonic() - t0, 1)
-            out["shrink"] = {"target": list(target), "calls": len(calls), "rows": n_rows, "seconds": took}
-            if a.shrunk:
-                write_trace([trace.events[0], *trace.of("model"), engine.params, *small], a.shrunk)
-                out["shrink"]["trace"] = a.shrunk
-    finally:
-        engine.close()
-    return _write(a.out, out)
-
-
-def _write(path: str, out: dict[str, Any]) -> int:
-    with open(path, "w") as f:
-        json.dump(out, f, indent=1, default=str)
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())

@@ -17,7 +17,8 @@ logits calls (its header says which and what each line holds). What this module 
   counted) into :class:`Trace`; :func:`rows` and :func:`logits_row` decode a batch's rows and a logits
   read's row; :class:`Memory` follows what each sequence holds through the calls, position by position,
   and says when a call is inconsistent with it (a position written twice or past a hole, a read of a
-  row that wants no output): the server's use of libllama, checked from the trace alone.
+  row that wants no output, a row decoded with its sliding window short of a cell it needs:
+  :func:`short_window`): the server's use of libllama, checked from the trace alone.
 * :func:`write_trace` writes events back (a shrunk trace is a trace).
 """
 
@@ -55,6 +56,7 @@ __all__ = [
     "main_context",
     "read_trace",
     "rows",
+    "short_window",
     "static_note",
     "trace_env",
     "write_trace",
@@ -233,10 +235,20 @@ def logits_row(ev: Event) -> np.ndarray | None:
 # --------------------------------------------------------------------------------------------
 
 
+def short_window(n_swa: int, pos_min: int, pos: int) -> bool:
+    """Whether a row at ``pos``, the first of its sequence in a batch, attends without a cell its sliding
+    window needs: the sequence's memory starts at ``pos_min`` (``llama_memory_seq_pos_min``, which for an
+    SWA model is the SWA cache's: src/llama-kv-cache-iswa.cpp:142-145 at 0c1e570) above ``pos - n_swa +
+    1``, the oldest position not masked for it (``is_masked_swa``: ``p1 - p0 >= n_swa``,
+    src/llama-hparams.h:484). A standard window only; ``pos_min`` -1 (empty) is a hole, not this."""
+    return n_swa > 0 and pos > 0 and pos_min > max(0, pos - n_swa + 1)
+
+
 class Issue(NamedTuple):
     """A call inconsistent with what the calls before it put in memory: ``what`` is ``holds`` (a position
     written twice), ``hole`` (a position past a hole), ``no-output`` (a read of a row that asked for no
-    output) or ``pos_max`` (libllama's answer unlike the calls')."""
+    output), ``pos_max`` (libllama's answer unlike the calls') or ``window`` (a row decoded while its
+    sequence's memory, as libllama last reported it, starts above the row's window: :func:`short_window`)."""
 
     what: str
     seq: int
@@ -253,9 +265,16 @@ class Memory:
     attend to a prefix it never wrote); a logits read of a row that asked for no output. A whole
     sequence's state set (``llama_state_seq_set_data``, a prompt-cache load) gives the sequence the
     tokens it held when a state of the same hash was got; a partial one (a checkpoint's recurrent or
-    SWA part, ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) leaves its positions as they are."""
+    SWA part, ``LLAMA_STATE_SEQ_FLAGS_PARTIAL_ONLY``) leaves its positions as they are.
+
+    With ``n_swa`` (the model's sliding window) it also keeps, per sequence, the ``pos_min`` libllama
+    last reported (the server asks after every load, restore and cut), forgets it when a call may move
+    it down, and says ``window`` when a batch's first row of a sequence is decoded with that memory
+    starting above the row's window. A value kept too low only hides an issue, never makes one."""
 
     ctx: int = 0
+    n_swa: int = 0
+    pos_min: dict[int, int] = field(default_factory=dict)  # libllama's last answer, per sequence
     seqs: dict[int, dict[int, int]] = field(default_factory=dict)
     last_rows: list[Row] = field(default_factory=list)
     states: dict[str, dict[int, int]] = field(default_factory=dict)  # a whole sequence's state (by hash): its tokens
@@ -278,9 +297,11 @@ class Memory:
         if ev.get("ctx", self.ctx) != self.ctx:
             return []
         issues: list[Issue] = []
+        self._forget(ev)
         if kind in ("process", "decode") and ev.get("type", "decode") == "decode":
             rs = rows(ev)
             self.last_rows = rs
+            issues.extend(self._windows(rs))
             for j, r in enumerate(rs):
                 for s in r.seqs:
                     held = self.held(s)
@@ -323,6 +344,8 @@ class Memory:
             i = ev["idx"]
             if i >= 0 and (i >= len(self.last_rows) or not self.last_rows[i].out):
                 issues.append(Issue("no-output", -1, i, f"logits read of row {i}, which asked for no output"))
+        elif kind == "pos_min":
+            self.pos_min[int(ev["seq"])] = int(ev["ret"])
         elif kind == "pos_max":
             mine = max(self.held(ev["seq"]), default=-1)
             if mine != ev["ret"]:
@@ -335,6 +358,33 @@ class Memory:
                     )
                 )
         return issues
+
+    def _forget(self, ev: Event) -> None:
+        """Drop the ``pos_min`` a call may move down (or make unknown)."""
+        kind = ev.get("ev")
+        if kind in ("clear", "seq_keep") or (kind in ("seq_rm", "seq_add", "seq_div") and int(ev["seq"]) < 0):
+            self.pos_min.clear()
+        elif kind in ("seq_add", "seq_div", "state_seq_set_data"):
+            self.pos_min.pop(int(ev["seq"]), None)
+        elif kind == "seq_cp":
+            self.pos_min.pop(int(ev["dst"]), None)
+        elif kind == "seq_rm":
+            known = self.pos_min.get(int(ev["seq"]))
+            if known is not None and int(ev["p0"]) <= known:
+                del self.pos_min[int(ev["seq"])]
+
+    def _windows(self, rs: Sequence[Row]) -> list[Issue]:
+        if not self.n_swa:
+            return []
+        first: dict[int, int] = {}
+        for r in rs:
+            for s in r.seqs:
+                if r.pos >= 0 and r.pos < first.get(s, r.pos + 1):
+                    first[s] = r.pos
+        return [Issue("window", s, q, f"seq {s} decodes position {q} with its memory from {self.pos_min[s]}: "
+                      f"its window of {self.n_swa} starts at {max(0, q - self.n_swa + 1)}")
+                for s, q in sorted(first.items())
+                if s in self.pos_min and short_window(self.n_swa, self.pos_min[s], q)]  # fmt: skip
 
     def read_context(self, ev: Event) -> tuple[Row, int, list[int] | None] | None:
         """For a ``logits`` event just applied: its row, that row's first sequence and that sequence's
@@ -357,10 +407,10 @@ def main_context(events: Iterable[Event]) -> int:
     return max(counts, key=lambda c: counts[c]) if counts else 0
 
 
-def check_trace(events: Sequence[Event], ctx: int | None = None) -> list[tuple[int, str]]:
+def check_trace(events: Sequence[Event], ctx: int | None = None, n_swa: int = 0) -> list[tuple[int, str]]:
     """Every inconsistency :class:`Memory` sees in ``events`` (context ``ctx``, by default the one that
-    decoded most): (event ``i``, what)."""
-    mem = Memory(main_context(events) if ctx is None else ctx)
+    decoded most; ``n_swa``: the model's sliding window): (event ``i``, what)."""
+    mem = Memory(main_context(events) if ctx is None else ctx, n_swa=n_swa)
     out: list[tuple[int, str]] = []
     for e in events:
         out.extend((int(e.get("i", -1)), issue.text) for issue in mem.apply(e))

@@ -40,12 +40,14 @@ LIBLLAMA = [
         "swa-restore-window-short",
         "llama",
         "restore_equivalence",
-        "a request with no new token (the slot holds all of it) restores an SWA checkpoint with pos_max == "
-        "pos_next (only pos_max > pos_next is skipped; its recorded pos_min is the memory's, 0, not what it holds), "
-        "then [TAG_PROMPT_LOGITS] steps back one token; the checkpoint holds only the cells not masked for its "
-        "pos_max, so the re-evaluated token attends without the oldest position of its window: wrong logits and "
-        "a wrong answer on the real server, master and PR alike, no error (server-context.cpp:3277, 3331-3344, "
-        "3383-3388, the TODO at 2339-2341; src/llama-kv-cache.cpp:2094)",
+        "a restored SWA checkpoint (or loaded cache entry) holds the cells its next position needs, not those of "
+        "its own pos_max, yet the server re-evaluates a token at or below that pos_max: the restore moves pos_next "
+        "back to the checkpoint's pos_max (server-context.cpp:3354) after testing pos_min against the threshold of "
+        "the earlier pos_next (:3278, 3331-3344), and a request with no new token steps back one more "
+        "([TAG_PROMPT_LOGITS], :3383-3388); the re-evaluated token attends without the oldest position of its "
+        "window: wrong logits and a wrong answer on the real server, master and PR alike, no error (the soak on "
+        "gemma2 shows 72 such decodes in 50 s; fixtures/findings/swa_restore_window_short_libllama.py is the "
+        "10-call shrink of one, on plain llama-cpp-python; the TODO at 2339-2341; src/llama-kv-cache.cpp:1057, 2094)",
         "fixtures/findings/swa_restore_window_short.py",
     ),
     Finding(
