@@ -112,7 +112,9 @@ def run(args: argparse.Namespace) -> int:
                 f"(busy-slot-by-id-livelock), "
                 f"{r.concurrent_divergences} "
                 f"concurrent-output-divergence, {r.near_tie_flips} "
-                f"greedy-flip-on-cache-path, {r.mismatches} mismatches {r.seconds:6.1f}s"
+                f"greedy-flip-on-cache-path, "
+                + "".join(f"{n} {k} (located in the trace), " for k, n in sorted(r.located.items()))
+                + f"{r.mismatches} mismatches {r.seconds:6.1f}s"
             )
             if r.unmodellable:
                 print(f"      order not followed: {r.unmodellable}")

@@ -261,6 +261,7 @@ class ConcurrentResult:
     output_mismatches: int = 0
     near_tie_flips: int = 0  # greedy-flip-on-cache-path: a flip within BATCH_SHAPE_FLIP_GAP, cache_n > 0
     concurrent_divergences: int = 0  # concurrent-output-divergence: a flip within the bound, cache_n = 0
+    located: dict[str, int] = field(default_factory=dict)  # outputs the libllama trace located, per finding
     request_errors: int = 0
     evictions: int = 0  # seen in the log (the model's count must agree)
     unmodellable: str | None = None
@@ -287,6 +288,8 @@ class ConcurrentResult:
         self.trace = self.trace or other.trace
         self.busy_program = self.busy_program or other.busy_program
         self.unmodellable = self.unmodellable or other.unmodellable
+        for k, n in other.located.items():
+            self.located[k] = self.located.get(k, 0) + n
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -438,7 +441,7 @@ def run_trace(
         run = run_clients(server, reqs, timeout=4 * REQUEST_TIMEOUT_S)
     # after the server stopped: a slot is released (and logged) after its response went out
     log = server.log_path.read_text(errors="replace") if server.log_path else ""
-    res = judge(cfg, semantics, log, run.sents, fresh, program)
+    res = judge(cfg, semantics, log, run.sents, fresh, program, trace)
     if traces is not None:
         attach_trace(res, traces, trace)
     res.seconds = time.perf_counter() - t0
@@ -455,9 +458,16 @@ def attach_trace(res: ConcurrentResult, traces: ServerTrace, trace: Path | None)
 
 
 def judge(
-    cfg: ServerConfig, semantics: str, log: str, sents: Sequence[Sent], fresh: ServerProcess, program: str
+    cfg: ServerConfig,
+    semantics: str,
+    log: str,
+    sents: Sequence[Sent],
+    fresh: ServerProcess,
+    program: str,
+    trace: Path | None = None,
 ) -> ConcurrentResult:
-    """Check one trace's responses against a new model fed the order in the server's ``log``."""
+    """Check one trace's responses against a new model fed the order in the server's ``log``; an output
+    difference the server's libllama ``trace`` locates is that finding's (:meth:`Divergences.located`)."""
     res = ConcurrentResult(cfg.name)
     res.requests = len(sents)
     # busy-slot-by-id-livelock: a slot loaded mid-prompt with a longer prompt re-creates one checkpoint
@@ -511,7 +521,11 @@ def judge(
         known = Divergences.batch_shape(diff, c.sent.cache_n) if diff is not None else None
         if diff is None:
             continue
-        if known == "greedy-flip-on-cache-path":
+        located = sources.located(diff, trace)
+        if located is not None:  # the server's libllama trace shows its condition behind the first wrong token
+            res.located[located] = res.located.get(located, 0) + 1
+            sources.add(c.sent.req.tokens, c.sent.generated)
+        elif known == "greedy-flip-on-cache-path":
             res.near_tie_flips += 1
         elif known == "concurrent-output-divergence":
             res.concurrent_divergences += 1

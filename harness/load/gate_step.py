@@ -72,8 +72,9 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
                 f"{r.concurrent_divergences} "
                 f"concurrent-output-divergence, {r.busy_livelocks} hung (busy-slot-by-id-livelock), "
                 f"{r.unfollowed_after_busy_hit} traces not followed after busy-slot-by-id, "
-                f"{r.near_tie_flips} near-ties, {r.mismatches} mismatches "
-                f"{time.perf_counter() - t0:5.1f}s"
+                f"{r.near_tie_flips} near-ties, "
+                + "".join(f"{n} {k} (located in the trace), " for k, n in sorted(r.located.items()))
+                + f"{r.mismatches} mismatches {time.perf_counter() - t0:5.1f}s"
             )
             failure = None
             if r.unmodellable is not None:

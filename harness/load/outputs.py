@@ -10,13 +10,16 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
-from fixtures.models import BYTE_TOKEN_OFFSET
+from faults.lineage import DECODE_THREW, SHORT_WINDOW, Explainer
+from faults.trace import read_trace
+from fixtures.models import BYTE_TOKEN_OFFSET, SPECS
 from harness.findings import BATCH_SHAPE_FLIP_GAP
 from harness.targets.llama_server import ServerProcess
 
-__all__ = ["BATCH_SHAPE_FLIP_GAP", "Divergences", "OutputDiff", "compare_output"]
+__all__ = ["BATCH_SHAPE_FLIP_GAP", "DECODE_THREW", "SHORT_WINDOW", "Divergences", "OutputDiff", "compare_output"]
 
 
 @dataclass(frozen=True)
@@ -50,6 +53,10 @@ class OutputDiff:
 class Divergences:
     """Outputs unlike a fresh server's that a known finding explains, by that finding's exact condition.
 
+    * Located from the server's libllama trace, first (:meth:`located`, :class:`faults.lineage.Explainer`):
+      the reads that gave the first wrong token depend on a decode that threw
+      (``decode-exception-keeps-slot-tokens``) or on a row decoded with its sliding window short of a
+      cell (``swa-restore-window-short``, a checkpoint restore re-evaluating its ``pos_max``).
     * ``concurrent-output-divergence`` and ``greedy-flip-on-cache-path``, one mechanism (issue #41,
       docs/findings.md): libllama's logits move with how a sequence's tokens share batches (CPU flash
       attention's two kernels, the cells a cached prompt sits in), and a greedy choice flips where the
@@ -75,6 +82,18 @@ class Divergences:
         self.arch = arch
         self.seen: list[tuple[int, ...]] = []
         self.failed: list[tuple[int, ...]] = []
+        spec = SPECS.get(arch)
+        self.n_swa = (spec.n_swa or 0) if spec is not None else 0
+        self._traces: dict[Path, Explainer] = {}
+
+    def located(self, diff: OutputDiff, trace: Path | None) -> str | None:
+        """The located finding the server's libllama trace ``trace`` shows behind ``diff``'s first wrong
+        token (``DECODE_THREW`` or ``SHORT_WINDOW``), or None (no trace, or no such condition)."""
+        if trace is None or not trace.is_file() or diff.index >= len(diff.generated):
+            return None
+        if trace not in self._traces:
+            self._traces[trace] = Explainer(read_trace(trace).events, self.n_swa)
+        return self._traces[trace].explain([*diff.prompt, *diff.generated[: diff.index]], diff.generated[diff.index])
 
     def add(self, tokens: Sequence[int], generated: Sequence[int]) -> None:
         """A response a known finding changed (its slot's state is wrong from then on)."""

@@ -22,9 +22,11 @@ a new tail, without pause. A sampler reads, every second, the server's ``VmRSS``
   the model's :data:`~harness.findings.BATCH_SHAPE_FLIP_GAP` (none for mamba) is counted as
   ``greedy-flip-on-cache-path`` (``cache_n`` > 0) or ``concurrent-output-divergence``; with faults on, a
   prompt reusing the tokens of a request answered "decode() failed" is ``decode-exception-keeps-slot-tokens``
-  (:class:`harness.load.outputs.Divergences`); any other difference fails, with the server's libllama
-  trace (each server runs under it unless ``traces`` is off; kept only when an output failed) and the
-  lines that replay and shrink it.
+  (:class:`harness.load.outputs.Divergences`); first of all, a difference the server's libllama trace
+  locates (the reads behind its first wrong token depend on a decode that threw, or on a row decoded
+  with its sliding window short: ``swa-restore-window-short``) is that finding's; any other difference
+  fails, with the server's libllama trace (each server runs under it unless ``traces`` is off; kept only
+  when an output failed) and the lines that replay and shrink it.
 
 With ``memory_limit_mib`` (``--memory-limit``) the soaked server runs in a memory cgroup with that hard limit: an
 OOM kill fails the run, with its request program (:mod:`harness.load.live`); the group's peak is reported.
@@ -53,7 +55,7 @@ from harness.interrupt import check, interrupted
 from harness.load.clients import soak_prompt
 from harness.load.live import LiveServer, oom_killed, rss_bytes
 from harness.load.order import LOG_PREFIX, STATE_LINE
-from harness.load.outputs import Divergences, compare_output
+from harness.load.outputs import SHORT_WINDOW, Divergences, compare_output
 from harness.load.stateless import StatelessCounts, server_args, stateless_clients
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import RequestFailed, ServerProcess
@@ -102,6 +104,7 @@ class PhaseResult:
     near_tie_flips: int = 0  # greedy-flip-on-cache-path: a flip within BATCH_SHAPE_FLIP_GAP, cache_n > 0
     concurrent_divergences: int = 0  # concurrent-output-divergence: a flip within the bound, cache_n = 0
     decode_failure_divergences: int = 0  # explained by decode-exception-keeps-slot-tokens
+    short_window_divergences: int = 0  # located in the trace: swa-restore-window-short
     # (sent at, prompt, generated, cache_n, slot, the server that answered: 1, 2, ... counting restarts)
     responses: list[tuple[float, tuple[int, ...], tuple[int, ...], int, int, int]] = field(default_factory=list)
     traces: list[str] = field(default_factory=list)  # kept libllama traces and the lines that replay and shrink them
@@ -149,6 +152,7 @@ class PhaseResult:
             "concurrent_divergences": self.concurrent_divergences,
             "traces": self.traces,
             "decode_failure_divergences": self.decode_failure_divergences,
+            "short_window_divergences": self.short_window_divergences,
             "crashes": self.crashes,
             "crash_details": self.crash_details[:5],
             "fault_trials": self.fault_trials,
@@ -225,7 +229,7 @@ def soak_phase(
             res.cgroup_peak_bytes = cg.peak()
             res.oom_kills = cg.oom_kills()
         live.server.stop()
-        failed_on = _check_outputs(fresh, res)
+        failed_on = _check_outputs(fresh, res, trace_files)
         if traces is not None:  # server k's trace is kept when one of its outputs failed ("output (server k)")
             res.traces = [t for k, f in enumerate(trace_files, 1) if (t := traces.settle(f, k in failed_on))]
     finally:
@@ -257,9 +261,10 @@ def _warm_up(live: LiveServer, st: SoakSettings, res: PhaseResult) -> None:
     )
 
 
-def _check_outputs(fresh: ServerProcess, res: PhaseResult) -> set[int]:
+def _check_outputs(fresh: ServerProcess, res: PhaseResult, trace_files: Sequence[Path | None] = ()) -> set[int]:
     """Every recorded response against the fresh server, in the order they were sent; the servers
-    (1, 2, ... counting restarts) that gave an output no known finding explains."""
+    (1, 2, ... counting restarts) that gave an output no known finding explains. ``trace_files``:
+    server k's libllama trace at k - 1 (None: not traced), where a difference is located first."""
     known = Divergences(res.arch)
     for toks in res.decode_failed:
         known.failed_decode(toks)
@@ -271,8 +276,16 @@ def _check_outputs(fresh: ServerProcess, res: PhaseResult) -> set[int]:
         res.output_checks += 1
         if diff is None:
             continue
+        trace = trace_files[server - 1] if 0 < server <= len(trace_files) else None
         flip = Divergences.batch_shape(diff, cache_n)
-        if flip == "greedy-flip-on-cache-path":
+        located = known.located(diff, trace)
+        if located is not None:  # the trace shows the finding's condition behind the first wrong token
+            if located == SHORT_WINDOW:
+                res.short_window_divergences += 1
+            else:
+                res.decode_failure_divergences += 1
+            known.add(toks, gen)
+        elif flip == "greedy-flip-on-cache-path":
             res.near_tie_flips += 1
         elif flip == "concurrent-output-divergence":
             res.concurrent_divergences += 1
@@ -487,6 +500,8 @@ def soak(
                 line += f"; faults: {r.fault_trials} trials, {r.fault_survived} survived, {r.crashes} crashes"
                 if r.decode_failure_divergences:
                     line += f"; {r.decode_failure_divergences} outputs by decode-exception-keeps-slot-tokens"
+            if r.short_window_divergences:
+                line += f"; {r.short_window_divergences} outputs by swa-restore-window-short (located in the trace)"
             out(line)
             for v in r.violations[:3]:
                 out(f"      {v}")
