@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from fixtures.models import model_path
-from harness.backends.llama_server.differential import Differential, ServerConfig
+from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
 from harness.findings import finding
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
@@ -414,3 +414,29 @@ def test_an_swa_entry_estimate_is_what_the_real_server_resumes(server_bin: Path)
         rows = [d.request(p, 2) for p in SWA_PROGRAM]
     assert all(r.ok and r.reuse_problem() is None for r in rows), [r.describe() for r in rows]
     assert [(r.cache_n, r.best_usable) for r in rows] == [(0, 0), (0, 0), (0, 0), (231, 231)]
+
+
+# the bug planted in the replayed program: an SWA entry estimated from the slot's pos_min when saved
+_PLANT = "import properties.reuse\nproperties.reuse.restored_pos_min = lambda pos_min, pos_max, n_swa: pos_min\n"
+
+
+@pytest.mark.llama_server_builds
+def test_the_printed_program_of_a_reuse_failure_fails_when_run(server_bin: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr("properties.reuse.restored_pos_min", lambda pos_min, pos_max, n_swa: pos_min)
+    with Differential(ServerConfig("gemma2"), server_bin) as d, pytest.raises(ServerMismatch) as err:
+        for p in SWA_PROGRAM:
+            d.check(d.request(p, 2))
+    e = err.value
+    assert e.name == "reuse" and e.message.endswith("the best usable source held 240 tokens"), e
+    assert e.program.count("d.check(d.request(") == len(SWA_PROGRAM)
+
+    def replay(program: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    planted = replay(_PLANT + e.program)  # pasted where the bug is: it fails, on the same row, with reuse
+    assert planted.returncode != 0 and "[reuse] prompt of 248 tokens" in planted.stderr, planted.stderr[-2000:]
+    assert "the best usable source held 240 tokens" in planted.stderr
+    clean = replay(e.program)  # without the bug the same requests pass: it is the check that fails the replay
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert "server slot 0 cache_n 231" in clean.stdout.splitlines()[-1]
