@@ -12,14 +12,20 @@ prompt cache held, and computes **the best usable source**:
 * the cache entry upstream's own ``server_prompt_cache::load`` would pick with that slot's prompt as the
   base (S-T.cpp:1793-1823: ``f_keep < 0.25`` skipped, strictly better on both ``f_keep`` and
   ``f_sim``; recomputed by :func:`properties.policy.expected_load_choice`), resumed the same way
-  from the entry's tokens, checkpoints and the memory it restores (its ``pos_min`` when saved);
+  from the entry's tokens, checkpoints and the memory it restores (the ``pos_min`` its saved state
+  restores, see SWA below);
 * a checkpoint, as part of either (the search in :func:`resume_point`).
 
-SWA: on a model with a sliding window (``n_swa`` > 0) the cache entry is left out of the best usable source
-(the slot's own prompt is still in it). The estimate of an SWA entry's resume point is not right yet: in the
-server gate on gemma2 (``gemma2-np2-kvs``, seed 0) it said entry 1 resumed 546 tokens where the model and
-the real server, which agree, resumed 517 after loading it. Until that is found, no SWA shortfall against
-an entry is claimed (a gap of this property, not a finding).
+SWA: an entry's memory is the state ``llama_state_seq_get_data`` wrote, not the slot's memory when it was
+saved. The SWA KV cache drops a masked cell only when a later ubatch takes its room (``find_slot``,
+src/llama-kv-cache.cpp:1040-1060), so a live slot may hold cells older than the window; the state write
+skips every cell that is SWA-masked against the sequence's ``pos_max`` (src/llama-kv-cache.cpp:2092-2097;
+``LLAMA_SWA_TYPE_STANDARD``: masked when ``pos_max - pos >= n_swa``, src/llama-hparams.h:482-487), so the
+loaded entry's ``pos_min`` is ``max(pos_min, pos_max - n_swa + 1)`` (:func:`restored_pos_min`), which then
+bounds its resume (S-C.cpp:3280-3366). The server gate on gemma2
+(``gemma2-np2-kvs``, seed 0) showed it: entry 1 (588 tokens, saved at ``pos_min`` 332, ``pos_max`` 587)
+restores ``pos_min`` 572 >= ``pos_min_thold`` 530, so the checkpoint search gives 517, not the common prefix
+546; the model and the real server both resumed 517.
 
 After the request's prompt processing starts (``_start_prompt``) the tokens it resumed from are
 ``n_prompt_cached`` (the server's ``timings.cache_n``, S-C.cpp:3390). A shortfall (best usable minus
@@ -70,6 +76,7 @@ __all__ = [
     "ReuseTracer",
     "Shortfall",
     "Source",
+    "restored_pos_min",
     "resume_point",
 ]
 
@@ -136,6 +143,20 @@ def resume_point(src: Source, new: Tokens, n_swa: int) -> int:
     if n_past == len(new) and n_past > 0:
         n_past -= 1
     return n_past
+
+
+def restored_pos_min(pos_min: int, pos_max: int, n_swa: int) -> int:
+    """``seq_pos_min`` after a full state of a sequence with ``pos_min``/``pos_max`` is written and read back.
+
+    ``llama_kv_cache::state_write`` leaves out the cells that are SWA-masked against ``cells.seq_pos_max``
+    (src/llama-kv-cache.cpp:2092-2097 at 0c1e570); for ``LLAMA_SWA_TYPE_STANDARD`` (gemma2, the fixtures'
+    SWA model) a cell at ``p`` is masked when ``pos_max - p >= n_swa`` (src/llama-hparams.h:482-487). The
+    iSWA memory's ``seq_pos_min`` is its SWA cache's (src/llama-kv-cache-iswa.cpp:142-145). Without a window
+    (``n_swa`` 0) or for an empty sequence, nothing is left out.
+    """
+    if n_swa <= 0 or pos_min < 0:
+        return pos_min
+    return max(pos_min, pos_max - n_swa + 1)
 
 
 @dataclass(frozen=True)
@@ -217,7 +238,8 @@ class ReuseTracer:
     # ---- what the cache entries can restore ----------------------------------------------
 
     def _save(self, slot: ServerSlot, inner: Callable[..., Any], cache: Any) -> Any:
-        pos_min = self.server.ctx_tgt.memory_seq_pos_min(slot.id)
+        ctx = self.server.ctx_tgt  # the memory the entry restores: its state as written (see the note on SWA)
+        pos_min = restored_pos_min(ctx.memory_seq_pos_min(slot.id), ctx.memory_seq_pos_max(slot.id), self.server.n_swa)
         res = inner(cache)
         if res:  # the new entry is the list's last (S-T.cpp:1779-1788)
             e = cache.states[-1]
@@ -261,7 +283,7 @@ class ReuseTracer:
         best, where, evicted = own_usable, "slot", False
         held = [(i, e) for i, e in enumerate(entries) if e is not None]
         pick = expected_load_choice(src.tokens, new, [e.tokens for _, e in held]) if cache is not None else None
-        if pick is not None and not n_swa:  # an SWA entry's resume point: see the module's note on SWA
+        if pick is not None:
             i, e = held[pick]
             r = resume_point(e, new, n_swa)
             if r > best:

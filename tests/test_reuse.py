@@ -27,7 +27,7 @@ from typing import Any
 import pytest
 
 from fixtures.models import model_path
-from harness.backends.llama_server.differential import Differential, ServerConfig
+from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
 from harness.findings import finding
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
@@ -36,8 +36,9 @@ from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
 from properties.invariants import Violation
 from properties.machine import MachineConfig, machine_class
-from properties.mutants import MUTANTS, kill
-from properties.reuse import REUSE_FINDINGS, Ckpt, ReuseTracer, Source, resume_point
+from properties.mutants import MUTANTS, config, kill
+from properties.reuse import REUSE_FINDINGS, Ckpt, ReuseTracer, Source, restored_pos_min, resume_point
+from properties.run import SHRINKS, make_settings, run_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -85,6 +86,80 @@ def test_resume_point_resumes_recurrent_memory_only_at_a_checkpoint_or_the_end()
     assert resume_point(Source((1, 2, 3), (), 2), new, 0) == 3  # the exact end: nothing to cut
     assert resume_point(Source(new, (), 5), new, 0) == 0  # all of it, no checkpoint: [TAG_PROMPT_LOGITS]
     assert resume_point(Source(new, (), 0), new, 0) == 5  # full KV: all but the last token
+
+
+# ---- SWA: an entry restores only the window ----------------------------------------------------
+
+# gemma2 (n_swa 16) with the server differential's flags (ServerConfig("gemma2"): -np 2, -b 256, -ub 64, -cms 64):
+# SWA_A is saved to the cache (at pos_min 45 of pos_max 300, its state restores 285..300), two unrelated prompts
+# pass, then SWA_C shares 240 tokens with it: the entry is loaded, pos_min 285 >= pos_min_thold 224, and the
+# newest checkpoint at or below 240 (n_tokens 232, pos_max 231) gives 231; the slot's pos_min said 240
+SWA_A = tuple(3 + (i * 17) % 256 for i in range(300))
+SWA_OTHERS = (tuple(3 + (31 + i * 17) % 251 for i in range(40)), tuple(3 + (7 + i * 13) % 251 for i in range(30)))
+SWA_C = SWA_A[:240] + tuple(3 + (62 + i * 17) % 256 for i in range(8))
+SWA_PROGRAM = (SWA_A, *SWA_OTHERS, SWA_C)
+
+
+def test_an_swa_entry_resumes_from_the_window_its_state_restores() -> None:
+    # the clean-clone CI case (server gate, gemma2-np2-kvs, seed 0): entry 1 held 588 tokens, saved at pos_min
+    # 332 and pos_max 587, checkpoints at 518 and 582 tokens; the new prompt (739 tokens) shared 546 with it
+    ckpts = (Ckpt(518, 262, 517), Ckpt(582, 326, 581))
+    assert restored_pos_min(332, 587, 16) == 572  # the state write drops the cells masked against pos 587
+    assert restored_pos_min(332, 587, 0) == 332 and restored_pos_min(-1, -1, 16) == -1
+    assert restored_pos_min(580, 587, 16) == 580  # already inside the window
+    entry = tuple(range(588))
+    new = (*entry[:546], *(900 + i for i in range(193)))
+    assert resume_point(Source(entry, ckpts, 572), new, 16) == 517  # what the model and the real server resumed
+    assert resume_point(Source(entry, ckpts, 332), new, 16) == 546  # the slot's pos_min: the old estimate
+
+
+def _gemma2(semantics: Any = "shared") -> ServerContext:
+    cfg = ServerConfig("gemma2")
+    return make_llama_server(semantics, model_path("gemma2"), params=cfg.params(), n_ctx=cfg.n_ctx,
+                             check_restores=False)  # fmt: skip
+
+
+def test_an_swa_entry_estimate_is_what_the_model_resumes_on_real_swa_memory() -> None:
+    server = _gemma2()
+    try:
+        tracer = ReuseTracer(server)  # strict: a shortfall no finding explains raises
+        assert [_send(server, p) for p in SWA_PROGRAM] == [0, 0, 0, 231]
+        assert any(ev.op == "load" for ev in server.events[-3:])  # SWA_C came from the cache entry
+        assert list(tracer.best_of.values())[-1] == 231 and not tracer.shortfalls
+    finally:
+        close_server(server)
+
+
+def test_the_slots_pos_min_as_an_swa_entrys_fails_the_reuse_property(monkeypatch: pytest.MonkeyPatch) -> None:
+    # the old estimate (the entry's memory = the slot's when saved) claims 240 where 231 is all there is
+    monkeypatch.setattr("properties.reuse.restored_pos_min", lambda pos_min, pos_max, n_swa: pos_min)
+    server = _gemma2()
+    try:
+        ReuseTracer(server)
+        for p in SWA_PROGRAM[:-1]:
+            _send(server, p)
+        with pytest.raises(Violation, match=r"resumed 231 of 248 .* \(entry 0\) held 240: 9 recomputed"):
+            _send(server, SWA_C)
+    finally:
+        close_server(server)
+
+
+def test_selection_that_ignores_the_cache_fails_the_reuse_property_on_swa_memory() -> None:
+    # on real SWA memory (gemma2 over libllama): the LRU slot keeps its prompt, the entry's 231 are recomputed
+    server = _gemma2(MUTANTS["selection-ignores-cache"].semantics)
+    try:
+        ReuseTracer(server)
+        for p in SWA_PROGRAM[:-1]:
+            _send(server, p)
+        with pytest.raises(Violation, match=r"resumed 0 of 248 .* \(entry 0\) held 231: 231 recomputed"):
+            _send(server, SWA_C)
+    finally:
+        close_server(server)
+    # and on the synthetic SWA machine (iswa) the gate runs: the mutant is killed by reuse
+    r = run_machine(config("selection-ignores-cache", "iswa"), make_settings("ci", None, 300), 0, "-",
+                    shrinks=SHRINKS["ci"])  # fmt: skip
+    assert r.failure is not None and r.failure.property == "reuse", r.failure
+    assert "(entry " in r.failure.message
 
 
 # ---- (a) ---------------------------------------------------------------------------------------
@@ -329,3 +404,39 @@ def test_the_server_differential_compares_cache_n_with_the_best_usable_source(se
     # an unexplained shortfall of the server is the property's failure
     unexplained = dataclasses.replace(last, reuse_finding=None).reuse_problem()
     assert unexplained is not None and unexplained.endswith("the best usable source held 40 tokens")
+
+
+@pytest.mark.llama_server_builds
+def test_an_swa_entry_estimate_is_what_the_real_server_resumes(server_bin: Path) -> None:
+    # the SWA program through the server differential: the server loads the entry and resumes 231, as the model
+    # does and as the best usable source says (the slot's pos_min said 240: the CI's 546 against 517)
+    with Differential(ServerConfig("gemma2"), server_bin) as d:
+        rows = [d.request(p, 2) for p in SWA_PROGRAM]
+    assert all(r.ok and r.reuse_problem() is None for r in rows), [r.describe() for r in rows]
+    assert [(r.cache_n, r.best_usable) for r in rows] == [(0, 0), (0, 0), (0, 0), (231, 231)]
+
+
+# the bug planted in the replayed program: an SWA entry estimated from the slot's pos_min when saved
+_PLANT = "import properties.reuse\nproperties.reuse.restored_pos_min = lambda pos_min, pos_max, n_swa: pos_min\n"
+
+
+@pytest.mark.llama_server_builds
+def test_the_printed_program_of_a_reuse_failure_fails_when_run(server_bin: Path,
+                                                                 monkeypatch: pytest.MonkeyPatch) -> None:  # fmt: skip
+    monkeypatch.setattr("properties.reuse.restored_pos_min", lambda pos_min, pos_max, n_swa: pos_min)
+    with Differential(ServerConfig("gemma2"), server_bin) as d, pytest.raises(ServerMismatch) as err:
+        for p in SWA_PROGRAM:
+            d.check(d.request(p, 2))
+    e = err.value
+    assert e.name == "reuse" and e.message.endswith("the best usable source held 240 tokens"), e
+    assert e.program.count("d.check(d.request(") == len(SWA_PROGRAM)
+
+    def replay(program: str) -> subprocess.CompletedProcess[str]:
+        return subprocess.run([sys.executable, "-c", program], cwd=ROOT, capture_output=True, text=True, timeout=300)
+
+    planted = replay(_PLANT + e.program)  # pasted where the bug is: it fails, on the same row, with reuse
+    assert planted.returncode != 0 and "[reuse] prompt of 248 tokens" in planted.stderr, planted.stderr[-2000:]
+    assert "the best usable source held 240 tokens" in planted.stderr
+    clean = replay(e.program)  # without the bug the same requests pass: it is the check that fails the replay
+    assert clean.returncode == 0, clean.stderr[-2000:]
+    assert "server slot 0 cache_n 231" in clean.stdout.splitlines()[-1]

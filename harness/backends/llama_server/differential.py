@@ -257,9 +257,20 @@ class Differential:
         self.rows.append(row)
         return row
 
+    def check(self, row: Row) -> str:
+        """``row`` held to what every request is: the model's slot, ``cache_n`` and evictions (``cache_n``), and
+        ``cache_n`` at least the best usable source (``reuse``, :meth:`Row.reuse_problem`); a failure raises
+        :class:`ServerMismatch` with the program so far. The program calls it on each row it replays, so a
+        pasted program fails where the run did (it printed ``cache_n 517 = 517`` and passed before)."""
+        if not row.ok:
+            raise ServerMismatch("cache_n", row.describe(), self.program())
+        if (problem := row.reuse_problem()) is not None:
+            raise ServerMismatch("reuse", problem, self.program())
+        return row.describe()
+
     def program(self) -> str:
         """The request sequence so far (the one that failed last, if one did), as a script that replays it
-        against the same configuration."""
+        against the same configuration, each row checked (:meth:`check`)."""
         lines = [
             "from pathlib import Path",
             "from harness.targets.llama_build import build_server, build_source",
@@ -270,7 +281,7 @@ class Differential:
         if self.pending is not None:
             sent.append(self.pending)
         for toks, n in sent:
-            lines.append(f"    print(d.request({list(toks)!r}, {n}).describe())")
+            lines.append(f"    print(d.check(d.request({list(toks)!r}, {n})))")
         return "\n".join(lines)
 
 
@@ -415,10 +426,7 @@ def server_machine(
             stats.requests += 1
             stats.cache_hits += row.cache_n > 0
             stats.drafted += row.draft_n
-            if not row.ok:
-                raise ServerMismatch("cache_n", row.describe(), self.d.program())
-            if (problem := row.reuse_problem()) is not None:
-                raise ServerMismatch("reuse", problem, self.d.program())
+            self.d.check(row)
             try:
                 problem = check_output(self.fresh, row)
             except RequestFailed as e:
@@ -440,10 +448,7 @@ def server_machine(
             row = self.d.request(tokens, 2)
             stats.requests += 1
             stats.cache_hits += row.cache_n > 0
-            if not row.ok:
-                raise ServerMismatch("cache_n", row.describe(), self.d.program())
-            if (problem := row.reuse_problem()) is not None:
-                raise ServerMismatch("reuse", problem, self.d.program())
+            self.d.check(row)
 
     ServerMachine.__name__ = f"Server_{cfg.name.replace('-', '_')}"
     return ServerMachine
