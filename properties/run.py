@@ -366,9 +366,13 @@ def _program(cfg: MachineConfig, notes: Iterable[str]) -> tuple[str, int]:
     lines = [n for n in notes if n.startswith("state")]
     head = ["from properties.machine import MachineConfig, machine_class"]
     config = repr(cfg)  # resolve is not part of the repr
+    if cfg.family:
+        head.insert(0, "import properties.families")  # registers the families (properties.machine.FAMILIES)
     if cfg.resolve is not None:
-        head.insert(0, "import properties.mutants")
-        config = config[:-1] + ", resolve=properties.mutants.resolve)"
+        mod = cfg.resolve.__module__  # properties.mutants or properties.families
+        if f"import {mod}" not in head:
+            head.insert(0, f"import {mod}")
+        config = config[:-1] + f", resolve={mod}.{cfg.resolve.__name__})"
     head.append(f"{cfg.class_name} = machine_class({config})")
     return "\n".join(head + lines), _count_steps("\n".join(lines))
 
