@@ -73,12 +73,16 @@ class SyntheticBackend(Backend):
         self.machines = machines
         self.known = known
 
+    def configs(self, semantics: str, profile: str) -> list[MachineConfig]:
+        """The machines a gate run covers: the given ones, else the gate's own and the families'."""
+        if self.machines is not None:
+            return self.machines
+        return machines_for(semantics, profile) + family_configs(semantics, profile)
+
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         cfg_settings = make_settings(opts.profile, opts.db, opts.max_examples)
         replay = replay_line(opts) + " --backend synthetic"
-        configs = self.machines
-        if configs is None:
-            configs = machines_for(opts.semantics, opts.profile) + family_configs(opts.semantics, opts.profile)
+        configs = self.configs(opts.semantics, opts.profile)
         out(
             f"gate: semantics={opts.semantics} backend=synthetic profile={opts.profile} seed={opts.seed} "
             f"commit={report.commit} machines={len(configs)} max_examples={cfg_settings.max_examples} "
