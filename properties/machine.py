@@ -33,6 +33,7 @@ from __future__ import annotations
 import operator
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from typing import Any, ClassVar
 
@@ -52,7 +53,7 @@ from properties.policy import ExpectedAbort, PolicyTracer
 from properties.reuse import ReuseTracer
 from properties.teardown import noted, settle, stages
 
-__all__ = ["REACH", "MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
+__all__ = ["FAMILIES", "REACH", "MachineConfig", "PromptCacheMachine", "TargetCrash", "machine_class"]
 
 MAX_PROMPT = 40
 BOS = 1
@@ -86,6 +87,8 @@ class MachineConfig:
     n_ctx: int = 256  # the target's KV cells over all slots (also the cache's token limit)
     known: frozenset[str] = frozenset()
     resolve: Any = field(default=None, compare=False, repr=False)  # name -> Semantics, for mutants
+    # "": this module's machine; else a machine of :data:`FAMILIES` (slot files, reuse, stateless tasks)
+    family: str = ""
 
     @property
     def class_name(self) -> str:
@@ -102,7 +105,10 @@ class MachineConfig:
             parts.append(f"ctx{self.n_ctx}")
         parts += sorted(_ident(k) for k in self.known)
         name = "_".join(parts)
-        return name[0].upper() + name[1:]
+        name = name[0].upper() + name[1:]
+        if self.family:  # SlotFiles_Shared_hybrid: the family's name first
+            name = "".join(w.capitalize() for w in self.family.split("_")) + "_" + name
+        return name
 
 
 _UNITS: dict[str, int] = {}
@@ -532,9 +538,19 @@ class PromptCacheMachine(RuleBasedStateMachine):
 
 _CLASSES: dict[MachineConfig, type[PromptCacheMachine]] = {}
 
+#: family name -> the function that makes its concrete machine for a config (``MachineConfig.family``); each
+#: family's module registers itself when imported (:mod:`properties.families` imports them all)
+FAMILIES: dict[str, Callable[[MachineConfig], type[PromptCacheMachine]]] = {}
+
 
 def machine_class(config: MachineConfig) -> type[PromptCacheMachine]:
-    """The concrete machine for ``config``, registered in this module under ``config.class_name``."""
+    """The concrete machine for ``config``, registered in this module under ``config.class_name`` (a family's
+    machine: by its family's module)."""
+    if config.family:
+        make = FAMILIES.get(config.family)
+        if make is None:
+            raise UsageError(f"machine family {config.family!r} is not loaded: import properties.families")
+        return make(config)
     key = replace(config, resolve=None)
     cls = _CLASSES.get(key)
     if cls is None:

@@ -66,7 +66,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
-from harness.model.server_context import ServerContext, ServerSlot, SlotState, Task
+from harness.model.server_context import STATELESS_TASKS, ServerContext, ServerSlot, SlotState, Task
 from properties.invariants import Violation, unwrap, wrap_timed
 from properties.policy import expected_load_choice
 
@@ -274,8 +274,8 @@ class ReuseTracer:
         self._load_failed.clear()
         self._at_load = set()
         ret = inner(task)
-        if ret is None or ret.id in busy or not task.cache_prompt:
-            return ret
+        if ret is None or ret.id in busy or not task.cache_prompt or task.type in STATELESS_TASKS:
+            return ret  # an embedding/rerank resumes nothing by design (is_stateless_task, server-context.cpp:3196)
         src = own[ret.id]
         new = task.tokens
         n_swa = server.n_swa

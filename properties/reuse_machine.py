@@ -39,7 +39,7 @@ from harness.model.provider import STATE_SEQ_FLAGS_NONE, SyntheticProvider
 from harness.model.reuse import can_shift
 from harness.model.server_context import ServerContext, ServerSlot, SlotState
 from properties.invariants import Violation
-from properties.machine import BOS, MAX_PROMPT, MachineConfig, PromptCacheMachine, machine_class
+from properties.machine import BOS, FAMILIES, MAX_PROMPT, MachineConfig, PromptCacheMachine, machine_class
 from properties.reuse_mutants import REUSE_MUTANTS, resolve
 from properties.teardown import noted
 
@@ -209,11 +209,12 @@ _CLASSES: dict[MachineConfig, type[ReuseMachine]] = {}
 def reuse_machine_class(config: MachineConfig) -> type[ReuseMachine]:
     """The reuse machine for ``config`` (its kind one of :data:`REUSE_KINDS`, n_ctx :data:`N_CTX`),
     registered in this module as ``Reuse_`` + the config's class name."""
+    config = replace(config, family="reuse")
     cls = _CLASSES.get(config)
     if cls is None:
-        name = "Reuse_" + config.class_name
+        name = config.class_name  # Reuse_Shared_transformer_ctx96
         # the per-class statistics the synthetic machine's concrete classes carry, fresh (whatever they are)
-        base = machine_class(replace(config, resolve=None))
+        base = machine_class(replace(config, resolve=None, family=""))
         attrs: dict[str, Any] = {k: type(v)() for k, v in vars(base).items() if isinstance(v, Counter | list | dict)}
         attrs.update(config=config, shifts_seen=[0, 0], __module__=__name__)
         cls = type(name, (ReuseMachine,), attrs)
@@ -226,7 +227,10 @@ def reuse_config(kind: str, semantics: str = "shared") -> MachineConfig:
     """The reuse machine's configuration for ``kind``; a mutant name of ``REUSE_MUTANTS`` as semantics."""
     if kind not in REUSE_KINDS:
         raise UsageError(f"reuse machines run {', '.join(REUSE_KINDS)}, not {kind!r}")
-    return MachineConfig(semantics, kind, n_ctx=N_CTX, resolve=resolve)
+    return MachineConfig(semantics, kind, n_ctx=N_CTX, resolve=resolve, family="reuse")
+
+
+FAMILIES["reuse"] = reuse_machine_class
 
 
 def run_reuse(

@@ -43,18 +43,8 @@ from harness.errors import PropertyFailure, UsageError
 from properties.machine import MachineConfig, TargetCrash, machine_class
 from properties.teardown import teardown_errors
 
-__all__ = [
-    "PROFILES",
-    "SHRINKS",
-    "Failure",
-    "MachineResult",
-    "commit",
-    "machines_for",
-    "make_settings",
-    "program_of",
-    "run_machine",
-    "run_seeded",
-]
+__all__ = ["PROFILES", "SHRINKS", "Failure", "MachineResult", "commit",
+           "machines_for", "make_settings", "program_of", "run_machine", "run_seeded"]  # fmt: skip
 
 PROFILES: dict[str, dict[str, int]] = {
     "ci": {"max_examples": 300, "steps": 30},
@@ -366,9 +356,11 @@ def _program(cfg: MachineConfig, notes: Iterable[str]) -> tuple[str, int]:
     lines = [n for n in notes if n.startswith("state")]
     head = ["from properties.machine import MachineConfig, machine_class"]
     config = repr(cfg)  # resolve is not part of the repr
+    mods = ["properties.families"] if cfg.family else []  # it registers the families (properties.machine.FAMILIES)
     if cfg.resolve is not None:
-        head.insert(0, "import properties.mutants")
-        config = config[:-1] + ", resolve=properties.mutants.resolve)"
+        mods.append(cfg.resolve.__module__)  # properties.mutants or properties.families
+        config = config[:-1] + f", resolve={cfg.resolve.__module__}.{cfg.resolve.__name__})"
+    head = [f"import {m}" for m in dict.fromkeys(mods)] + head
     head.append(f"{cfg.class_name} = machine_class({config})")
     return "\n".join(head + lines), _count_steps("\n".join(lines))
 

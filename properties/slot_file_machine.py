@@ -36,7 +36,8 @@ from hypothesis.stateful import precondition, rule
 
 from harness.model.slot_files import SlotFileStore, slot_erase, slot_restore, slot_save
 from properties import invariants as inv
-from properties.machine import MachineConfig, PromptCacheMachine, machine_class
+from properties.machine import FAMILIES, MachineConfig, PromptCacheMachine
+from properties.mutants import SLOT_FILE_MUTANTS
 from properties.teardown import noted
 
 __all__ = ["NAMES", "SlotFileMachine", "slot_file_machine"]
@@ -171,24 +172,33 @@ class SlotFileMachine(PromptCacheMachine):
         self.unchanged = True
 
 
-_CLASSES: dict[MachineConfig, type[SlotFileMachine]] = {}
+_CLASSES: dict[tuple[MachineConfig, type[SlotFileStore]], type[SlotFileMachine]] = {}
 
 
 def slot_file_machine(config: MachineConfig, store_cls: type[SlotFileStore] = SlotFileStore) -> type[SlotFileMachine]:
-    """The slot-file machine for ``config`` (its base's rules and checks), with ``store_cls`` (mutants)."""
-    key = replace(config, resolve=None)
-    cls = _CLASSES.get(key) if store_cls is SlotFileStore else None
+    """The slot-file machine for ``config`` (its base's rules and checks), with ``store_cls`` (mutants); the
+    family ``slot_files`` of :func:`properties.machine.machine_class`, where a config whose semantics names a
+    slot-file mutant (:data:`properties.mutants.SLOT_FILE_MUTANTS`) gets that mutant's store."""
+    config = replace(config, family="slot_files")
+    key = (replace(config, resolve=None), store_cls)
+    cls = _CLASSES.get(key)
     if cls is None:
-        base = machine_class(config)
-        name = "SlotFiles_" + config.class_name + ("" if store_cls is SlotFileStore else "_" + store_cls.__name__)
+        own = store_cls is SlotFileStore or SLOT_FILE_MUTANTS.get(config.semantics, (None,))[0] is store_cls
+        name = config.class_name + ("" if own else "_" + store_cls.__name__)
         attrs = {
-            "config": base.config, "stats_checked": Counter(), "stats_seconds": Counter(), "stats_branches": Counter(),
+            "config": config, "stats_checked": Counter(), "stats_seconds": Counter(), "stats_branches": Counter(),
             "peaks": [], "llama_stats": Counter(), "layout_example": [], "finding_examples": {}, "reach": Counter(),
             "reuse_counts": Counter(),
             "found": Counter(), "actions": Counter(), "store_cls": store_cls, "__module__": __name__,
         }  # fmt: skip
         cls = type(name, (SlotFileMachine,), attrs)
-        if store_cls is SlotFileStore:
-            _CLASSES[key] = cls
+        _CLASSES[key] = cls
         globals()[name] = cls
     return cls
+
+
+def _family(config: MachineConfig) -> type[SlotFileMachine]:
+    return slot_file_machine(config, SLOT_FILE_MUTANTS.get(config.semantics, (SlotFileStore, ""))[0])
+
+
+FAMILIES["slot_files"] = _family

@@ -27,14 +27,17 @@ import pytest
 
 from harness.backends import BACKENDS
 from harness.backends.base import Backend, MachineSpec, Plan, model_spec
+from harness.backends.synthetic import SyntheticBackend
 from harness.campaign import machines as campaign_machines
 from harness.campaign.store import failures, open_db
 from harness.cli import main
-from harness.errors import UsageError
+from harness.errors import PropertyFailure, UsageError
 from harness.model.semantics import SHARED
+from properties.families import FAMILY_MUTANTS, family_configs, mutant_configs
 from properties.machine import MachineConfig
 from properties.mutants import MUTANTS
 from properties.mutants import config as mutant_config
+from properties.run import machines_for, make_settings, run_machine
 
 ROOT = Path(__file__).resolve().parents[1]
 MUTANT = "size-omits-checkpoints"
@@ -435,3 +438,52 @@ def test_every_backend_names_its_own_machines() -> None:
             continue
         assert specs and {s.backend for s in specs} == {name}
         assert len({s.name for s in specs}) == len(specs)
+
+
+# ---- the machine families of issue #39 (slot files, --cache-reuse and context shift, stateless tasks) ----------
+
+
+def test_the_families_run_in_the_gate_and_the_campaign_and_plant_their_mutants() -> None:
+    gate = [c.class_name for c in machines_for("shared", "ci")]
+    names = [s.name for s in campaign_machines.machines(Plan())]
+    family = ["SlotFiles_Shared_hybrid", "Reuse_Shared_transformer_ctx96", "Reuse_Shared_iswa_ctx96",
+              "Stateless_Shared_transformer"]  # fmt: skip
+    assert not set(family) & set(gate) and set(family) <= set(names)
+    in_gate = [c.class_name for c in SyntheticBackend().configs("shared", "ci")]
+    assert in_gate[: len(gate)] == gate and set(family) <= set(in_gate)
+    assert [c.class_name for c in family_configs("shared", "ci")][:1] == ["SlotFiles_Shared_hybrid"]
+    for name, (fam, _, _, _) in FAMILY_MUTANTS.items():
+        plan = Plan(mutant=name)
+        campaign_machines.check_ready(plan)  # a family's mutant is one a campaign can plant
+        specs = campaign_machines.machines(plan)
+        own = mutant_configs(name)[0]
+        assert specs[0].name == own.class_name and own.family == fam and specs[0].cls().__name__ == own.class_name
+    with pytest.raises(UsageError, match="unknown mutant 'nope'"):
+        campaign_machines.check_ready(Plan(mutant="nope"))
+
+
+@pytest.mark.parametrize("name", list(FAMILY_MUTANTS))
+def test_each_family_mutant_is_killed_on_its_own_machine(name: str) -> None:
+    """Seed 0 of the ci profile kills each (0.7-3.5 s); the printed program replays the failure as pasted.
+    ``idle-skips-stateless`` (the idle loop skipping stateless slots, as a fix would) breaks no property of the
+    model: it survives here and is killed against a real server (tests/test_idle_slots.py)."""
+    cfg = mutant_configs(name)[0]
+    r = run_machine(cfg, make_settings("ci", None, 200 if name != "idle-skips-stateless" else 20), 0, "x", shrinks=15)
+    if name == "idle-skips-stateless":
+        assert r.failure is None
+        return
+    assert r.failure is not None and r.failure.property == FAMILY_MUTANTS[name][1], r.failure
+    assert "import properties.families" in r.failure.program
+    with pytest.raises(PropertyFailure) as e:
+        exec(compile(r.failure.program, "<program>", "exec"), {})  # our own printed program, as pasted
+    assert e.value.name == r.failure.property
+
+
+def test_a_campaign_plants_a_slot_file_mutant_and_finds_it(tmp_path: Path) -> None:
+    machine = mutant_configs("save-ignores-write-error")[0].class_name
+    argv = fuzz_argv(str(tmp_path / "db"), "--mutant", "save-ignores-write-error", "--machine", machine,
+                     "--examples", "40", "--workers", "1")  # fmt: skip
+    r = subprocess.run(argv, cwd=ROOT, capture_output=True, text=True, timeout=240, check=False)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert f"FAILED no_partial_file (violation) in {machine}" in r.stdout
+    assert "save answered 200" in r.stdout

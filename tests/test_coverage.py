@@ -9,6 +9,7 @@ files", and a server killed with SIGKILL is counted as a server whose counters a
 from __future__ import annotations
 
 import json
+import os
 import re
 import sys
 from collections.abc import Iterator
@@ -18,9 +19,13 @@ from typing import Any
 import pytest
 
 from fixtures.models import model_path
+from harness.backends.base import Plan
+from harness.campaign.engine import CampaignState
+from harness.campaign.view import status
 from harness.cli import main as cli_main
 from harness.errors import Unavailable, UsageError
 from harness.measure import coverage as cov
+from harness.measure.coverage_live import COVERAGE_RUN_ENV, LineProbe
 from harness.measure.coverage_targets import TARGETS, UNEXPLAINED, Target, reason_for
 from harness.targets.llama_build import build_server, cmake_args
 from harness.targets.llama_gcov import SOURCES, gcov_env, is_coverage
@@ -28,6 +33,7 @@ from harness.targets.llama_server import ServerProcess
 
 pytestmark = pytest.mark.coverage_build  # built before the first test (tests/conftest.py)
 
+SLOT_FILES = "slot files: no slot action in this workload (coverage --run slot-files drives them)"
 PROMPT_A = "The quick brown fox jumps over the lazy dog. " * 3
 PROMPT_B = "Pack my box with five dozen liquor jugs, said the sphinx. " * 3
 
@@ -75,7 +81,7 @@ def test_unreached_blocks_carry_their_reason(measured: tuple[cov.CoverageRun, An
     run, doc = measured
     blocks = cov.unreached_blocks(run, doc)
     slot_files = [b for b in blocks if b.function == "server_routes::handle_slots_save"]
-    assert slot_files and all(b.reason == "slot files: #39 point 1" for b in slot_files), slot_files
+    assert slot_files and all(b.reason == SLOT_FILES for b in slot_files), slot_files
     reached = cov.reached_lines(run.root)
     load = next(r for r in cov.function_rows(run, doc) if r.function == "server_prompt_cache::load")
     assert ("tools/server/server-task.cpp", load.first) in reached
@@ -83,6 +89,44 @@ def test_unreached_blocks_carry_their_reason(measured: tuple[cov.CoverageRun, An
     unreached = sum(r.lines_total - r.lines_reached for r in cov.function_rows(run, doc)
                     if not r.target.endswith("(update_slots)") and not r.target.endswith("(process_single_task)"))
     assert sum(b.lines for b in blocks) >= unreached > 0
+
+
+def test_the_campaigns_gcov_reading_agrees_with_gcovr(measured: tuple[cov.CoverageRun, Any]) -> None:
+    """gcov's own JSON of the eight target objects (seconds) gives gcovr's figure (a minute) line for line."""
+    run, doc = measured
+    rows = cov.function_rows(run, doc)
+    fast = cov.gcov_doc(run, ["requests"])
+    reached, total = cov.target_reach(run, fast)
+    assert total == sum(r.lines_total for r in rows) > 1000
+    assert len(reached) == sum(r.lines_reached for r in rows) > 0
+    assert reached == cov.target_reach(run, doc)[0] == cov.reached_lines(run.root)
+
+
+def test_a_campaign_counts_new_lines_as_progress(binary: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A campaign under ``coverage --run fuzz`` reads the lines reached at a bounded rate: 0 before any server
+    stopped, then more after a server that loaded a cache entry, in the status line and the JSON."""
+    run = cov.CoverageRun.create(tmp_path / "run", binary)
+    monkeypatch.setenv(COVERAGE_RUN_ENV, f"{run.root}{os.pathsep}fuzz")
+    probe = LineProbe.from_env()
+    assert probe is not None and probe.workload == "fuzz"
+    probe.every = 3600.0  # only forced readings are due
+    state = CampaignState("db", Plan(("server",)), 1, "1 minutes", {}, lines=probe)
+    assert not probe.read(1.0, force=True) and probe.lines == 0 and "lines - (no counters yet)" in status(state)
+    with ServerProcess(binary, model=model_path("llama"), n_parallel=1, ctx_size=512, env=run.env("fuzz")) as srv:
+        srv.completion(PROMPT_A, n_predict=2)  # no RAM cache: nothing saved or loaded
+    assert probe.read(2.0, force=True)
+    first = probe.lines
+    assert 0 < first < probe.total and status(state).endswith(f"lines {first}/{probe.total} (+{first})")
+    assert not probe.read(2.5, force=True)  # nothing new written: no reading
+    with ServerProcess(binary, model=model_path("llama"), n_parallel=1, cache_ram=16, ctx_size=512,
+                       env=run.env("fuzz")) as srv:  # fmt: skip
+        for prompt in (PROMPT_A, PROMPT_B, PROMPT_A):  # A saved by B, then loaded back
+            srv.completion(prompt, n_predict=2)
+    assert not probe.read(3.0)  # new counters, but not due: a bounded rate
+    assert probe.read(4.0, force=True)
+    grown = probe.lines - first
+    assert grown > 0 and status(state).endswith(f"lines {probe.lines}/{probe.total} (+{grown})")
+    assert state.to_json()["coverage"]["readings"] == [[2.0, first], [4.0, probe.lines]]
 
 
 def test_a_killed_server_is_counted_as_lost(measured: tuple[cov.CoverageRun, Any]) -> None:
@@ -131,12 +175,21 @@ def test_reasons_table() -> None:
         "unreachable on CPU: a device/GPU branch"
     )
     assert reason_for('GGML_ABORT("failed to remove sequence %d\\n", slot.id);', "f").startswith("abort path")
-    assert reason_for("x = 1;", "server_routes::handle_slots_erase") == "slot files: #39 point 1"
+    assert reason_for("x = 1;", "server_routes::handle_slots_erase", entered=False) == SLOT_FILES
     assert reason_for("x = 1;", "server_prompt_cache::load") == UNEXPLAINED
     # a function never entered is explained by its name first, whatever its lines hold
-    assert reason_for('GGML_ABORT("x");', "server_routes::handle_slots_save(server_http_req const&, int)") == (
-        "slot files: #39 point 1"
+    assert reason_for('GGML_ABORT("x");', "server_routes::handle_slots_save(server_http_req const&, int)",
+                      entered=False) == SLOT_FILES  # fmt: skip
+    # the slot-file lines a slot-files run leaves, each with its own reason (no longer "a point still to do")
+    handler = "server_routes::handle_slots_save(server_http_req const&, int)"
+    assert reason_for("GGML_ASSERT(req.should_stop());\nreturn res;", handler).startswith("a client gone")
+    assert reason_for('res->error(format_error_response("Invalid filename", X));', handler).startswith("a hostile")
+    assert reason_for('send_error(task, "Invalid slot ID", ERROR_TYPE_INVALID_REQUEST);', "f").startswith("a slot act")
+    assert reason_for("x", "llama_state_save_file").startswith("whole-context session files")
+    assert reason_for('LLAMA_LOG_ERROR("%s: failed to restore sequence state\\n", __func__);', "f").startswith(
+        "a corrupt or foreign slot file"
     )
+    assert reason_for("case SERVER_TASK_TYPE_GET_LORA:", "f") == "a LoRA adapter"
 
 
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

@@ -15,6 +15,10 @@ written are read and the failures they had saved but not sent are taken from the
 failure still being shrunk is not saved yet, and is lost), then the summary is printed once with
 what was found. A worker is recorded before a Ctrl-C can be raised; a second Ctrl-C kills every
 worker and exits at once (130).
+
+Run by ``python -m harness coverage --run fuzz`` (the server backend on the gcov build), a campaign also counts
+the lines of the C++ under test its servers reached as progress (:class:`~harness.measure.coverage_live.LineProbe`,
+read at most every 30 s): in the status line, the summary and the JSON.
 """
 
 from __future__ import annotations
@@ -40,6 +44,7 @@ from harness.campaign.store import FailureRecord, failures, open_db
 from harness.campaign.worker import EVENT
 from harness.child import Spawned, read_lines, spawn
 from harness.interrupt import guard, interrupted, shielded
+from harness.measure.coverage_live import LineProbe
 
 __all__ = ["GRACE", "CampaignState", "MachineStat", "View", "run_campaign"]
 
@@ -98,6 +103,8 @@ class CampaignState:
     notes: list[str] = field(default_factory=list)
     interrupted: bool = False
     broken_workers: int = 0  # workers that died or failed before finishing: a crash of the campaign
+    # the C++ lines its servers reached, read at a bounded rate (a campaign run by ``coverage --run fuzz``)
+    lines: LineProbe | None = None
 
     @property
     def elapsed(self) -> float:
@@ -132,6 +139,7 @@ class CampaignState:
             "failures": [{**asdict(r), "replay": r.replay(self.db)} for r in self.failures],
             "replayed": [v.to_json(self.db) for v in self.replayed],
             "notes": self.notes,
+            **({"coverage": self.lines.to_json()} if self.lines is not None else {}),
         }
 
 
@@ -171,6 +179,7 @@ def run_campaign(
     budget = f"{examples} examples per machine" if examples is not None else f"{minutes:g} minutes"
     stats = {s.name: MachineStat(s.name, s.backend) for s in specs}
     state = CampaignState(db_spec, plan, max(1, min(workers, len(specs))), budget, stats)
+    state.lines = LineProbe.from_env()
     children: list[Spawned] = []
     with guard(), tempfile.TemporaryDirectory(prefix="fuzz-campaign-") as tmp:
         try:
@@ -207,6 +216,8 @@ def _stop(
         _unreported(state, children, db, view, json_path)
     for c in children:
         c.kill()
+    if state.lines is not None:  # the last servers' counters (written as they stopped) count too
+        state.lines.read(state.elapsed, force=True)
     _write_json(json_path, state)
 
 
@@ -277,6 +288,8 @@ def _follow(
                 with shielded():  # the report and the failure's lines whole, then the Ctrl-C
                     _event(state, children.index(child), json.loads(line[len(EVENT) :]), done, view, json_path)
         if time.monotonic() >= next_view:
+            if state.lines is not None:
+                state.lines.read(state.elapsed)  # at most every READ_SECONDS, and only on new counters
             view.update(state)
             next_view = time.monotonic() + interval
     for i, c in enumerate(children):

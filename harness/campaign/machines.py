@@ -24,7 +24,7 @@ from fixtures.models import ARCHS, draft_path, model_path
 from harness.backends import BACKENDS
 from harness.backends.base import MachineSpec, Plan
 from harness.errors import UsageError
-from properties.mutants import MUTANTS
+from properties.families import all_mutants
 
 __all__ = ["RUN_SECONDS", "MachineSpec", "Plan", "check_ready", "machines"]
 
@@ -55,7 +55,7 @@ def machines(plan: Plan) -> list[MachineSpec]:
 def check_ready(plan: Plan) -> None:
     """Refuse (one line, exit 2) what cannot run here: a build or a model missing, a bad mutant or arch."""
     if plan.mutant is not None:
-        if plan.mutant not in MUTANTS:
+        if plan.mutant not in all_mutants():
             raise UsageError(f"unknown mutant {plan.mutant!r}; see python -m harness mutants --list")
         if "synthetic" not in plan.backends:
             raise UsageError("--mutant runs the synthetic machines; add --backend synthetic")

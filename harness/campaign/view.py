@@ -5,7 +5,8 @@ report): the property, the machine, the message, the shrunk program and the one 
 it. The live view keeps one row per machine (examples/s, examples, steps, rules hit, faults that
 fired, the cache pressure reached: evictions, transient peak above live bytes, holders of one
 payload, checkpoints alive) and the failures so far; the plain view prints one summary line per
-interval, for CI logs. Both end with the same summary: a row per machine and every failure.
+interval, for CI logs. Both end with the same summary: a row per machine and every failure. A campaign that
+counts the C++ lines its servers reached (``coverage --run fuzz``) says ``lines 946/1856 (+14)`` in its status.
 """
 
 from __future__ import annotations
@@ -63,6 +64,7 @@ def status(state: CampaignState) -> str:
         f"evictions {state.reach('evictions')}, peak {state.reach('transient_peak')} B, "
         f"holders {state.reach('shared_holders')}, checkpoints {state.reach('checkpoints')}, "
         f"faults {state.reach('faults_fired')}; failures {len(state.failures)}"
+        + (f"; {state.lines.text()}" if state.lines is not None else "")
     )
 
 

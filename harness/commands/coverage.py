@@ -11,12 +11,13 @@ per function of :data:`~harness.measure.coverage_targets.TARGETS`: lines and bra
 
 The workloads: ``gate`` the server gate (``--semantics shared``, with its short concurrent run); ``concurrent``
 (``--short`` with ``--quick``); ``soak`` for ``--minutes``; ``fuzz`` a campaign on the server backend for
-``--minutes``, one worker; ``slot-files`` the slot save/restore/erase differential (``slot-files
---differential``: completions between the actions, then a full tmpfs, whose truncated restore aborts one
-server). A server writes its counters when it exits cleanly (SIGTERM); one killed or crashed (a planted fault,
-an abort) writes none: each workload's line says how many servers that was. A workload that fails still counts:
-its exit code is printed, and the command exits 0 once the report is written; 2 when gcovr or gcov is missing or
-no server wrote counters, 4 when the coverage build fails.
+``--minutes``, one worker, which counts the lines its servers reached as it goes (``lines 946/1856 (+14)`` in its
+status lines: :mod:`harness.measure.coverage_live`); ``slot-files`` the slot save/restore/erase differential
+(``slot-files --differential``: completions between the actions, then a full tmpfs, whose truncated restore aborts
+one server). A server writes its counters when it exits cleanly (SIGTERM); one killed or crashed (a planted fault,
+an abort) writes none: each workload's line says how many servers that was. A workload that fails still counts: its
+exit code is printed, and the command exits 0 once the report is written; 2 when gcovr or gcov is missing or no
+server wrote counters, 4 when the coverage build fails.
 """
 
 from __future__ import annotations
@@ -33,6 +34,7 @@ from harness.backends.llama_server.campaign import SERVER_BIN_ENV
 from harness.commands import concurrent, fuzz, gate, slot_files, soak
 from harness.errors import EXIT_OK, HarnessError, UsageError
 from harness.measure.coverage import CoverageRun, gcovr_report
+from harness.measure.coverage_live import COVERAGE_RUN_ENV
 from harness.measure.coverage_report import print_report, write_report
 from harness.targets.llama_build import build_server
 
@@ -107,7 +109,8 @@ def run(args: argparse.Namespace) -> int:
         argv = _argv(w, binary, args, run_)
         print(f"coverage: running {w}: python -m harness {w} {' '.join(argv)}", flush=True)
         run_.reset(w)
-        env = {**run_.env(w), **({SERVER_BIN_ENV: str(binary)} if w == "fuzz" else {})}
+        fuzz_env = {SERVER_BIN_ENV: str(binary), COVERAGE_RUN_ENV: f"{run_.root}{os.pathsep}{w}"}
+        env = {**run_.env(w), **(fuzz_env if w == "fuzz" else {})}
         with _environ(env):
             exits[w] = _run_workload(modules[w], argv)
         print(f"coverage: {w} exited {exits[w][0]}" + (f" ({exits[w][1]})" if exits[w][1] else ""), flush=True)

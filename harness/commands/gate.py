@@ -95,6 +95,8 @@ def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
             if "requests" in k:  # counted (the reuse property's): how often, and what it cost
                 n, t = k["requests"], k["tokens_recomputed"]
                 out(f"    {n} requests, {t} tokens recomputed, {k['machines']} machines")
+            elif "times" in k:  # a machine family's excused finding (slot files, stateless tasks): how often
+                out(f"    {k['times']} times, {k['machines']} machines")
             if k.get("program"):
                 out("    " + k["program"].replace("\n", "\n    "))
     for f in report.failures:

@@ -4,7 +4,9 @@ For each mutant the machine of its own configuration runs first, then the gate's
 until one fails; if none does, the same machines run again with the next two seeds. A mutant is
 killed when any property fails on it; the report names the property
 (``by``), the time, and the number of steps of the shrunk program. Exit 0 only if every mutant is
-killed; a surviving mutant is a property that does not guard what it claims (exit 1).
+killed; a surviving mutant is a property that does not guard what it claims (exit 1). ``--list`` also names the
+machine families' mutants (:data:`properties.families.FAMILY_MUTANTS`), which ``fuzz --mutant`` plants on their
+own machines and their tests kill.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import argparse
 import json
 
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
+from properties.families import FAMILY_MUTANTS
 from properties.mutants import MUTANTS, kill
 
 __all__ = ["add_arguments", "kill", "run"]
@@ -30,6 +33,8 @@ def run(args: argparse.Namespace) -> int:
     if args.list:
         for name, m in MUTANTS.items():
             print(f"{name:<28} kills: {m.kills:<20} {m.what}")
+        for name, (family, kills, _, _) in FAMILY_MUTANTS.items():  # planted by fuzz --mutant, not run here
+            print(f"{name:<28} kills: {kills:<20} (the {family} machines: python -m harness fuzz --mutant {name})")
         return EXIT_OK
     names = args.only or list(MUTANTS)
     unknown = [n for n in names if n not in MUTANTS]

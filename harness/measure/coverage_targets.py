@@ -95,13 +95,27 @@ REASONS: tuple[Reason, ...] = (
     Reason("needs n_cmpl > 1 (a parent's prompt and sequence copied to its children)", None,
            r"^(server_prompt::clone|llama_memory_seq_cp|llama_kv_cache::seq_cp|llama_memory_recurrent::seq_cp)(\(|$)"),
     Reason("seq_keep: no path of the server keeps one sequence only", None, r"seq_keep(\(|$)"),
+    Reason("whole-context session files (llama_state_save/load_file): the server's slot files are per sequence",
+           None, r"^(llama_state_(save|load)_file|llama_context::state_(save|load)_file)(\(|$)"),
+    # the slot-file paths the slot-files workload (save/restore/erase between completions, a full disk) leaves
+    Reason("a client gone before its answer (the HTTP request stopped while its slot task waited)",
+           r"req\.should_stop\(\)"),
+    Reason("a hostile slot file name (the filename run, python -m harness slot-files: no coverage workload)",
+           r'"Invalid filename"'),
+    Reason("a slot action naming a slot id the server does not have (a bad request)",
+           r'"Invalid slot ID"|res->error\(result->to_json\(\)\)'),
+    Reason("a slot file from a larger context or another vocabulary (restore refuses it)",
+           r"does not fit in the slot context|Invalid tokens in slot save file"),
+    Reason("a corrupt or foreign slot file (magic or version, a token count past the file or the slot, a state that "
+           "does not read): no workload restores one", r"sequence state file|failed to restore sequence state"),
     # an abort among other lines does not explain them: only a short block that is the abort
     Reason("abort path: an invariant upstream asserts (the process dies: no counters)",
            r"GGML_ABORT|GGML_ASSERT|should not happen", max_lines=4),
-    Reason("slot files: #39 point 1", r"SLOT_(SAVE|RESTORE|ERASE)|slot_save_path|state_seq_(save|load)_file|filepath|"
-           r"fs_validate_filename|n_erased|_file\(",
-           r"handle_slots_|state_(save|load)_file|state_seq_(save|load)_file"),
-    Reason("--cache-reuse / context shift: #39 point 1", r"n_cache_reuse|cache_reuse|n_discard|ctx_shift|n_keep",
+    Reason("slot files: no slot action in this workload (coverage --run slot-files drives them)",
+           r"SLOT_(SAVE|RESTORE|ERASE)|slot_save_path|state_seq_(save|load)_file|filepath|fs_validate_filename|"
+           r"n_erased|_file\(", r"handle_slots_|state_seq_(save|load)_file", unentered=True),
+    Reason("--cache-reuse / context shift: off on the workloads' servers (a real server runs them only in "
+           "tests/test_cache_reuse.py, no coverage workload)", r"n_cache_reuse|cache_reuse|n_discard|ctx_shift|n_keep",
            r"seq_(add|div)"),
     Reason("needs --slots-debug (a debugging printout)", r"slots_debug|slots_n_diff"),
     Reason("needs a transposed V cache (v_trans: flash attention off)", r"transposed|v_trans"),
@@ -117,7 +131,7 @@ REASONS: tuple[Reason, ...] = (
     Reason("whole-state save/load (llama_state_*): the server saves per sequence only", None,
            r"^(llama_state_(get|set)_|llama_context::state_(get|set|write|read)_data|llama_state_seq_(get|set)_(data|size)(\(|$))"),
     Reason("needs a speculative draft model (or its checkpoint type)", r"ctx_dft|spec_|draft|drft|size_dft|data_dft"),
-    Reason("idle slots of other task types (embedding, rerank): #39 point 1",
+    Reason("an embedding or rerank task (concurrent and soak --embedding-clients send them; the gate none)",
            r"task.*(embedding|rerank)|EMBEDDING|RERANK|pooling"),
     Reason("cache pressure: an eviction path no workload hit (a limit reached at update)",
            r"removing oldest entry|making room|exceeds cache size limit|cache (size|token) limit|"
@@ -132,7 +146,7 @@ REASONS: tuple[Reason, ...] = (
     Reason("error path: a corrupt or mismatched state read", r"LLAMA_LOG_ERROR|failed to (read|restore|load)|"
            r"mismatch|invalid|!= (n_|cell_count|v_trans|n_layer|n_stream)|return false;|return 0;"),
     Reason("error path: a bad request", r"send_error|ERROR_TYPE_|res_err|format_error"),
-    Reason("a LoRA adapter", r"lora"),
+    Reason("a LoRA adapter", r"(?i)lora"),
 )  # fmt: skip
 
 
