@@ -9,8 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.llama_server import reuse_programs, slot_programs
-from harness.backends.llama_server.generated import GeneratedFailure
+from harness.load import reuse_programs, slot_programs
+from harness.load.generated import GeneratedFailure
 from harness.targets.llama_build import build_server
 
 pytestmark = pytest.mark.llama_server_builds

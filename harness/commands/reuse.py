@@ -1,7 +1,7 @@
 """``python -m harness reuse``: generated ``--cache-reuse`` and context-shift programs on a real llama-server.
 
 ``--examples`` Hypothesis-generated programs per model (seeded by ``--seed``;
-:mod:`harness.backends.llama_server.reuse_programs`): each a server with ``--cache-reuse N`` and
+:mod:`harness.load.reuse_programs`): each a server with ``--cache-reuse N`` and
 ``--context-shift`` sent a first prompt, then the conversation it holds with a piece of its middle deleted,
 or a generation past ``n_ctx``; every ``timings.cache_n`` and context shift against the model, the answers
 against a fresh server where no cell was moved (a greedy flip within the model's batch-shape bound is the
@@ -18,8 +18,8 @@ import json
 import sys
 from pathlib import Path
 
-from harness.backends.llama_server.reuse_programs import ARCHS, command_line, run_model
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
+from harness.load.reuse_programs import ARCHS, command_line, run_model
 from harness.targets.llama_build import build_server
 
 __all__ = ["add_arguments", "run"]

@@ -10,7 +10,7 @@ escapes, a name that must be refused and is not answered 4xx, or a benign name n
 
 ``--differential`` runs instead the slot-file differential: ``--examples`` Hypothesis-generated programs of saves,
 restores, erases and completions per model of ``--models`` (all five by default; seeded by ``--seed``:
-:mod:`harness.backends.llama_server.slot_programs`), each step against the model (statuses, token counts,
+:mod:`harness.load.slot_programs`), each step against the model (statuses, token counts,
 ``timings.cache_n``) and, after every restore, a fresh evaluation (outputs); a difference a registered finding's
 exact condition explains is counted under it, any other fails with the shrunk program, the seed and the command
 line that replays it. Then the fixed programs of :mod:`harness.backends.llama_server.slot_restore` as the smoke case
@@ -28,11 +28,11 @@ import sys
 from pathlib import Path
 
 from harness.backends.llama_server.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
-from harness.backends.llama_server.slot_programs import ARCHS, command_line, run_model
 from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
 from harness.commands.common import add_semantics, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.findings import finding
+from harness.load.slot_programs import ARCHS, command_line, run_model
 from harness.targets.llama_build import build_server
 
 __all__ = ["add_arguments", "run"]

@@ -43,18 +43,21 @@ from __future__ import annotations
 import random
 import time
 from collections.abc import Callable, Sequence
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from fixtures.models import model_path
 from harness.backends.llama_server.differential import ServerConfig
-from harness.load.clients import BUSY, Req, Sent, replay_program, run_clients
+from harness.load.clients import BUSY, EMBED, Req, Sent, replay_program, run_clients
 from harness.load.order import Event, parse_log, tasks
 from harness.load.outputs import Divergences, compare_output
+from harness.load.overlap import RssWatch, bound_violations, embedding_config, embedding_reqs
+from harness.load.stateless import server_args
 from harness.load.traced import ServerTrace
 from harness.model.cache import f32, get_common_prefix
-from harness.model.server_context import ServerContext, ServerSlot, SlotState
+from harness.model.server_context import TASK_EMBEDDING, ServerContext, ServerSlot, SlotState
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import ServerProcess
 
@@ -90,6 +93,9 @@ _COUNTS = (
     "unfollowed_after_busy_hit",
     "busy_livelocks",
     "after_busy_hit",
+    "embeddings",
+    "stateless_cached",
+    "bound_violations",
 )
 REQUEST_TIMEOUT_S = 15.0  # a request of this scenario takes well under a second; more is a hang
 LIVELOCK_SPINS = 1000  # "superseding context checkpoint" lines of one trace that mean a spinning slot
@@ -273,10 +279,17 @@ class ConcurrentResult:
     trace: str = ""  # the libllama trace of the first output mismatch and the lines that replay and shrink it
     busy_program: str = ""  # a trace that showed busy-slot-by-id, when one did
     seconds: float = 0.0
+    embeddings: int = 0  # embedding requests the model replayed in the server's order (--embedding-clients)
+    stateless_cached: int = 0  # cache entries the model saved from a slot an embedding left: idle-stateless-slot-cached
+    bound_violations: int = 0  # the RSS or logged cache size past its bound (harness.load.overlap)
+    rss_peak: int = 0  # bytes, the largest over the traces (with embedding clients)
+    rss_bound: int = 0
+    cache_max_mib: float = 0.0
 
     @property
     def mismatches(self) -> int:
-        return self.cache_n_mismatches + self.load_mismatches + self.output_mismatches + self.request_errors
+        return (self.cache_n_mismatches + self.load_mismatches + self.output_mismatches + self.request_errors
+                + self.bound_violations)  # fmt: skip
 
     def add(self, other: ConcurrentResult) -> None:
         for k in _COUNTS:
@@ -287,6 +300,8 @@ class ConcurrentResult:
         self.trace = self.trace or other.trace
         self.busy_program = self.busy_program or other.busy_program
         self.unmodellable = self.unmodellable or other.unmodellable
+        self.rss_peak, self.rss_bound = max(self.rss_peak, other.rss_peak), max(self.rss_bound, other.rss_bound)
+        self.cache_max_mib = max(self.cache_max_mib, other.cache_max_mib)
 
     def as_dict(self) -> dict[str, Any]:
         d = dict(self.__dict__)
@@ -302,10 +317,11 @@ def _match(events: list[Event], sents: Sequence[Sent]) -> dict[int, Sent]:
         cands = [
             s
             for s in free
-            if s.slot == t.slot
-            and int(s.response["tokens_evaluated"]) == t.n_prompt  # type: ignore[index]
-            and len(s.generated) == t.n_decoded
-        ]
+            if (s.embedding and t.n_decoded < 0 and len(s.req.tokens) == t.n_prompt)  # no eval line: an embedding
+            or (not s.embedding and s.slot == t.slot
+                and int(s.response["tokens_evaluated"]) == t.n_prompt  # type: ignore[index]
+                and len(s.generated) == t.n_decoded)
+        ]  # fmt: skip
         if not cands:
             raise Unmodellable(f"task {t.task} (slot {t.slot}, {t.n_prompt} prompt tokens, {t.n_decoded} decoded) "
                                "matches no response")  # fmt: skip
@@ -330,6 +346,23 @@ def _busy_load_differs(res: ConcurrentResult, e: Event, server_load: Event | Non
         res.failures.append(f"{what}: {s.describe()}")
 
 
+def _embedding(m: ServerContext, s: Sent, slot: int, res: ConcurrentResult, on_slot: dict[int, int],
+               in_flight: set[int]) -> None:  # fmt: skip
+    """The server launched embedding ``s`` on ``slot``: the model handles it there too (else a mismatch)."""
+    if in_flight:
+        res.interleavings += 1
+    in_flight.add(s.index)
+    r = m.handle_stateless(s.req.tokens, TASK_EMBEDDING)
+    res.embeddings += 1
+    if r.status != "launched" or r.slot != slot:
+        if not (res.busy_hits or res.busy_loads):  # else busy-slot-by-id's wreckage (judge says so)
+            res.cache_n_mismatches += 1
+            res.failures.append(f"embedding slot: {s.describe()}: the server launched it on slot {slot}, the model "
+                                f"{r.status} on slot {r.slot}")  # fmt: skip
+        raise Unmodellable(f"the model launched embedding #{s.index} on slot {r.slot}, the server on {slot}")
+    on_slot.pop(slot, None)
+
+
 def replay_order(m: ServerContext, events: list[Event], sents: Sequence[Sent], res: ConcurrentResult) -> list[Check]:
     """Feed ``m`` the order in ``events``; one :class:`Check` per released task, in release order."""
     by_task = _match(events, sents)
@@ -346,6 +379,9 @@ def replay_order(m: ServerContext, events: list[Event], sents: Sequence[Sent], r
             if not deferred:
                 assert nxt is not None
                 s = by_task[nxt.task]
+                if s.embedding:
+                    _embedding(m, s, nxt.slot, res, on_slot, in_flight)
+                    continue
             else:
                 if e.how != "id":
                     raise Unmodellable(f"a selection by {e.how} at {e.t:.3f}s with no launch")
@@ -390,6 +426,9 @@ def replay_order(m: ServerContext, events: list[Event], sents: Sequence[Sent], r
                 in_flight.add(s.index)
                 if r.status == "launched":
                     on_slot[r.slot] = s.index
+        elif e.kind == "release" and e.task in by_task and by_task[e.task].embedding:
+            in_flight.discard(by_task[e.task].index)
+            _finish(m, m.slots[e.slot])
         elif e.kind == "release" and e.task in by_task:
             s = by_task[e.task]
             c = checks.setdefault(s.index, Check(s))
@@ -428,17 +467,26 @@ def run_trace(
         f"print(replay({cfg!r}, {binary_expr}, {semantics!r}, REQS))",
         reqs,
     )  # fmt: skip
+    embeds = any(r.id_slot == EMBED for r in reqs)  # embedding clients: the server answers them, bounds held
     server = ServerProcess(
-        binary, [*cfg.server_args(), "-lv", "4"], model=model_path(cfg.arch), n_parallel=cfg.n_parallel,
-        ctx_size=cfg.n_ctx, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=cfg.ctx_checkpoints,
+        binary, [*cfg.server_args(), *_extra_args(cfg, reqs), "-lv", "4"], model=model_path(cfg.arch),
+        n_parallel=cfg.n_parallel, ctx_size=cfg.n_ctx, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=cfg.ctx_checkpoints,
         kv_unified=cfg.kv_unified, log_path=log_path, request_timeout=REQUEST_TIMEOUT_S,
         env=traces.env(trace) if traces is not None else None,
     )  # fmt: skip
     with server:
-        run = run_clients(server, reqs, timeout=4 * REQUEST_TIMEOUT_S)
+        watch = RssWatch(server.pid) if embeds else None
+        with watch or nullcontext():
+            run = run_clients(server, reqs, timeout=4 * REQUEST_TIMEOUT_S)
     # after the server stopped: a slot is released (and logged) after its response went out
     log = server.log_path.read_text(errors="replace") if server.log_path else ""
     res = judge(cfg, semantics, log, run.sents, fresh, program)
+    if watch is not None:
+        broke, res.cache_max_mib = bound_violations(watch, cfg.cache_ram_mib, log)
+        res.rss_peak, res.rss_bound = watch.peak, watch.bound(cfg.cache_ram_mib)
+        res.bound_violations += len(broke)
+        res.failures += broke
+        res.program = program if res.mismatches else res.program
     if traces is not None:
         attach_trace(res, traces, trace)
     res.seconds = time.perf_counter() - t0
@@ -489,6 +537,7 @@ def judge(
                 res.unmodellable = str(e)
             checks = []
         predicted_evictions = m.prompt_cache.evictions if m.prompt_cache is not None else 0
+        res.stateless_cached = len(m.stateless_saves)
     finally:
         close_server(m)
     if checks and predicted_evictions != res.evictions:
@@ -528,10 +577,18 @@ def judge(
     return res
 
 
-def fresh_server(cfg: ServerConfig, binary: Path, log_path: str | None = None) -> ServerProcess:
-    """A single-slot server without cache, for the outputs (started by the caller)."""
-    return ServerProcess(binary, cfg.server_args(), model=model_path(cfg.arch), n_parallel=1, ctx_size=cfg.n_ctx,
-                         cache_ram=0, ctx_checkpoints=cfg.ctx_checkpoints, log_path=log_path)  # fmt: skip
+def _extra_args(cfg: ServerConfig, reqs: Sequence[Req]) -> tuple[str, ...]:
+    """The flags that make the server answer the trace's embedding requests, if it has any."""
+    return server_args(cfg.arch) if any(r.id_slot == EMBED for r in reqs) else ()
+
+
+def fresh_server(cfg: ServerConfig, binary: Path, log_path: str | None = None, extra: Sequence[str] = ()
+                 ) -> ServerProcess:  # fmt: skip
+    """A single-slot server without cache, for the outputs (started by the caller); ``extra``: the traced server's
+    flags for embeddings (:func:`_extra_args`)."""
+    return ServerProcess(binary, [*cfg.server_args(), *extra], model=model_path(cfg.arch), n_parallel=1,
+                         ctx_size=cfg.n_ctx, cache_ram=0, ctx_checkpoints=cfg.ctx_checkpoints,
+                         log_path=log_path)  # fmt: skip
 
 
 def run_concurrent(
@@ -547,17 +604,23 @@ def run_concurrent(
     binary_expr: str = "build_server('pr')",
     out: Callable[[str], None] = print,
     traces: ServerTrace | None = None,
+    embedding_clients: int = 0,
 ) -> ConcurrentResult:
     """``n_traces`` seeded traces on ``cfg``; K = ``n_clients`` (default: one more than the slots, at most 4);
-    ``traces``: each server under the libllama trace (:meth:`run_trace`)."""
+    ``traces``: each server under the libllama trace (:meth:`run_trace`); ``embedding_clients``: that many more
+    clients sending embeddings in every trace (:mod:`harness.load.overlap`; ``-ub`` then equals ``-b``)."""
     k = n_clients or min(4, cfg.n_parallel + 1)
     total = ConcurrentResult(cfg.name)
     n_ctx_slot = cfg.n_ctx if cfg.kv_unified else cfg.n_ctx // cfg.n_parallel
     n_ctx_slot = min(n_ctx_slot, cfg.n_ctx // cfg.n_parallel + 128)  # leave unified KV room for every slot
-    with fresh_server(cfg, binary, None if log_dir is None else f"{log_dir}/{cfg.name}-fresh.log") as fresh:
+    if embedding_clients:
+        cfg = embedding_config(cfg)
+    extra = server_args(cfg.arch) if embedding_clients else ()
+    with fresh_server(cfg, binary, None if log_dir is None else f"{log_dir}/{cfg.name}-fresh.log", extra) as fresh:
         for t in range(n_traces):
             # even traces are clean (no request names a slot), odd ones name busy slots
             reqs = scenario(seed * 1000 + t, k, cfg.n_parallel, per_client, n_ctx_slot, busy=t % 2 == 1)
+            reqs += embedding_reqs(seed * 1000 + t, k, embedding_clients, 2 * per_client) if embedding_clients else []
             log = None if log_dir is None else f"{log_dir}/{cfg.name}-trace{t}.log"
             r = run_trace(cfg, binary, semantics, reqs, fresh, log, binary_expr, traces, f"{cfg.name}-trace{t}")
             total.add(r)
@@ -566,7 +629,7 @@ def run_concurrent(
 
 def replay(cfg: ServerConfig, binary: Path, semantics: str, reqs: Sequence[Req]) -> str:
     """Send ``reqs`` again with their timing and check them; the figures and each failure, as text."""
-    with fresh_server(cfg, binary) as fresh:
+    with fresh_server(cfg, binary, extra=_extra_args(cfg, reqs)) as fresh:
         r = run_trace(cfg, binary, semantics, reqs, fresh)
     lines = [f"{r.requests} requests, {r.interleavings} interleaved, {r.busy_requests} named a busy slot, "
              f"{r.busy_slot_by_id} outputs changed by busy-slot-by-id, {r.mismatches} mismatches"]  # fmt: skip

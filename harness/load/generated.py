@@ -8,8 +8,8 @@ examples on every machine; no example database), and on a failure lets Hypothesi
 ``shrinks`` times (every try starts servers), keeping the concrete program and message of the last failing
 run: Hypothesis runs the smallest failing example last, so that is the shrunk program. The caller prints it
 with the seed and the command line that replays the run. :func:`output_verdict` judges an answer against a fresh
-cache-less server as the backend's differential does (:func:`~harness.backends.llama_server.differential.check_output`),
-excusing a near tie only on a model with a batch-shape bound (none for mamba: no attention layer).
+cache-less server as the concurrent differential and the soak do (:func:`~harness.load.outputs.compare_output`): a
+greedy flip within the model's batch-shape bound is a registered finding (none for mamba: no attention layer).
 """
 
 from __future__ import annotations
@@ -23,8 +23,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.internal.conjecture import engine as _engine
 
-from harness.backends.llama_server.differential import Row, check_output
-from harness.findings import BATCH_SHAPE_FLIP_GAP
+from harness.load.outputs import Divergences, compare_output
 from harness.targets.llama_server import ServerProcess
 from properties.run import SHRINKS
 
@@ -101,13 +100,12 @@ def run_generated(
 
 def output_verdict(fresh: ServerProcess, tokens: tuple[int, ...], generated: tuple[int, ...], cache_n: int,
                    arch: str) -> tuple[str | None, str | None]:  # fmt: skip
-    """An answer against ``fresh``'s: ``("", None)`` equal, ``(finding, None)`` a near tie a registered finding
-    explains (``greedy-flip-on-cache-path`` with ``cache_n`` > 0, else ``concurrent-output-divergence``), or
-    ``(None, what differs)``."""
-    row = Row(tokens, max(1, len(generated)), 0, cache_n, 0, cache_n, generated)
-    out = check_output(fresh, row)
-    if out is None:
+    """An answer against ``fresh``'s: ``("", None)`` equal, ``(finding, None)`` a greedy flip within the model's
+    :data:`~harness.findings.BATCH_SHAPE_FLIP_GAP` (``greedy-flip-on-cache-path`` with ``cache_n`` > 0, else
+    ``concurrent-output-divergence``: :meth:`~harness.load.outputs.Divergences.batch_shape`), or ``(None, what
+    differs)``."""
+    diff = compare_output(fresh, tokens, generated, arch) if generated else None
+    if diff is None:
         return "", None
-    if out == "near-tie" and arch in BATCH_SHAPE_FLIP_GAP:
-        return ("greedy-flip-on-cache-path" if cache_n > 0 else "concurrent-output-divergence"), None
-    return None, f"{row.describe()}: a near tie on a model without attention" if out == "near-tie" else out
+    found = Divergences.batch_shape(diff, cache_n)
+    return (found, None) if found is not None else (None, f"cache_n {cache_n}: {diff.describe()}")

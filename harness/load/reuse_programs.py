@@ -17,7 +17,8 @@ failing on any difference no registered finding explains by its exact condition:
   server-context.cpp:3219-3262; after a context shift, what the shifted slot holds);
 * every context shift's ``n_keep``/``n_discard`` in the server's log is the model's (:2928);
 * the answer is a fresh cache-less server's when no reused cell was moved (no chunk since the slot was last
-  rebuilt from position 0, no context shift): a greedy flip on a near tie is ``greedy-flip-on-cache-path``;
+  rebuilt from position 0, no context shift): a greedy flip within the model's batch-shape bound is
+  ``greedy-flip-on-cache-path``;
   once cells were moved, an answer unlike a fresh one is by design on a model with attention (a moved KV cell
   keeps what it attended to; counted as ``moved_differs``, not a verdict).
 
@@ -26,7 +27,7 @@ model aborts (``pos_min == -1, but n_past > 0``) where the server answered (seen
 not looked into yet.
 
 A failure is shrunk and printed as a pasteable program, with the seed and the command line
-(:func:`harness.backends.llama_server.generated.run_generated`). :data:`MUTANTS` plants a bug for the tests:
+(:func:`harness.load.generated.run_generated`). :data:`MUTANTS` plants a bug for the tests:
 ``reuse-off-by-one`` (the model's chunk loop asks for runs of N + 1 tokens).
 """
 
@@ -42,10 +43,10 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fixtures.models import model_path
-from harness.backends.llama_server.generated import GeneratedFailure, output_verdict, run_generated
 from harness.backends.llama_server.reuse import N_CTX
 from harness.errors import GgmlAbort
 from harness.interrupt import check
+from harness.load.generated import GeneratedFailure, output_verdict, run_generated
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
@@ -183,7 +184,7 @@ class _Run:
 def replay_text(arch: str, n_cache_reuse: int, lines: Sequence[str], mutant: str | None = None) -> str:
     m = "" if mutant is None else f", mutant={mutant!r}"
     head = ["from harness.targets.llama_build import build_server",
-            "from harness.backends.llama_server.reuse_programs import replay",
+            "from harness.load.reuse_programs import replay",
             f"with replay({arch!r}, build_server('pr'), {n_cache_reuse}{m}) as r:"]  # fmt: skip
     return "\n".join([*head, *lines])
 

@@ -14,14 +14,14 @@ explains by its exact condition:
 * every completion's slot and ``timings.cache_n`` are the model's (``Row.ok``) and the reuse property holds
   (``Row.reuse_problem``; a shortfall the model's tracer names is counted under that finding);
 * after every restore, the next completion's tokens are a fresh cache-less server's
-  (:func:`~harness.backends.llama_server.generated.output_verdict`); a greedy flip on a near tie is
-  ``greedy-flip-on-cache-path`` (counted; on a model with attention only), anything else fails;
+  (:func:`~harness.load.generated.output_verdict`); a greedy flip within the model's batch-shape bound is
+  ``greedy-flip-on-cache-path`` (counted; none excused on mamba), anything else fails;
 * the same completion is also resumed as if the file had kept the checkpoints the slot had when it was saved
   (:func:`properties.reuse.resume_point` on the saved tokens, checkpoints and ``seq_pos_min``): when the server
   matched the model and resumed fewer tokens, that is ``slot-restore-drops-checkpoints`` (counted, with the
   tokens reprocessed).
 
-A failure is shrunk (:func:`harness.backends.llama_server.generated.run_generated`) and printed as the
+A failure is shrunk (:func:`harness.load.generated.run_generated`) and printed as the
 concrete program (:func:`replay`), the seed and the command line. :data:`MUTANTS` plants a bug for the tests:
 ``keep-checkpoints`` (the model's restore keeps the slot's checkpoints, as PR #27451's appendix would) and
 ``corrupt-file`` (a server-side difference without a build: every slot file's last state bytes zeroed after
@@ -40,9 +40,9 @@ from hypothesis import strategies as st
 
 from fixtures.models import model_path
 from harness.backends.llama_server.differential import ServerConfig
-from harness.backends.llama_server.generated import GeneratedFailure, output_verdict, run_generated
 from harness.backends.llama_server.slot_restore import SlotDifferential
 from harness.interrupt import check
+from harness.load.generated import GeneratedFailure, output_verdict, run_generated
 from harness.model.server_context import ServerSlot
 from harness.model.slot_files import SlotFileStore
 from harness.targets.llama_server import ServerProcess
@@ -213,7 +213,7 @@ class _Run:
 def replay_text(arch: str, lines: Sequence[str], mutant: str | None = None) -> str:
     """The concrete program as Python to paste from the repository root."""
     head = ["from harness.targets.llama_build import build_server",
-            "from harness.backends.llama_server.slot_programs import replay",
+            "from harness.load.slot_programs import replay",
             f"with replay({arch!r}, build_server('pr'){'' if mutant is None else f', mutant={mutant!r}'}) as r:"]
     return "\n".join([*head, *(lines or ["    pass"])])
 

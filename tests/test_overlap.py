@@ -1,0 +1,71 @@
+"""Embedding clients in the concurrent differential's overlapping phase (issue #39, point 3): the model replays each
+embedding in the server's order, so every completion is still predicted; RSS and cache size stay bounded."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from harness.load import concurrent
+from harness.load.clients import EMBED
+from harness.load.concurrent import load_config, run_concurrent
+from harness.load.overlap import RssWatch, bound_violations, embedding_config, embedding_reqs
+from harness.model.server_context import ServerContext
+from harness.targets.llama_build import build_server
+
+pytestmark = pytest.mark.llama_server_builds
+
+
+def test_embedding_requests_have_lengths_of_their_own() -> None:
+    reqs = embedding_reqs(3, 4, 2, 8)
+    assert len({len(r.tokens) for r in reqs}) == 16 and {r.id_slot for r in reqs} == {EMBED}
+    assert {r.client for r in reqs} == {4, 5} and all(r.n_predict == 0 for r in reqs)
+    cfg = embedding_config(load_config("llama", 2, False))
+    assert cfg.n_ubatch == cfg.n_batch == cfg.n_ctx  # the server forces n_batch = n_ubatch: -b stays -c
+
+
+def test_bounds_report_the_rss_and_a_cache_past_its_limit() -> None:
+    log = ("0.00.100.000 I srv          update:  - cache state: 2 prompts, 3.500 MiB (limits: 8.000 MiB, 2048 tokens)\n"
+           "0.00.200.000 I srv          update:  - cache state: 3 prompts, 8.250 MiB (limits: 8.000 MiB, 2048 tokens)\n")
+    with RssWatch(os.getpid()) as w:
+        pass
+    broke, peak = bound_violations(w, 8, log)
+    assert peak == 8.25 and len(broke) == 1 and "8.25 MiB exceeds its limit 8.0 MiB" in broke[0]
+    w.peak = w.bound(8) + 1
+    broke, _ = bound_violations(w, 8, log)
+    assert len(broke) == 2 and broke[0].startswith("RSS")
+
+
+@pytest.fixture(scope="module")
+def binary() -> Any:
+    return build_server("pr")
+
+
+def test_overlapping_embeddings_are_replayed_and_bounded(binary: Any) -> None:
+    r = run_concurrent(load_config("llama", 2, False), binary, "shared", 0, 2, embedding_clients=1)
+    assert r.mismatches == 0 and r.unmodellable is None, r.failures
+    assert r.embeddings == 16 and r.interleavings > 0
+    assert r.stateless_cached > 0  # the registered finding idle-stateless-slot-cached, counted from the model
+    assert 0 < r.rss_peak <= r.rss_bound and 0 < r.cache_max_mib <= 8
+
+
+@pytest.fixture
+def embeddings_on_slot_0(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A planted model bug: every embedding pinned to slot 0 (the server picks its slot as for a completion)."""
+    orig = ServerContext.handle_stateless
+
+    def pinned(self: ServerContext, tokens: Any, task_type: str = "embedding", *, id_slot: int = -1) -> Any:
+        return orig(self, tokens, task_type, id_slot=0)
+
+    monkeypatch.setattr(concurrent.ServerContext, "handle_stateless", pinned)
+    yield
+
+
+@pytest.mark.usefixtures("embeddings_on_slot_0")
+def test_a_model_that_misplaces_embeddings_is_caught(binary: Any) -> None:
+    r = run_concurrent(load_config("llama", 2, False), binary, "shared", 0, 2, embedding_clients=1)
+    assert r.unmodellable is not None and "embedding" in r.unmodellable
+    assert r.mismatches > 0 and any(f.startswith("embedding slot") for f in r.failures) and r.program
