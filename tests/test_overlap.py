@@ -28,8 +28,8 @@ def test_embedding_requests_have_lengths_of_their_own() -> None:
 
 
 def test_bounds_report_the_rss_and_a_cache_past_its_limit() -> None:
-    log = ("0.00.100.000 I srv          update:  - cache state: 2 prompts, 3.500 MiB (limits: 8.000 MiB, 2048 tokens)\n"
-           "0.00.200.000 I srv          update:  - cache state: 3 prompts, 8.250 MiB (limits: 8.000 MiB, 2048 tokens)\n")
+    line = "0.00.{}00.000 I srv          update:  - cache state: {} prompts, {} MiB (limits: 8.000 MiB, 2048 tokens)\n"
+    log = line.format(1, 2, "3.500") + line.format(2, 3, "8.250")
     with RssWatch(os.getpid()) as w:
         pass
     broke, peak = bound_violations(w, 8, log)
