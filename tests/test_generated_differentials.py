@@ -62,3 +62,16 @@ def test_reuse_programs_find_a_chunk_loop_off_by_one(binary: Path) -> None:
 def test_bad_generated_differential_flags_get_one_line(argv: list[str]) -> None:
     r = subprocess.run([sys.executable, "-m", "harness", *argv], capture_output=True, text=True, check=False)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_a_chunk_moved_to_position_0() -> None:
+    """What the generated reuse programs found on seed 0: the first token deleted, the rest moved to position 0.
+    The pr server answered cache_n 13 (14 reused, then one re-evaluated: "n_past was set to 13"); the model's
+    synthetic memory used to clear the whole sequence on seq_rm(seq, 0, 1) and abort."""
+    first = (1, 3, 10, 17, 24, 31, 38, 5, 12, 19, 26, 33)
+    m = reuse_programs._model("llama", 1, None)
+    m.handle_completion(first, id_slot=0, n_predict=4, forced=(7, 8, 9, 10))
+    m.run_until_idle()
+    m.handle_completion((*first, 7, 8, 9)[1:], id_slot=0, n_predict=4, forced=(7, 8, 9, 10))
+    m.run_until_idle()
+    assert m.slots[0].n_prompt_cached == 13 and [c.head_p for _, _, cs in m.reuses for c in cs] == [0]
