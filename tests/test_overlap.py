@@ -9,12 +9,13 @@ from typing import Any
 
 import pytest
 
-from harness.load import concurrent
-from harness.load.clients import EMBED
-from harness.load.concurrent import load_config, run_concurrent
+from harness.load.clients import EMBED, Req
+from harness.load.concurrent import fresh_server, load_config, run_concurrent, run_trace
 from harness.load.overlap import RssWatch, bound_violations, embedding_config, embedding_reqs
+from harness.load.stateless import server_args
 from harness.model.server_context import ServerContext
 from harness.targets.llama_build import build_server
+from harness.targets.llama_server import ServerProcess
 
 pytestmark = pytest.mark.llama_server_builds
 
@@ -53,19 +54,48 @@ def test_overlapping_embeddings_are_replayed_and_bounded(binary: Any) -> None:
 
 
 @pytest.fixture
-def embeddings_on_slot_0(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """A planted model bug: every embedding pinned to slot 0 (the server picks its slot as for a completion)."""
-    orig = ServerContext.handle_stateless
+def embeddings_cut_short(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """A planted server-side difference: every embedding reaches the server one token short of what the model is
+    told it was (the server evaluates a prompt the replay does not know)."""
+    orig = ServerProcess.request
 
-    def pinned(self: ServerContext, tokens: Any, task_type: str = "embedding", *, id_slot: int = -1) -> Any:
-        return orig(self, tokens, task_type, id_slot=0)
+    def cut(self: ServerProcess, method: str, path: str, body: Any = None, **kw: Any) -> Any:
+        if path == "/embeddings":
+            body = {**body, "content": body["content"][:-1]}
+        return orig(self, method, path, body, **kw)
 
-    monkeypatch.setattr(concurrent.ServerContext, "handle_stateless", pinned)
+    monkeypatch.setattr(ServerProcess, "request", cut)
     yield
 
 
-@pytest.mark.usefixtures("embeddings_on_slot_0")
-def test_a_model_that_misplaces_embeddings_is_caught(binary: Any) -> None:
-    r = run_concurrent(load_config("llama", 2, False), binary, "shared", 0, 2, embedding_clients=1)
-    assert r.unmodellable is not None and "embedding" in r.unmodellable
-    assert r.mismatches > 0 and any(f.startswith("embedding slot") for f in r.failures) and r.program
+@pytest.mark.usefixtures("embeddings_cut_short")
+def test_an_embedding_the_model_does_not_know_is_caught(binary: Any) -> None:
+    r = run_concurrent(load_config("llama", 2, False), binary, "shared", 0, 1, embedding_clients=1)
+    assert r.unmodellable is not None and "matches no response" in r.unmodellable, r.unmodellable
+
+
+def _embedding_beside_a_long_completion(binary: Any) -> Any:
+    """One long completion, and an embedding sent while it generates: the server takes the other slot."""
+    cfg = embedding_config(load_config("llama", 2, False))
+    reqs = [Req(0, 0.0, tuple(3 + i % 200 for i in range(40)), 900), *embedding_reqs(0, 1, 1, 1)]
+    reqs[1] = Req(1, 0.01, reqs[1].tokens, 0, EMBED)
+    with fresh_server(cfg, binary, extra=server_args("llama")) as fresh:
+        return run_trace(cfg, binary, "shared", reqs, fresh)
+
+
+def test_an_embedding_beside_a_long_completion_is_followed(binary: Any) -> None:
+    r = _embedding_beside_a_long_completion(binary)
+    assert r.mismatches == 0 and r.unmodellable is None and r.embeddings == 1 and r.interleavings == 1, r.failures
+
+
+def test_a_model_that_puts_an_embedding_on_a_busy_slot_is_caught(binary: Any, monkeypatch: pytest.MonkeyPatch
+                                                                 ) -> None:  # fmt: skip
+    """A planted model bug: an embedding pinned to the slot that is generating (the model defers it)."""
+    orig = ServerContext.handle_stateless
+
+    def busy(self: ServerContext, tokens: Any, task_type: str = "embedding", *, id_slot: int = -1) -> Any:
+        return orig(self, tokens, task_type, id_slot=next(s.id for s in self.slots if s.is_processing()))
+
+    monkeypatch.setattr(ServerContext, "handle_stateless", busy)
+    r = _embedding_beside_a_long_completion(binary)
+    assert r.unmodellable is not None and r.mismatches == 1 and r.failures[0].startswith("embedding slot"), r.failures
