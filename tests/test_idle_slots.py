@@ -179,6 +179,8 @@ def test_soak_and_concurrent_with_embedding_clients(pr_binary: Path, tmp_path: P
     for row in rows.values():
         s = row["stateless"]
         assert s["problems"] == [] and s["stateless_entries"] == s["predicted_entries"] > 0
+        # the embedding client in the overlapping phase: replayed by the model, RSS and cache size bounded
+        assert row["embeddings"] == 8 and row["bound_violations"] == 0 and 0 < row["rss_peak"] <= row["rss_bound"]
 
 
 def test_bad_embedding_clients_are_one_line() -> None:

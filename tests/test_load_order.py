@@ -12,8 +12,9 @@ import pytest
 
 from fixtures.models import model_path
 from harness.load.clients import Req, Sent
-from harness.load.concurrent import ConcurrentResult, deferred_request, load_config, replay_order
+from harness.load.concurrent import load_config
 from harness.load.order import Event, parse_log
+from harness.load.order_replay import ConcurrentResult, deferred_request, replay_order
 from harness.model.cache import f32, get_common_prefix
 from harness.model.server_context import ServerContext
 from harness.targets.libllama import close_server, make_llama_server

@@ -13,11 +13,14 @@ configuration and, for a mismatch, the timed requests that replay it; ``--json P
 figures (requests, interleavings, busy-slot requests, answers changed by ``busy-slot-by-id``,
 ``concurrent-output-divergence``, mismatches).
 
-``--embedding-clients N`` adds, per configuration, N clients each sending a mixed program of 24 requests one at a
-time (completions, ``/embeddings``, ``/rerank``; :func:`harness.load.stateless.stateless_differential`) to a fresh
-server that also answers the stateless endpoints: the cache entries it ends with must be the model's (those
-stateless tasks left are the known finding ``idle-stateless-slot-cached``, counted), the completions a fresh
-server's.
+``--embedding-clients N`` adds N clients sending ``/embeddings`` to every trace, overlapping the completions
+(:mod:`harness.load.overlap`: the server also answers embeddings, ``-ub`` = ``-b``; the model replays each embedding
+in the server's order on the slot the server chose, so every completion's ``cache_n`` is still predicted; the
+server's RSS and logged cache size held under their bounds, as in the soak), and per configuration N clients each
+sending a mixed program of 24 requests one at a time (completions, ``/embeddings``, ``/rerank``;
+:func:`harness.load.stateless.stateless_differential`) to a fresh server that also answers the stateless endpoints:
+the cache entries it ends with must be the model's (those stateless tasks left are the known finding
+``idle-stateless-slot-cached``, counted), the completions a fresh server's.
 
 Exit 0 when nothing mismatched, 1 on a mismatch or an order the model could not follow, 2 on a
 usage error, 4 when the build fails. The gate's short run is :mod:`harness.load.gate_step`.
@@ -61,8 +64,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-trace", action="store_true", help="run the servers without the libllama trace")
     parser.add_argument("--keep-traces", action="store_true", help="keep every server's trace (to measure)")
     parser.add_argument("--embedding-clients", type=int, default=0, metavar="N",
-                        help="per configuration, N clients sending completions, embeddings and reranks one at a time "
-                        "to a fresh server; its cache entries checked against the model's (default 0)")  # fmt: skip
+                        help="N embedding clients in every trace, overlapping the completions (RSS and cache size "
+                        "bounded), and per configuration N clients sending completions, embeddings and reranks one at "
+                        "a time to a fresh server; its cache entries checked against the model's (0)")  # fmt: skip
 
 
 def run(args: argparse.Namespace) -> int:
@@ -102,7 +106,8 @@ def run(args: argparse.Namespace) -> int:
     with tempfile.TemporaryDirectory(prefix="concurrent-") as logs:
         for cfg in concurrent_configs(short=args.short):
             r = run_concurrent(cfg, build.binary, semantics, args.seed, args.traces, log_dir=logs,
-                               binary_expr=build.replay_expr, traces=traces)  # fmt: skip
+                               binary_expr=build.replay_expr, traces=traces,
+                               embedding_clients=args.embedding_clients)  # fmt: skip
             total.add(r)
             bad = r.mismatches or r.unmodellable
             print(
@@ -116,6 +121,7 @@ def run(args: argparse.Namespace) -> int:
                 + "".join(f"{n} {k} (located in the trace), " for k, n in sorted(r.located.items()))
                 + f"{r.mismatches} mismatches {r.seconds:6.1f}s"
             )
+            _overlap_line(r, args.embedding_clients)
             if r.unmodellable:
                 print(f"      order not followed: {r.unmodellable}")
             for n in r.notes[:3]:
@@ -145,6 +151,14 @@ def run(args: argparse.Namespace) -> int:
           f"{total.busy_requests} named a busy slot, {total.busy_slot_by_id} busy-slot-by-id, "
           f"{total.concurrent_divergences} concurrent-output-divergence, {total.mismatches} mismatches")  # fmt: skip
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _overlap_line(r: ConcurrentResult, clients: int) -> None:
+    """The figures of the embedding clients that overlapped the completions, and the bounds (if there were any)."""
+    if clients:
+        print(f"      {r.embeddings} embeddings overlapping (idle-stateless-slot-cached: {r.stateless_cached} "
+              f"entries); RSS peak {r.rss_peak >> 20} MiB (bound {r.rss_bound >> 20}), cache peak "
+              f"{r.cache_max_mib:.3f} MiB; {r.bound_violations} bounds broken")  # fmt: skip
 
 
 def _stateless(cfg: ServerConfig, binary: Path, semantics: str, args: argparse.Namespace, logs: str,

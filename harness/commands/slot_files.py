@@ -8,10 +8,14 @@ the save directory, its verdict. Registered findings (``slot-file-follows-symlin
 in :mod:`harness.findings`) are reported as known and do not fail the run, as in the gate; anything else that
 escapes, a name that must be refused and is not answered 4xx, or a benign name not saved is a failure.
 
-``--differential`` runs instead :mod:`harness.backends.llama_server.slot_restore`: saves, restores and erases between
-completions on llama, jamba and mamba, each compared with the model (token counts, ``timings.cache_n``) and a fresh
-evaluation (outputs), a restore on a speculative slot, then the full-disk case on a 64 KiB tmpfs (root only);
-JSON figures on stdout (and ``--json``). Exit 1 on a mismatch; the registered findings it shows are listed as known.
+``--differential`` runs instead the slot-file differential: ``--examples`` Hypothesis-generated programs of saves,
+restores, erases and completions per model of ``--models`` (all five by default; seeded by ``--seed``:
+:mod:`harness.load.slot_programs`), each step against the model (statuses, token counts,
+``timings.cache_n``) and, after every restore, a fresh evaluation (outputs); a difference a registered finding's
+exact condition explains is counted under it, any other fails with the shrunk program, the seed and the command
+line that replays it. Then the fixed programs of :mod:`harness.backends.llama_server.slot_restore` as the smoke case
+(``--rounds``), a restore on a speculative slot and the full-disk case on a 64 KiB tmpfs (root only); JSON figures
+on stdout (and ``--json``). Exit 1 on a mismatch; the registered findings it shows are listed as known.
 
 Exit 0 when nothing but known findings showed, 1 on a failure, 3 when the server died, 2 on a usage error.
 """
@@ -28,6 +32,7 @@ from harness.backends.llama_server.slot_restore import enospc, run_differential,
 from harness.commands.common import add_semantics, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.findings import finding
+from harness.load.slot_programs import ARCHS, command_line, run_model
 from harness.targets.llama_build import build_server
 
 __all__ = ["add_arguments", "run"]
@@ -35,15 +40,19 @@ __all__ = ["add_arguments", "run"]
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, default=50, metavar="N",
-                        help="generated names after the explicit list (50; 0: the list only)")  # fmt: skip
-    parser.add_argument("--seed", type=int, default=0, help="the generated names' seed (0)")
+                        help="generated names after the explicit list (50; 0: the list only); --differential: "
+                             "generated programs per model (0: the fixed smoke programs only)")  # fmt: skip
+    parser.add_argument("--seed", type=int, default=0, help="the generated names' or programs' seed (0)")
     add_semantics(parser)
     parser.add_argument("--server-bin", metavar="PATH", type=Path, help="run this llama-server binary instead")
     parser.add_argument("--json", metavar="PATH", help="write every name's requests and effects as JSON")
     parser.add_argument("--differential", action="store_true",
                         help="save/restore/erase between completions against the model and a fresh server, "
                              "then a save on a full tmpfs (root), instead of the names")  # fmt: skip
-    parser.add_argument("--rounds", type=int, default=1, metavar="N", help="--differential: rounds per model (1)")
+    parser.add_argument("--rounds", type=int, default=1, metavar="N",
+                        help="--differential: rounds of the fixed smoke programs per model (1)")  # fmt: skip
+    parser.add_argument("--models", default=",".join(ARCHS), metavar="A,B",
+                        help=f"--differential: the models of the generated programs ({','.join(ARCHS)})")  # fmt: skip
 
 
 def _short(text: str, n: int) -> str:
@@ -70,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--examples must be >= 0, got {args.examples}")
     if args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
+    _models(args.models)
     if args.server_bin is not None:
         if not args.server_bin.is_file():
             raise UsageError(f"--server-bin {args.server_bin}: no such file")
@@ -98,11 +108,42 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _models(text: str) -> tuple[str, ...]:
+    archs = tuple(a for a in text.split(",") if a)
+    bad = [a for a in archs if a not in ARCHS]
+    if bad or not archs:
+        raise UsageError(f"--models: unknown model {','.join(bad) or text!r} (choose from {','.join(ARCHS)})")
+    return archs
+
+
+def _generated(binary: Path, args: argparse.Namespace) -> tuple[list[dict[str, object]], list[str]]:
+    """The generated programs on every model of ``--models``: one line each; the figures and the failures."""
+    archs = _models(args.models) if args.examples else ()
+    rows, failures = [], []
+    for arch in archs:
+        f = run_model(arch, binary, examples=args.examples, seed=args.seed)
+        rows.append(f.to_json())
+        found = ", ".join(f"{k} {v}" for k, v in sorted(f.findings.items())) or "none"
+        print(f"  [{'FAIL' if f.failure else 'ok  '}] {arch:<7} {f.examples} programs, {f.requests} requests, "
+              f"{f.actions} actions, {f.restores} restores, {f.compared} outputs compared after a restore "
+              f"({f.outputs_equal} equal); findings: {found}; {f.tokens_reprocessed} tokens reprocessed",
+              file=sys.stderr)  # fmt: skip
+        if f.failure is not None:
+            again = command_line((arch,), args.examples, args.seed)
+            failures.append(f"{arch} seed {args.seed}: {f.failure.name}: {f.failure.message}\n"
+                            f"  the shrunk program (paste into python from the repository root):\n"
+                            f"{f.failure.program}\n  replay the run: {again}")  # fmt: skip
+    return rows, failures
+
+
 def _differential(binary: Path, args: argparse.Namespace) -> int:
+    generated, failures = _generated(binary, args)
     out = run_differential(binary, rounds=args.rounds, seed=args.seed)
+    out["generated"] = {"examples": args.examples, "seed": args.seed, "models": generated}
     out["stale_draft"] = stale_draft(binary)
     out["enospc"] = enospc(binary)
     known = ["slot-restore-drops-checkpoints"] if out["total"]["tokens_reprocessed"] else []
+    known += [fid for row in generated for fid in row["findings"]]  # type: ignore[attr-defined]
     if out["stale_draft"]["after_other_prompt"]["status"] == 500:
         known.append("slot-restore-stale-draft")
     for c in out["enospc"]["cases"]:
@@ -117,6 +158,6 @@ def _differential(binary: Path, args: argparse.Namespace) -> int:
     print(text, end="")
     if args.json:
         Path(args.json).write_text(text)
-    for m in out["mismatches"]:
+    for m in [*failures, *out["mismatches"]]:
         print(f"FAIL {m}", file=sys.stderr)
-    return EXIT_FAILED if out["mismatches"] else EXIT_OK
+    return EXIT_FAILED if out["mismatches"] or failures else EXIT_OK

@@ -4,6 +4,7 @@
   leave is what a failure prints (:func:`~harness.load.clients.replay_program`).
 * :mod:`harness.load.order`: the order the server actually took (selections, launches, saves,
   releases), read from its log at ``-lv 4``.
+* :mod:`harness.load.order_replay`: the reference model fed that order, step by step.
 * :mod:`harness.load.concurrent`: the concurrent differential: the reference model replays that
   order and must predict every response's slot and ``cache_n``; outputs are compared with a fresh
   cache-less server (the gate's short concurrent run, and ``busy-slot-by-id`` on the real server).

@@ -2,7 +2,8 @@
 
 A :class:`Req` is one request of one client: its tokens, ``n_predict``, the slot it names
 (``id_slot``: -1 none, a slot id, or :data:`BUSY`: whichever slot ``GET /slots`` shows processing
-when it is sent, so the request names a slot that is busy) and ``at``, the earliest time after the
+when it is sent, so the request names a slot that is busy; :data:`EMBED`: not a completion but a
+``POST /embeddings`` of the tokens, whose answer has no slot) and ``at``, the earliest time after the
 run's start it may be sent (a client sends its requests in order, each after the previous one
 answered). :func:`run_clients` runs every client in its own thread and returns one :class:`Sent`
 per request with wall-clock send and receive times; :func:`replay_program` prints the requests as a
@@ -23,9 +24,10 @@ from typing import Any
 
 from harness.targets.llama_server import RequestFailed, ServerProcess
 
-__all__ = ["BUSY", "Req", "Sent", "replay_program", "run_clients", "soak_prompt"]
+__all__ = ["BUSY", "EMBED", "Req", "Sent", "replay_program", "run_clients", "soak_prompt"]
 
 BUSY = -2  # id_slot: name whichever slot is processing when the request is sent
+EMBED = -3  # id_slot: an embedding request (the server picks its slot; the answer names none)
 _BUSY_POLL_S = 2.0  # how long a BUSY request looks for a processing slot before sending anyway
 
 
@@ -54,12 +56,16 @@ class Sent:
     error: str | None = None
 
     @property
+    def embedding(self) -> bool:
+        return self.req.id_slot == EMBED
+
+    @property
     def slot(self) -> int:
-        return int(self.response["id_slot"]) if self.response else -1
+        return int(self.response["id_slot"]) if self.response and not self.embedding else -1
 
     @property
     def cache_n(self) -> int:
-        return int(self.response["timings"]["cache_n"]) if self.response else -1
+        return int(self.response["timings"]["cache_n"]) if self.response and not self.embedding else -1
 
     @property
     def generated(self) -> tuple[int, ...]:
@@ -102,6 +108,13 @@ def _client(server: ServerProcess, sents: list[Sent], t0: float, deadline: float
         s.id_slot = slot
         s.t_send = time.monotonic() - t0
         try:
+            if slot == EMBED:
+                r = server.request("POST", "/embeddings", {"content": list(s.req.tokens)})
+                if not (isinstance(r, list) and r and r[0].get("embedding")):
+                    raise RequestFailed("POST", "/embeddings", "malformed", message=str(r)[:120])
+                s.response = {"embedding": len(r[0]["embedding"])}
+                s.t_recv = time.monotonic() - t0
+                continue
             s.response = server.completion(
                 list(s.req.tokens),
                 s.req.n_predict,

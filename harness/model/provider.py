@@ -379,9 +379,10 @@ class SyntheticProvider:
     # ---- memory ---------------------------------------------------------------------------
 
     def memory_seq_rm(self, seq: int, p0: int, p1: int) -> bool:
-        """Remove positions [p0, p1) (p1 < 0: to the end); a range inside: :mod:`harness.model.shift`."""
+        """Remove positions [p0, p1) (p1 < 0: to the end); a bounded range, from 0 too (``--cache-reuse`` moving a
+        chunk to position 0 removes [0, head_c)): :mod:`harness.model.shift`."""
         s = self._seqs[seq]
-        if p1 >= 0 and p0 > 0:
+        if p1 >= 0:
             if any(rs_rm(c.hist, p0, p1) is None for c in s.comps if c.is_rs):  # recurrent parts first
                 return False
             for c in (c for c in s.comps if not c.is_rs):  # a recurrent part keeps its state (rs_rm)

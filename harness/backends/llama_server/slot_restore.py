@@ -63,6 +63,25 @@ class SlotDifferential(Differential):
         finally:
             shutil.rmtree(self.save_dir, ignore_errors=True)
 
+    def act(self, action: str, filename: str = FILE) -> tuple[tuple[int, int], tuple[int, int]]:
+        """One slot action on the server and the model, any status: ((status, tokens) of the server, of the model);
+        a deferred model action is (-1, -1)."""
+        body = {} if action == "erase" else {"filename": filename}
+        key = {"save": "n_saved", "restore": "n_restored", "erase": "n_erased"}[action]
+        try:
+            got = (200, int(self.server.request("POST", f"/slots/0?action={action}", body)[key]))
+        except RequestFailed as e:
+            if e.kind != "http" or e.status is None:
+                raise
+            got = (e.status, 0)
+        if action == "save":
+            m = slot_save(self.model, 0, filename, self.store)
+        elif action == "restore":
+            m = slot_restore(self.model, 0, filename, self.store)
+        else:
+            m = slot_erase(self.model, 0)
+        return got, ((m.status, m.n_tokens if m.ok else 0) if m else (-1, -1))
+
     def action(self, action: str) -> tuple[int, int]:
         """One slot action on the server and the model: (the server's token count, the model's)."""
         body = {} if action == "erase" else {"filename": FILE}

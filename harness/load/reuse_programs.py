@@ -1,0 +1,250 @@
+"""Generated ``--cache-reuse`` and context-shift programs on a real ``llama-server`` against the model (issue #39,
+point 3): ``python -m harness reuse --examples N --seed S``.
+
+An example is a server with one slot of :data:`~harness.backends.llama_server.reuse.N_CTX` tokens, ``--cache-reuse
+N`` (N drawn: 1-16) and ``--context-shift``, and the model (:func:`harness.targets.synthetic.make_server` on
+transformer memory: the libllama provider cannot shift) with the same flags, fed the server's generated tokens.
+On llama only: the synthetic provider cannot move a recurrent state's position (mamba, jamba, lfm2: the fixed
+:func:`~harness.backends.llama_server.reuse.reuse_pair` on mamba shows ``cache-reuse-recurrent-stale``), and gemma2's
+server refuses ``--cache-reuse`` only at sizes where its two caches differ, which the iSWA model does not follow.
+
+A program: a first prompt, then up to :data:`MAX_FOLLOW` follow-ups, each the conversation the slot holds (its
+prompt and the tokens generated) with a piece of its middle deleted and new tokens after, or (a ``long`` step)
+a generation that runs past ``n_ctx`` so that the context shifts. Checked at each request,
+failing on any difference no registered finding explains by its exact condition:
+
+* ``timings.cache_n`` is the model's (the common prefix plus every chunk of at least N tokens moved into place,
+  server-context.cpp:3219-3262; after a context shift, what the shifted slot holds);
+* every context shift's ``n_keep``/``n_discard`` in the server's log is the model's (:2928);
+* the answer is a fresh cache-less server's when no reused cell was moved (no chunk since the slot was last
+  rebuilt from position 0, no context shift): a greedy flip within the model's batch-shape bound is
+  ``greedy-flip-on-cache-path``;
+  once cells were moved, an answer unlike a fresh one is by design on a model with attention (a moved KV cell
+  keeps what it attended to; counted as ``moved_differs``, not a verdict).
+
+Found by it on seed 0 (llama, N 1, the first token deleted: a chunk moved to position 0): the model aborted
+(``pos_min == -1, but n_past > 0``) where the server answered ``cache_n`` 13: the synthetic memory's ``seq_rm(seq,
+0, p1)`` cleared the whole sequence instead of [0, p1) (fixed in :meth:`harness.model.provider.SyntheticProvider.
+memory_seq_rm`; ``test_a_chunk_moved_to_position_0``).
+
+A failure is shrunk and printed as a pasteable program, with the seed and the command line
+(:func:`harness.load.generated.run_generated`). :data:`MUTANTS` plants a bug for the tests:
+``reuse-off-by-one`` (the model's chunk loop asks for runs of N + 1 tokens).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from hypothesis import strategies as st
+
+from fixtures.models import model_path
+from harness.backends.llama_server.reuse import N_CTX
+from harness.errors import GgmlAbort
+from harness.interrupt import check
+from harness.load.generated import GeneratedFailure, output_verdict, run_generated
+from harness.model.server_context import ServerContext, ServerParams
+from harness.targets.llama_server import ServerProcess
+from harness.targets.synthetic import make_server
+
+__all__ = ["ARCHS", "MUTANTS", "ReuseFigures", "command_line", "program_strategy", "replay", "run_model"]
+
+ARCHS = ("llama",)
+KIND = {"llama": "transformer"}
+MAX_FOLLOW = 4
+MUTANTS = ("reuse-off-by-one",)
+_SHIFT = re.compile(r"slot context shift, n_keep = (\d+), n_left = (\d+), n_discard = (\d+)")
+
+# (n_cache_reuse, first prompt's length, seed, [follow-up: (long, cut 0-23, n_cut 0-23, n_new, n_predict)])
+_FOLLOW = st.tuples(st.integers(0, 9), st.integers(0, 23), st.integers(0, 23), st.sampled_from([0, 1, 3, 8]),
+                    st.integers(1, 4))  # fmt: skip
+_PROGRAM = st.tuples(st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([12, 40, 90]), st.integers(0, 255),
+                     st.lists(_FOLLOW, min_size=1, max_size=MAX_FOLLOW))  # fmt: skip
+
+
+def program_strategy() -> st.SearchStrategy[tuple[Any, ...]]:
+    return _PROGRAM
+
+
+@dataclass
+class ReuseFigures:
+    arch: str
+    examples: int = 0
+    requests: int = 0
+    chunks_moved: int = 0
+    tokens_reused_by_chunks: int = 0
+    shifts: int = 0
+    compared: int = 0
+    outputs_equal: int = 0
+    moved_differs: int = 0  # by design: a moved KV cell keeps what it attended to (attention models only)
+    findings: Counter[str] = field(default_factory=Counter)
+    failure: GeneratedFailure | None = None
+    seed: int = 0
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in vars(self).items() if k not in ("failure", "findings")}
+        d["findings"] = dict(sorted(self.findings.items()))
+        if self.failure is not None:
+            d["failure"] = {"check": self.failure.name, "message": self.failure.message,
+                            "program": self.failure.program}  # fmt: skip
+        return d
+
+
+def _tokens(r: Any) -> tuple[int, ...]:
+    return tuple(int(t) for t in r.get("tokens") or ())
+
+
+def _model(arch: str, n_cache_reuse: int, mutant: str | None) -> ServerContext:
+    params = ServerParams(n_slots=1, cache_ram=0, cache_ram_unit=1024, n_cache_reuse=n_cache_reuse, ctx_shift=True,
+                          ctx_limit=True)  # fmt: skip
+    m = make_server("shared", KIND[arch], params=params, n_ctx=N_CTX)
+    if mutant == "reuse-off-by-one":
+        m.params.n_cache_reuse = n_cache_reuse + 1
+    return m
+
+
+class _Run:
+    """One program: the server, the model, the fresh server; each request checked and written as a replay line."""
+
+    def __init__(self, arch: str, srv: ServerProcess, fresh: ServerProcess, fig: ReuseFigures, n_cache_reuse: int,
+                 mutant: str | None) -> None:  # fmt: skip
+        self.arch, self.srv, self.fresh, self.fig, self.mutant = arch, srv, fresh, fig, mutant
+        self.n_cache_reuse = n_cache_reuse
+        self.m = _model(arch, n_cache_reuse, mutant)
+        self.lines: list[str] = []
+        self.history: tuple[int, ...] = ()  # what the slot holds: the last prompt and its generated tokens
+        self.moved = False  # cells were moved since the slot was last rebuilt from position 0
+        self.sent = 0
+        self.log_shifts = 0
+
+    def fail(self, name: str, message: str) -> None:
+        raise GeneratedFailure(name, message, replay_text(self.arch, self.n_cache_reuse, self.lines, self.mutant))
+
+    def request(self, prompt: tuple[int, ...], n_predict: int) -> None:
+        check()
+        self.lines.append(f"    r.request({list(prompt)!r}, {n_predict})")
+        r = self.srv.completion(list(prompt), n_predict, id_slot=0, ignore_eos=True, return_tokens=True, n_probs=0)
+        self.sent += 1
+        gen, cache_n = _tokens(r), int(r["timings"]["cache_n"])
+        self.fig.requests += 1
+        n_reuses, n_shifts = len(self.m.reuses), len(self.m.ctx_shifts)
+        try:
+            self.m.handle_completion(prompt, id_slot=0, n_predict=n_predict, forced=gen)
+            self.m.run_until_idle()
+        except GgmlAbort as e:  # the server answered: the model's abort is a difference too
+            self.fail("model_abort", f"a prompt of {len(prompt)} tokens: the server answered, the model aborted: {e}")
+        chunks = [c for _, _, cs in self.m.reuses[n_reuses:] for c in cs]
+        want = self.m.slots[0].n_prompt_cached
+        if cache_n != want:
+            self.fail("cache_n", f"a prompt of {len(prompt)} tokens: server cache_n {cache_n}, model {want} "
+                      f"(chunks {[(c.head_c, c.head_p, c.n_match) for c in chunks]})")  # fmt: skip
+        shifts = [(int(k), int(d)) for k, _, d in _SHIFT.findall(self.srv.log_through(self.sent))]
+        model_shifts = [(k, d) for _, _, k, d in self.m.ctx_shifts]
+        if shifts != model_shifts:
+            self.fail("context_shift", f"server shifts (n_keep, n_discard) {shifts}, model {model_shifts}")
+        self.fig.shifts += len(model_shifts) - n_shifts
+        self.fig.chunks_moved += len(chunks)
+        self.fig.tokens_reused_by_chunks += sum(c.n_match for c in chunks)
+        if cache_n == 0:
+            self.moved = False
+        self.moved = self.moved or bool(chunks) or len(model_shifts) > n_shifts
+        self.history = (*prompt, *gen[:-1])
+        self.judge(prompt, gen, cache_n)
+
+    def judge(self, prompt: tuple[int, ...], gen: tuple[int, ...], cache_n: int) -> None:
+        if len(prompt) + len(gen) >= N_CTX:  # a shifted generation: the fresh server cannot hold the conversation
+            return
+        found, problem = output_verdict(self.fresh, prompt, gen, cache_n, self.arch)
+        self.fig.compared += 1
+        if found == "":
+            self.fig.outputs_equal += 1
+        elif self.moved:
+            self.fig.moved_differs += 1
+        elif found is not None:
+            self.fig.findings[found] += 1
+        else:
+            self.fail("output", str(problem))
+
+    def follow(self, step: tuple[int, int, int, int, int], seed: int) -> None:
+        long, cut, n_cut, n_new, n_predict = step
+        h = self.history
+        new = tuple(3 + (seed * 13 + len(h) * 7 + i * 11) % 250 for i in range(n_new))
+        a = len(h) * cut // 24
+        b = min(len(h), a + max(1, len(h) * n_cut // 24))
+        prompt = (*h[:a], *h[b:], *new)[-(N_CTX - 20) :] or (1,)
+        if long == 0:  # a generation past n_ctx: the context shifts
+            n_predict = N_CTX + 8 - len(prompt)
+        self.request(prompt, n_predict)
+
+
+def replay_text(arch: str, n_cache_reuse: int, lines: Sequence[str], mutant: str | None = None) -> str:
+    m = "" if mutant is None else f", mutant={mutant!r}"
+    head = ["from harness.targets.llama_build import build_server",
+            "from harness.load.reuse_programs import replay",
+            f"with replay({arch!r}, build_server('pr'), {n_cache_reuse}{m}) as r:"]  # fmt: skip
+    return "\n".join([*head, *lines])
+
+
+def _server(binary: Path, arch: str, n_cache_reuse: int | None) -> ServerProcess:
+    args = [] if n_cache_reuse is None else ["--cache-reuse", str(n_cache_reuse), "--context-shift"]
+    return ServerProcess(binary, [*args, "--no-warmup"], model=model_path(arch), n_parallel=1, ctx_size=N_CTX,
+                         cache_ram=0, threads=1)  # fmt: skip
+
+
+class replay:
+    """A replay program's runner: the server, the model and a fresh server; ``request`` checks as the run did."""
+
+    def __init__(self, arch: str, binary: Path, n_cache_reuse: int, mutant: str | None = None) -> None:
+        self.arch, self.binary, self.n, self.mutant = arch, binary, n_cache_reuse, mutant
+        self.fig = ReuseFigures(arch)
+
+    def __enter__(self) -> replay:
+        self.fresh = _server(self.binary, self.arch, None)
+        self.srv = _server(self.binary, self.arch, self.n)
+        self.fresh.start()
+        try:
+            self.srv.start()
+        except BaseException:
+            self.fresh.stop()
+            raise
+        self.run = _Run(self.arch, self.srv, self.fresh, self.fig, self.n, self.mutant)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        try:
+            self.srv.stop()
+        finally:
+            self.fresh.stop()
+
+    def request(self, tokens: Sequence[int], n_predict: int) -> None:
+        self.run.request(tuple(tokens), n_predict)
+
+
+def run_model(arch: str, binary: Path, *, examples: int, seed: int, mutant: str | None = None,
+              shrinks: int | None = 15) -> ReuseFigures:  # fmt: skip
+    """``examples`` generated programs on ``arch``; the figures and the shrunk failure, if any."""
+    if mutant is not None and mutant not in MUTANTS:
+        raise ValueError(f"unknown reuse-program mutant {mutant!r}")
+    fig = ReuseFigures(arch, seed=seed)
+    with _server(binary, arch, None) as fresh:
+
+        def run_one(program: tuple[Any, ...]) -> None:
+            n, n_first, pseed, follows = program
+            with _server(binary, arch, n) as srv:
+                run = _Run(arch, srv, fresh, fig, n, mutant)
+                run.request((1, *(3 + (pseed * 31 + i * 7) % 40 for i in range(n_first - 1))), 4)
+                for k, step in enumerate(follows):
+                    run.follow(step, pseed + k)
+
+        out = run_generated(program_strategy(), run_one, examples=examples, seed_value=seed, shrinks=shrinks)
+    fig.examples, fig.failure = out.examples, out.failure
+    return fig
+
+
+def command_line(archs: Sequence[str], examples: int, seed: int) -> str:
+    return f"python -m harness reuse --models {','.join(archs)} --examples {examples} --seed {seed}"
