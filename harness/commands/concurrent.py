@@ -109,30 +109,7 @@ def run(args: argparse.Namespace) -> int:
                                binary_expr=build.replay_expr, traces=traces,
                                embedding_clients=args.embedding_clients)  # fmt: skip
             total.add(r)
-            bad = r.mismatches or r.unmodellable
-            print(
-                f"  [{'FAIL' if bad else 'ok  '}] {cfg.name:<16} {r.requests:>4} requests, {r.interleavings:>3} "
-                f"interleaved, {r.busy_requests:>3} named a busy slot, {r.busy_slot_by_id} answers changed "
-                f"(busy-slot-by-id, {r.after_busy_hit} cache_n after it), {r.busy_livelocks} hung "
-                f"(busy-slot-by-id-livelock), "
-                f"{r.concurrent_divergences} "
-                f"concurrent-output-divergence, {r.near_tie_flips} "
-                f"greedy-flip-on-cache-path, "
-                + "".join(f"{n} {k} (located in the trace), " for k, n in sorted(r.located.items()))
-                + f"{r.mismatches} mismatches {r.seconds:6.1f}s"
-            )
-            _overlap_line(r, args.embedding_clients)
-            if r.unmodellable:
-                print(f"      order not followed: {r.unmodellable}")
-            for n in r.notes[:3]:
-                print(f"      {n}")
-            for f in r.failures[:3]:
-                print(f"      {f}")
-            if r.trace:
-                print(f"      {r.trace}")
-            if r.program and not shown:
-                shown = True
-                print("      the timed requests that replay it:\n        " + r.program.replace("\n", "\n        "))
+            shown = _print_config(cfg.name, r, shown, args.embedding_clients)
             rows[cfg.name] = r.as_dict()
             if args.embedding_clients:
                 stateless_problems += _stateless(cfg, build.binary, semantics, args, logs, rows[cfg.name])
@@ -151,6 +128,35 @@ def run(args: argparse.Namespace) -> int:
           f"{total.busy_requests} named a busy slot, {total.busy_slot_by_id} busy-slot-by-id, "
           f"{total.concurrent_divergences} concurrent-output-divergence, {total.mismatches} mismatches")  # fmt: skip
     return EXIT_FAILED if failed else EXIT_OK
+
+
+def _print_config(name: str, r: ConcurrentResult, shown: bool, clients: int) -> bool:
+    """One configuration's line, its notes and failures; the replay program unless one was ``shown``: whether
+    one has been now."""
+    bad = r.mismatches or r.unmodellable
+    print(
+        f"  [{'FAIL' if bad else 'ok  '}] {name:<16} {r.requests:>4} requests, {r.interleavings:>3} "
+        f"interleaved, {r.busy_requests:>3} named a busy slot, {r.busy_slot_by_id} answers changed "
+        f"(busy-slot-by-id, {r.after_busy_hit} cache_n after it), {r.busy_livelocks} hung "
+        f"(busy-slot-by-id-livelock), "
+        f"{r.concurrent_divergences} "
+        f"concurrent-output-divergence, {r.near_tie_flips} "
+        f"greedy-flip-on-cache-path, "
+        + "".join(f"{n} {k} (located in the trace), " for k, n in sorted(r.located.items()))
+        + f"{r.mismatches} mismatches {r.seconds:6.1f}s"
+    )
+    _overlap_line(r, clients)
+    if r.unmodellable:
+        print(f"      order not followed: {r.unmodellable}")
+    for n in r.notes[:3]:
+        print(f"      {n}")
+    for f in r.failures[:3]:
+        print(f"      {f}")
+    if r.trace:
+        print(f"      {r.trace}")
+    if r.program and not shown:
+        print("      the timed requests that replay it:\n        " + r.program.replace("\n", "\n        "))
+    return shown or bool(r.program)
 
 
 def _overlap_line(r: ConcurrentResult, clients: int) -> None:

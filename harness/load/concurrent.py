@@ -50,7 +50,7 @@ from fixtures.models import model_path
 from harness.backends.llama_server.differential import ServerConfig
 from harness.load.clients import BUSY, EMBED, Req, Sent, replay_program, run_clients
 from harness.load.order import parse_log
-from harness.load.order_replay import ConcurrentResult, Unmodellable, replay_order
+from harness.load.order_replay import Check, ConcurrentResult, Unmodellable, replay_order
 from harness.load.outputs import Divergences, compare_output
 from harness.load.overlap import RssWatch, bound_violations, embedding_config, embedding_reqs
 from harness.load.stateless import server_args
@@ -249,6 +249,15 @@ def judge(
     if checks and predicted_evictions != res.evictions:
         res.cache_n_mismatches += 1
         res.failures.append(f"evictions: the log shows {res.evictions}, the model predicts {predicted_evictions}")
+    _judge_responses(cfg, checks, fresh, program, trace, res)
+    if res.mismatches:
+        res.program = program
+    return res
+
+
+def _judge_responses(cfg: ServerConfig, checks: Sequence[Check], fresh: ServerProcess, program: str,
+                     trace: Path | None, res: ConcurrentResult) -> None:  # fmt: skip
+    """Each response's ``cache_n`` against the model's, and its output against ``fresh``'s, in send order."""
     sources = Divergences(cfg.arch)
     after_hit = False  # busy-slot-by-id rewrote a processing slot: what follows is its wreckage
     for c in sorted(checks, key=lambda x: x.sent.t_send):
@@ -282,9 +291,6 @@ def judge(
         else:
             res.output_mismatches += 1
             res.failures.append(f"output: {c.describe()}: {c.output}")
-    if res.mismatches:
-        res.program = program
-    return res
 
 
 def _extra_args(cfg: ServerConfig, reqs: Sequence[Req]) -> tuple[str, ...]:
