@@ -26,6 +26,7 @@ import argparse
 import json
 import sys
 from pathlib import Path
+from typing import Any
 
 from harness.backends.llama_server.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
 from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
@@ -154,10 +155,30 @@ def _differential(binary: Path, args: argparse.Namespace) -> int:
         if c["restore"] == "server died":
             known.append("slot-restore-truncated-file-abort")
     out["known_findings"] = [finding(i).entry("llama-server slot files", "reproduced") for i in dict.fromkeys(known)]
-    text = json.dumps(out, indent=1) + "\n"
-    print(text, end="")
     if args.json:
-        Path(args.json).write_text(text)
+        Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
+    _summary(out)
     for m in [*failures, *out["mismatches"]]:
-        print(f"FAIL {m}", file=sys.stderr)
-    return EXIT_FAILED if out["mismatches"] or failures else EXIT_OK
+        print(f"FAIL {m}")
+    bad = out["mismatches"] or failures
+    print(("FAIL" if bad else "PASS") + f": {len(generated)} models of generated programs, the fixed programs on "
+          f"{len(out['models'])} configurations, {len(out['mismatches']) + len(failures)} failures"
+          + ("" if args.json else " (--json PATH keeps every figure)"))  # fmt: skip
+    return EXIT_FAILED if bad else EXIT_OK
+
+
+def _summary(out: dict[str, Any]) -> None:
+    """The fixed programs' totals, the stale draft, the full disk and the known findings, a line each."""
+    t = out["total"]
+    print(f"  fixed programs: {t['actions_matched']}/{t['actions']} actions and {t['cache_n_matched']}/{t['restores']} "
+          f"restores' cache_n as the model predicts, {t['outputs_equal']}/{t['compared']} outputs equal a fresh "
+          f"server's ({t['near_ties']} near ties), {t['tokens_reprocessed']} tokens reprocessed")  # fmt: skip
+    d = out["stale_draft"]
+    print(f"  draft after a restore ({d['arch']}): another prompt answered {d['after_other_prompt']['status']}, "
+          f"after an erase {d['after_erase']['status']}")  # fmt: skip
+    for c in out["enospc"]["cases"]:
+        print(f"  full disk, {c['case']} ({c['free']} B free): save {c['save_status']}"
+              + (f" n_written {c['n_written']}" if "n_written" in c else "")
+              + f", {c['file_bytes']} B on disk (model predicted {c['predicted_status']}); restore: {c['restore']}")
+    for f in out["known_findings"]:
+        print(f"  KNOWN {f['id']}: reproducer {f['reproducer']}")
