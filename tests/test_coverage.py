@@ -190,6 +190,31 @@ def test_reasons_table() -> None:
         "a corrupt or foreign slot file"
     )
     assert reason_for("case SERVER_TASK_TYPE_GET_LORA:", "f") == "a LoRA adapter"
+    # the guards of the memory calls: a reason of their own, not "unexplained" and not the reuse workload's
+    assert reason_for("        return true;\n", "llama_kv_cache::seq_rm(int, int, int)", context="    if (other) {\n"
+                      ).startswith("a KV cache sharing")  # fmt: skip
+    assert reason_for("        return -1;\n", "llama_memory_seq_pos_min", context="    if (!mem) {\n").startswith(
+        "a context without memory"
+    )
+    assert reason_for("x = 1;", "llama_kv_cache::seq_add(int, int, int, int)", entered=False).startswith("--cache")
+    assert reason_for("        p0 = 0;", "llama_kv_cache::seq_add(int, int, int, int)").startswith("a seq_add no")
+    assert reason_for("x", "llama_kv_cache::seq_div(int, int, int, int)", entered=False).startswith("seq_div")
+    iswa = "llama_kv_cache_iswa::seq_add(int, int, int, int)"
+    assert reason_for("x", iswa, entered=False).startswith("seq_add on iSWA")
+
+
+def test_the_reuse_workload_reaches_context_shift_and_cache_reuse(tmp_path: Path) -> None:
+    """``coverage --run reuse``: the generated --cache-reuse and context-shift programs on the coverage build reach
+    every line of the context shift and all but the unsupported-memory warning of cache reuse."""
+    assert cli_main(["coverage", "--run", "reuse", "--out", str(tmp_path), "--top", "0"]) == 0
+    doc = json.loads((tmp_path / "coverage.json").read_text())
+    rows = {r["function"]: r for r in doc["rows"]["reuse"]}
+    shift, reuse = rows["context shift (pre_decode)"], rows["cache reuse (pre_decode)"]
+    assert shift["lines_reached"] == shift["lines_total"] > 0, shift
+    assert reuse["lines_total"] - reuse["lines_reached"] <= 2, reuse
+    assert rows["llama_kv_cache::seq_add"]["lines_reached"] > 0
+    why = {b["reason"] for b in doc["unreached"] if b["function"].startswith("llama_memory_recurrent::seq_add")}
+    assert why and all(w.startswith("seq_add on recurrent") for w in why), why
 
 
 def test_usage_errors_are_one_line(capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:

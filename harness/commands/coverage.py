@@ -1,5 +1,5 @@
-"""``python -m harness coverage --run gate|concurrent|soak|fuzz|slot-files``: what the workloads reach of the C++
-under test.
+"""``python -m harness coverage --run gate|concurrent|soak|fuzz|slot-files|slot-names|reuse``: what the workloads
+reach of the C++ under test.
 
 Builds (or reuses) the ``coverage`` llama-server (``build-server --coverage``: the pinned tree with PR #27451,
 gcov at ``-O0``), runs each workload on it with its counters sent into ``OUT/run/<workload>/gcda`` (never into
@@ -13,8 +13,10 @@ The workloads: ``gate`` the server gate (``--semantics shared``, with its short 
 (``--short`` with ``--quick``); ``soak`` for ``--minutes``; ``fuzz`` a campaign on the server backend for
 ``--minutes``, one worker, which counts the lines its servers reached as it goes (``lines 946/1856 (+14)`` in its
 status lines: :mod:`harness.measure.coverage_live`); ``slot-files`` the slot save/restore/erase differential
-(``slot-files --differential``: completions between the actions, then a full tmpfs, whose truncated restore aborts
-one server). A server writes its counters when it exits cleanly (SIGTERM); one killed or crashed (a planted fault,
+(``slot-files --differential``: completions between the actions, ten generated programs per model, then a full
+tmpfs, whose truncated restore aborts one server); ``slot-names`` the hostile file names (``slot-files``: the
+explicit list and ten generated names); ``reuse`` the generated ``--cache-reuse`` and context-shift programs
+(``reuse``). A server writes its counters when it exits cleanly (SIGTERM); one killed or crashed (a planted fault,
 an abort) writes none: each workload's line says how many servers that was. A workload that fails still counts: its
 exit code is printed, and the command exits 0 once the report is written; 2 when gcovr or gcov is missing or no
 server wrote counters, 4 when the coverage build fails.
@@ -31,7 +33,7 @@ from pathlib import Path
 from types import ModuleType
 
 from harness.backends.llama_server.campaign import SERVER_BIN_ENV
-from harness.commands import concurrent, fuzz, gate, slot_files, soak
+from harness.commands import concurrent, fuzz, gate, reuse, slot_files, soak
 from harness.errors import EXIT_OK, HarnessError, UsageError
 from harness.measure.coverage import CoverageRun, gcovr_report
 from harness.measure.coverage_live import COVERAGE_RUN_ENV
@@ -40,7 +42,7 @@ from harness.targets.llama_build import build_server
 
 __all__ = ["WORKLOADS", "add_arguments", "run"]
 
-WORKLOADS = ("gate", "concurrent", "soak", "fuzz", "slot-files")
+WORKLOADS = ("gate", "concurrent", "soak", "fuzz", "slot-files", "slot-names", "reuse")
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -65,7 +67,11 @@ def _argv(workload: str, binary: Path, args: argparse.Namespace, run: CoverageRu
     if workload == "soak":
         return ["--server-bin", str(binary), "--minutes", str(args.minutes), *seed]
     if workload == "slot-files":
-        return ["--server-bin", str(binary), "--differential"]
+        return ["--server-bin", str(binary), "--differential", "--examples", "10", *seed]
+    if workload == "slot-names":
+        return ["--server-bin", str(binary), "--examples", "10", *seed]
+    if workload == "reuse":
+        return ["--server-bin", str(binary), *seed]
     db = str(run.root / "fuzz-db")
     return ["--backend", "server", "--minutes", str(args.minutes), "--workers", "1", "--plain", "--db", db]
 
@@ -103,11 +109,13 @@ def run(args: argparse.Namespace) -> int:
     binary = build_server("coverage", log=lambda m: print("  build: " + m, file=sys.stderr))
     out: Path = args.out
     run_ = CoverageRun.create(out / "run", binary)
-    modules = {"gate": gate, "concurrent": concurrent, "soak": soak, "fuzz": fuzz, "slot-files": slot_files}
+    modules = {"gate": gate, "concurrent": concurrent, "soak": soak, "fuzz": fuzz, "slot-files": slot_files,
+               "slot-names": slot_files, "reuse": reuse}
     exits: dict[str, tuple[int, str]] = {w: (-1, "not run (--report-only)") for w in workloads}
     for w in [] if args.report_only else workloads:
         argv = _argv(w, binary, args, run_)
-        print(f"coverage: running {w}: python -m harness {w} {' '.join(argv)}", flush=True)
+        command = "slot-files" if w == "slot-names" else w  # the workload's harness command
+        print(f"coverage: running {w}: python -m harness {command} {' '.join(argv)}", flush=True)
         run_.reset(w)
         fuzz_env = {SERVER_BIN_ENV: str(binary), COVERAGE_RUN_ENV: f"{run_.root}{os.pathsep}{w}"}
         env = {**run_.env(w), **(fuzz_env if w == "fuzz" else {})}

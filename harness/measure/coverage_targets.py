@@ -100,7 +100,7 @@ REASONS: tuple[Reason, ...] = (
     # the slot-file paths the slot-files workload (save/restore/erase between completions, a full disk) leaves
     Reason("a client gone before its answer (the HTTP request stopped while its slot task waited)",
            r"req\.should_stop\(\)"),
-    Reason("a hostile slot file name (the filename run, python -m harness slot-files: no coverage workload)",
+    Reason("a hostile slot file name: no slot-file name in this workload (coverage --run slot-names sends them)",
            r'"Invalid filename"'),
     Reason("a slot action naming a slot id the server does not have (a bad request)",
            r'"Invalid slot ID"|res->error\(result->to_json\(\)\)'),
@@ -114,9 +114,23 @@ REASONS: tuple[Reason, ...] = (
     Reason("slot files: no slot action in this workload (coverage --run slot-files drives them)",
            r"SLOT_(SAVE|RESTORE|ERASE)|slot_save_path|state_seq_(save|load)_file|filepath|fs_validate_filename|"
            r"n_erased|_file\(", r"handle_slots_|state_seq_(save|load)_file", unentered=True),
-    Reason("--cache-reuse / context shift: off on the workloads' servers (a real server runs them only in "
-           "tests/test_cache_reuse.py, no coverage workload)", r"n_cache_reuse|cache_reuse|n_discard|ctx_shift|n_keep",
-           r"seq_(add|div)"),
+    Reason("seq_div: no path of the server divides positions (cache reuse and context shift move cells with seq_add)",
+           None, r"seq_div(\(|$)"),
+    Reason("seq_add on iSWA memory: gemma2's SWA cache is smaller than its base, so get_can_shift is false "
+           "(src/llama-kv-cache-iswa.cpp:253-257) and the server turns cache reuse and context shift off "
+           "(server-context.cpp:1166-1176)", None, r"^llama_kv_cache_iswa::seq_add"),
+    Reason("seq_add on recurrent or hybrid memory: the reuse workload runs the llama model only (the model moves "
+           "transformer cells only)", r"cache reuse is not supported - ignoring",
+           r"^llama_memory_(recurrent|hybrid)::seq_add"),
+    Reason("a KV cache sharing another's cells (TAG_KV_CACHE_SHARE_CELLS: shared KV layers, in none of the five "
+           "models)", r"if \(other\) \{\n", None, max_lines=1),
+    Reason("a context without memory (llama_get_memory is null: a model with no KV cache or state)",
+           r"if \(!mem\) \{\n", None, max_lines=1),
+    Reason("--cache-reuse / context shift: off on this workload's servers (coverage --run reuse drives them)",
+           r"n_cache_reuse|cache_reuse|n_discard|ctx_shift|n_keep", r"seq_add", unentered=True),
+    Reason("a seq_add no server call makes: a zero shift, a negative or empty range, or a cell moved below 0 "
+           "(cache reuse and context shift move [p0, p1) with 0 <= n_keep <= p0 < p1 and positions stay >= 0)",
+           None, r"^llama_kv_cache::seq_add"),
     Reason("needs --slots-debug (a debugging printout)", r"slots_debug|slots_n_diff"),
     Reason("needs a transposed V cache (v_trans: flash attention off)", r"transposed|v_trans"),
     Reason("needs a multimodal model (mtmd)", r"mtmd|mmproj|LLAMA_TOKEN_NULL|image"),
