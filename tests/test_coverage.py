@@ -199,6 +199,9 @@ def test_reasons_table() -> None:
     assert reason_for("x = 1;", "llama_kv_cache::seq_add(int, int, int, int)", entered=False).startswith("--cache")
     assert reason_for("        p0 = 0;", "llama_kv_cache::seq_add(int, int, int, int)").startswith("a seq_add no")
     assert reason_for("x", "llama_kv_cache::seq_div(int, int, int, int)", entered=False).startswith("seq_div")
+    assert reason_for("set_rs_idx(seq_id, 0);", "llama_memory_recurrent::state_read(x)").startswith("needs recurrent")
+    assert reason_for("}", "llama_kv_cache::state_read_sinfo(x)", context="    }\n").startswith("a line gcov")
+    assert reason_for("}\n    x = 1;", "f", context="\n") == UNEXPLAINED  # a brace among other lines explains nothing
     iswa = "llama_kv_cache_iswa::seq_add(int, int, int, int)"
     assert reason_for("x", iswa, entered=False).startswith("seq_add on iSWA")
 

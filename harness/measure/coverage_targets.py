@@ -111,6 +111,35 @@ REASONS: tuple[Reason, ...] = (
     # an abort among other lines does not explain them: only a short block that is the abort
     Reason("abort path: an invariant upstream asserts (the process dies: no counters)",
            r"GGML_ABORT|GGML_ASSERT|should not happen", max_lines=4),
+    # lines the five models and the server's requests cannot reach, each shown from the pinned sources
+    Reason("needs recurrent rollback snapshots (n_rs_seq > 0: a speculative draft on an architecture "
+           "llm_arch_supports_rs_rollback lists, src/llama-arch.cpp:1123; none of the five models)",
+           r"set_rs_idx|rs_idx\[|n_rs_seq"),
+    Reason("needs a model with a PLE conv state (hparams.ple_conv_state() > 0: none of the five models)",
+           r"ple_conv_state|p_l\[il\]"),
+    Reason("needs an indexed hybrid memory (only llama-memory-hybrid-idx.cpp passes sinfos_out to "
+           "state_read_sinfo; none of the five models)", r"sinfos_out"),
+    Reason("a layer without a V tensor (has_v false: K doubles as V, in none of the five models)",
+           r"if \(!v\) \{\n\s*continue;", max_lines=1),
+    Reason("state kept on the device (LLAMA_STATE_SEQ_FLAGS_ON_DEVICE: neither the server nor common/ passes it)",
+           r"ON_DEVICE|llama_io_(write|read)_device"),
+    Reason("a recurrent state of an empty sequence (cell_count 0: the server saves only a slot holding tokens)",
+           r"if \(cell_count == 0\) \{\n\s*return true;", max_lines=1),
+    Reason("a second cell of one recurrent sequence (a sequence holds one state cell; adjacent cells of one "
+           "range only in a whole-memory write, seq_id -1)", r"cell_ranges_data\.back\(\)\.second\+\+"),
+    Reason("a cell's sequence list, written only for a whole-memory write (n_seq_id is 0 unless seq_id is -1)",
+           r"if \(n_seq_id\) \{\n\s*for \(auto seq_id"),
+    Reason("a checkpoint without target state (common_prompt_checkpoint_capture always captures the target)",
+           r"if \(!data_tgt \|\| data_tgt->empty\(\)\) \{\n\s*return;", max_lines=1),
+    Reason("a cache entry whose state fails to load (prompt_load false: llama_state_seq_set_data failed; no "
+           "workload's fault hits a load in a server that survives to write its counters)",
+           r"if \(!ret->prompt_load\(\*prompt_cache, task\.tokens\)\) \{\n\s*ret->prompt_clear\(\);", max_lines=1),
+    Reason("a mid-prompt checkpoint's spacing (reached only at a user message's start, with chat spans: the "
+           "workloads send token prompts to /completion, so spans.is_user_start is false)", r"checkpoint_min_step\);"),
+    Reason("a line gcov does not count though its statement runs: an argument line of a call whose other argument "
+           "is counted (server-context.cpp:3333 rbegin() beside 3334 rend()), or a function's closing brace whose "
+           "return is counted on the loop header (llama-kv-cache.cpp:2175: 598 = 331 iterations + 267 returns)",
+           r"\n\s*(slot\.prompt\.checkpoints\.rend\(\),|\})\s*$", max_lines=1),
     Reason("slot files: no slot action in this workload (coverage --run slot-files drives them)",
            r"SLOT_(SAVE|RESTORE|ERASE)|slot_save_path|state_seq_(save|load)_file|filepath|fs_validate_filename|"
            r"n_erased|_file\(", r"handle_slots_|state_seq_(save|load)_file", unentered=True),
