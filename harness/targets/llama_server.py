@@ -32,6 +32,7 @@ from harness.errors import RequestFailed, ServerStartError
 from harness.interrupt import check, interrupted, shielded, track, untrack
 from harness.targets.llama_build import build_server, log_tail
 from harness.targets.llama_gcov import SERVER_EXITS_ENV
+from harness.targets.llama_stage import sanitizer_first
 
 __all__ = [
     "RequestFailed",
@@ -222,6 +223,8 @@ class ServerProcess:
             raise self._fail(f"port {self.host}:{self.port} is already in use")
         cmd = [str(binary), "--host", self.host, "--port", str(self.port), *self.args]
         env = {**os.environ, **self.env}
+        if env.get("LD_PRELOAD"):  # a trace or fault shim: an ASan build's runtime must still come first
+            env["LD_PRELOAD"] = sanitizer_first(binary, env["LD_PRELOAD"])
         self._log_fh = self.log_path.open("wb")
         self._log_fh.write(f"$ {' '.join(cmd)}\n".encode())
         self._log_fh.flush()

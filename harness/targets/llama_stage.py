@@ -12,6 +12,7 @@ binary and the shared libraries beside it out of the build directory.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
@@ -145,6 +146,26 @@ def _ldd(binary: Path) -> list[str]:
                               check=False).stdout.splitlines()  # fmt: skip
     except (OSError, subprocess.TimeoutExpired):
         return []
+
+
+def sanitizer_first(binary: Path, preload: str) -> str:
+    """``preload`` (an ``LD_PRELOAD`` value) with the AddressSanitizer runtime ``binary`` links put first: ASan
+    refuses to start after another preloaded library ("ASan runtime does not come first in initial library
+    list"). Unchanged for a binary without ASan. An interposer after it still sees the calls it wraps (the libllama
+    trace's ``llama_*``); one that wraps ``malloc`` (the native fault shim) is shadowed by ASan's own."""
+    runtime = _asan_runtime(str(binary))
+    if runtime is None or preload.split(":")[0] == runtime:
+        return preload
+    return f"{runtime}:{preload}" if preload else runtime
+
+
+@functools.lru_cache(maxsize=16)
+def _asan_runtime(binary: str) -> str | None:
+    for line in _ldd(Path(binary)):
+        name, _, where = line.strip().partition(" => ")
+        if name.startswith("libasan.so") and where.startswith("/"):
+            return where.split(" (")[0]
+    return None
 
 
 def links_libllama(binary: Path) -> bool:
