@@ -17,10 +17,21 @@ from typing import Any
 import pytest
 
 from faults.replay import replay, shrink_trace
-from faults.trace import Event, Memory, check_trace, main_context, read_trace, rows, static_note, write_trace
+from faults.trace import (
+    Event,
+    Memory,
+    build_trace,
+    check_trace,
+    main_context,
+    read_trace,
+    rows,
+    static_note,
+    write_trace,
+)
 from fixtures.models import model_path
 from harness.load.traced import TracedRun, fresh_answers, record_concurrent, workload
 from harness.targets.llama_build import build_server
+from harness.targets.llama_stage import sanitizer_first
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -174,3 +185,20 @@ def test_the_shrunk_batch_shape_flip_reproduces_on_plain_llama_cpp_python() -> N
     assert "answers 239" in on and "a fresh evaluation 117" in on and "DIFFERENT" in on, on
     assert "same answer" in off, off
     assert "answers 239" in alone, alone
+
+
+def test_an_asan_binary_starts_under_a_preload_with_its_runtime_put_first(tmp_path: Path) -> None:
+    """ASan refuses to start when another library is preloaded before its runtime; the server's LD_PRELOAD (the
+    trace, the fault shim) gets the binary's libasan put first, and a binary without ASan keeps its own."""
+    src = tmp_path / "main.c"
+    src.write_text("int main(void) { return 0; }\n")
+    exe = tmp_path / "asan-main"
+    subprocess.run(["gcc", "-fsanitize=address", str(src), "-o", str(exe)], check=True)
+    shim = str(build_trace())
+    bare = subprocess.run([str(exe)], env={"LD_PRELOAD": shim}, capture_output=True, text=True, check=False)
+    assert bare.returncode != 0 and "ASan runtime does not come first" in bare.stderr
+    preload = sanitizer_first(exe, shim)
+    assert preload.split(":")[0].rsplit("/", 1)[-1].startswith("libasan.so") and preload.endswith(shim)
+    fixed = subprocess.run([str(exe)], env={"LD_PRELOAD": preload}, capture_output=True, text=True, check=False)
+    assert fixed.returncode == 0, fixed.stderr
+    assert sanitizer_first(build_server("pr"), shim) == shim
