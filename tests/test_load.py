@@ -30,7 +30,8 @@ from harness.load.outputs import (
     _pieces_complete,
     compare_output,
 )
-from harness.load.soak import LiveServer
+from harness.load.soak import LiveServer, check_sanitizer_reports
+from harness.load.soak_result import PhaseResult
 from harness.load.traced import ServerTrace
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
@@ -337,3 +338,22 @@ def test_busy_slot_by_id_reproducer_shows_the_wrong_answer_on_the_pr_server(pr_b
     if p.returncode == 2:
         pytest.skip("the request naming the busy slot never landed while it ran (machine too slow): " + p.stdout)
     assert p.returncode == 1 and "BUG:" in p.stdout, p.stdout + p.stderr  # 1: present at 0c1e570 (+ PR #27451)
+
+
+def test_a_sanitizer_report_in_a_soaked_servers_log_fails_the_phase(tmp_path: Path) -> None:
+    """An ASan build has no RSS bound in the soak; its reports fail the phase instead: a real use-after-free
+    report (a tiny program built with -fsanitize=address) in one server's log is a violation, a clean log none."""
+    src = tmp_path / "uaf.c"
+    src.write_text("#include <stdlib.h>\nint main(void) { int *p = malloc(4); free(p); return p[0]; }\n")
+    exe = tmp_path / "uaf"
+    subprocess.run(["gcc", "-fsanitize=address", "-g", str(src), "-o", str(exe)], check=True)
+    log = tmp_path / "soak-llama-off-1.log"
+    with log.open("w") as fh:
+        subprocess.run([str(exe)], stdout=fh, stderr=subprocess.STDOUT, check=False)
+    clean = tmp_path / "soak-llama-fresh.log"
+    clean.write_text("srv  update_slots: all slots are idle\n")
+    res = PhaseResult("llama", False, asan=True)
+    check_sanitizer_reports([clean, log, tmp_path / "never-started.log"], res)
+    assert len(res.sanitizer_reports) == 1 and "heap-use-after-free" in res.sanitizer_reports[0], res.sanitizer_reports
+    assert res.violations and str(log) in res.violations[0]
+    assert res.summary()["asan"] is True and res.summary()["sanitizer_reports"] == res.sanitizer_reports

@@ -11,7 +11,8 @@ a new tail, without pause. A sampler reads, every second, the server's ``VmRSS``
 
 * RSS <= bound: the RSS once every slot has served a request (the model's base, slots and compute
   buffers included) + ``--cache-ram`` + :data:`RSS_SLACK_MIB` (allocator slack, HTTP threads, the
-  slots' checkpoints); ``--rss-bound MIB`` replaces the bound;
+  slots' checkpoints); ``--rss-bound MIB`` replaces the bound; an ASan build has none of its own (its
+  quarantine holds freed memory): every ASan, LSan or UBSan report in the phase's server logs fails it instead;
 * the logged cache size never exceeds its logged limit;
 * no crash and no request error with faults off; with faults on, a crash is counted with the
   failed allocation (a ``std::bad_alloc`` that terminates the server is a known finding:
@@ -48,6 +49,7 @@ from pathlib import Path
 from faults.native import RemoteShim
 from faults.sites import modules_beside
 from fixtures.models import model_path
+from harness.backends.llama_server.differential import SANITIZER_MARKERS
 from harness.errors import ServerStartError, UsageError
 from harness.interrupt import check, interrupted
 from harness.load.clients import soak_prompt
@@ -58,6 +60,7 @@ from harness.load.soak_result import CACHE_RAM_MIB, PhaseResult, SoakSettings
 from harness.load.stateless import server_args, stateless_clients
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import RequestFailed, ServerProcess
+from harness.targets.llama_stage import asan_runtime
 from harness.targets.memlimit import MemoryCgroup
 
 __all__ = ["CACHE_RAM_MIB", "FAULT_MIN_SIZE", "LiveServer", "PhaseResult", "SoakSettings", "soak", "soak_phase"]
@@ -85,7 +88,7 @@ def soak_phase(
 ) -> PhaseResult:
     """One model, one phase (faults off or on); see the module docstring for what is checked.
     ``traces``: each server of the phase under the libllama trace, kept when one of its outputs failed."""
-    res = PhaseResult(arch, faults)
+    res = PhaseResult(arch, faults, asan=asan_runtime(binary) is not None)
     shim = RemoteShim(tempfile.mkdtemp(prefix="soak-shim-", dir=log_dir)) if faults else None
     n_log = 0
     cg: MemoryCgroup | None = None
@@ -94,12 +97,14 @@ def soak_phase(
         cg = MemoryCgroup(limit_bytes=res.memory_limit_bytes, tag=f"soak-{arch}-{'faults' if faults else 'off'}")
         cg.create()
     trace_files: list[Path | None] = []
+    logs: list[Path] = []  # every server's log of the phase (the fresh server's last), read for sanitizer reports
     extra = server_args(arch) if st.embedding_clients else ()
 
     def make() -> ServerProcess:
         nonlocal n_log
         n_log += 1
         name = f"soak-{arch}-{'faults' if faults else 'off'}-{n_log}"
+        logs.append(Path(f"{log_dir}/{name}.log"))
         trace = traces.path(name) if traces is not None else None
         trace_files.append(trace)
         base = shim.env() if shim else None
@@ -134,6 +139,8 @@ def soak_phase(
             res.oom_kills = cg.oom_kills()
         live.server.stop()
         failed_on = _check_outputs(fresh, res, trace_files)
+        fresh.stop()
+        check_sanitizer_reports([*logs, Path(f"{log_dir}/soak-{arch}-fresh.log")], res)
         if traces is not None:  # server k's trace is kept when one of its outputs failed ("output (server k)")
             res.traces = [t for k, f in enumerate(trace_files, 1) if (t := traces.settle(f, k in failed_on))]
     finally:
@@ -159,10 +166,10 @@ def _warm_up(live: LiveServer, st: SoakSettings, res: PhaseResult) -> None:
     for t in threads:
         t.join(60)
     res.rss_base = rss_bytes(live.server.pid)
-    bound = st.rss_bound_mib if st.rss_bound_mib is not None else None
-    res.rss_bound = (
-        int(bound * (1 << 20)) if bound is not None else res.rss_base + (st.cache_ram_mib + RSS_SLACK_MIB) * (1 << 20)
-    )
+    if st.rss_bound_mib is not None:
+        res.rss_bound = int(st.rss_bound_mib * (1 << 20))
+    elif not res.asan:  # ASan's quarantine (256 MiB) and shadow grow with the freed memory it holds: no bound
+        res.rss_bound = res.rss_base + (st.cache_ram_mib + RSS_SLACK_MIB) * (1 << 20)
 
 
 def _check_outputs(fresh: ServerProcess, res: PhaseResult, trace_files: Sequence[Path | None] = ()) -> set[int]:
@@ -287,6 +294,16 @@ def _run(
     res.seconds = time.monotonic() - t0
 
 
+def check_sanitizer_reports(logs: Sequence[Path], res: PhaseResult) -> None:
+    """The first line of every ASan, LSan or UBSan report in the phase's server logs: each one a violation."""
+    for log in logs:
+        text = log.read_text(errors="replace") if log.is_file() else ""
+        for line in text.splitlines():
+            if any(m in line for m in SANITIZER_MARKERS):
+                res.sanitizer_reports.append(f"{log.name}: {line.strip()}")
+                res.violations.append(f"sanitizer report in {log}: {line.strip()}")
+
+
 def _sample(live: LiveServer, res: PhaseResult, t0: float) -> None:
     rss = rss_bytes(live.server.pid) if live.server.running() else 0
     mib, entries = (res.rss_curve[-1][2], res.rss_curve[-1][3]) if res.rss_curve else (0.0, 0)
@@ -301,7 +318,7 @@ def _sample(live: LiveServer, res: PhaseResult, t0: float) -> None:
                 res.violations.append(f"the logged cache size {mib} MiB exceeds its limit {limit} MiB")
     t = time.monotonic() - t0
     res.rss_curve.append((t, rss, mib, entries))
-    if rss > res.rss_bound:
+    if res.rss_bound and rss > res.rss_bound:
         res.violations.append(
             f"RSS {rss} B at {t:.0f}s exceeds the bound {res.rss_bound} B (base {res.rss_base} B + cache-ram + "
             f"{RSS_SLACK_MIB} MiB)"
@@ -389,7 +406,8 @@ def soak(
             line = (
                 f"  [{status}] {arch:<7} faults {'on ' if faults else 'off'} {s['requests']:>6} requests "
                 f"{s['requests_per_s']:>7} req/s p50 {s['p50_ms']} ms p99 {s['p99_ms']} ms; RSS max "
-                f"{mib['rss_max_bytes']} MiB (base {mib['rss_base_bytes']}, bound {mib['rss_bound_bytes']}); "
+                f"{mib['rss_max_bytes']} MiB (base {mib['rss_base_bytes']}, bound "
+                f"{mib['rss_bound_bytes'] if r.rss_bound else 'none: ASan'}); "
                 f"cache max {s['cache_max_mib']:.2f}/{s['cache_limit_mib']:.0f} MiB {s['cache_max_entries']} "
                 f"entries, {s['evictions']} evictions; {s['output_checks']} outputs checked "
                 f"({r.concurrent_divergences} concurrent-output-divergence, {r.near_tie_flips} "
@@ -404,6 +422,8 @@ def soak(
                 line += f"; faults: {r.fault_trials} trials, {r.fault_survived} survived, {r.crashes} crashes"
                 if r.decode_failure_divergences:
                     line += f"; {r.decode_failure_divergences} outputs by decode-exception-keeps-slot-tokens"
+            if r.asan:
+                line += f"; {len(r.sanitizer_reports)} sanitizer reports"
             if r.short_window_divergences:
                 line += f"; {r.short_window_divergences} outputs by swa-restore-window-short (located in the trace)"
             out(line)

@@ -35,7 +35,9 @@ class PhaseResult:
     latencies: list[float] = field(default_factory=list)
     rss_curve: list[tuple[float, int, float, int]] = field(default_factory=list)  # (t, RSS B, cache MiB, entries)
     rss_base: int = 0
-    rss_bound: int = 0
+    rss_bound: int = 0  # 0: not bounded (an ASan build without --rss-bound: its quarantine holds freed memory)
+    asan: bool = False  # the binary links the AddressSanitizer runtime: its reports are checked instead
+    sanitizer_reports: list[str] = field(default_factory=list)  # the first line of each, with its server's log
     cache_limit_mib: float = 0.0
     evictions: int = 0
     output_checks: int = 0
@@ -81,6 +83,8 @@ class PhaseResult:
             "rss_base_bytes": self.rss_base,
             "rss_max_bytes": max(rss, default=0),
             "rss_bound_bytes": self.rss_bound,
+            "asan": self.asan,
+            "sanitizer_reports": self.sanitizer_reports,
             "cache_max_mib": max(cache, default=0.0),
             "cache_limit_mib": self.cache_limit_mib,
             "cache_max_entries": max((e for *_, e in self.rss_curve), default=0),

@@ -153,10 +153,15 @@ def sanitizer_first(binary: Path, preload: str) -> str:
     refuses to start after another preloaded library ("ASan runtime does not come first in initial library
     list"). Unchanged for a binary without ASan. An interposer after it still sees the calls it wraps (the libllama
     trace's ``llama_*``); one that wraps ``malloc`` (the native fault shim) is shadowed by ASan's own."""
-    runtime = _asan_runtime(str(binary))
+    runtime = asan_runtime(binary)
     if runtime is None or preload.split(":")[0] == runtime:
         return preload
     return f"{runtime}:{preload}" if preload else runtime
+
+
+def asan_runtime(binary: Path) -> str | None:
+    """The AddressSanitizer runtime ``binary`` links (its path, from ``ldd``), or None: not an ASan build."""
+    return _asan_runtime(str(binary))
 
 
 @functools.lru_cache(maxsize=16)
