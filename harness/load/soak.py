@@ -420,6 +420,8 @@ def soak(
                 line += f"; limit {r.memory_limit_bytes >> 20} MiB, cgroup peak {peak} MiB, {r.oom_kills} OOM kills"
             if faults:
                 line += f"; faults: {r.fault_trials} trials, {r.fault_survived} survived, {r.crashes} crashes"
+                if r.asan and not r.fault_trials:
+                    line += " (ASan's malloc comes before the shim's: no allocation fault fires on an ASan build)"
                 if r.decode_failure_divergences:
                     line += f"; {r.decode_failure_divergences} outputs by decode-exception-keeps-slot-tokens"
             if r.asan:
