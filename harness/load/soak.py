@@ -49,7 +49,7 @@ from pathlib import Path
 from faults.native import RemoteShim
 from faults.sites import modules_beside
 from fixtures.models import model_path
-from harness.backends.llama_server.differential import SANITIZER_MARKERS
+from harness.backends.llama_server.differential import log_sanitizer_reports
 from harness.errors import ServerStartError, UsageError
 from harness.interrupt import check, interrupted
 from harness.load.clients import soak_prompt
@@ -297,11 +297,9 @@ def _run(
 def check_sanitizer_reports(logs: Sequence[Path], res: PhaseResult) -> None:
     """The first line of every ASan, LSan or UBSan report in the phase's server logs: each one a violation."""
     for log in logs:
-        text = log.read_text(errors="replace") if log.is_file() else ""
-        for line in text.splitlines():
-            if any(m in line for m in SANITIZER_MARKERS):
-                res.sanitizer_reports.append(f"{log.name}: {line.strip()}")
-                res.violations.append(f"sanitizer report in {log}: {line.strip()}")
+        for report in log_sanitizer_reports(log):
+            res.sanitizer_reports.append(report)
+            res.violations.append(f"sanitizer report in {log.parent}/{report}")
 
 
 def _sample(live: LiveServer, res: PhaseResult, t0: float) -> None:

@@ -58,6 +58,7 @@ __all__ = [
     "eviction_program",
     "full_context",
     "full_context_program",
+    "log_sanitizer_reports",
     "prompt_from",
     "request_failure",
     "request_rule",
@@ -531,12 +532,16 @@ SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime
 
 def sanitizer_reports(log_dir: str) -> list[str]:
     """The first line of every ASan, LSan or UBSan report in the server logs under ``log_dir``."""
+    return [r for name in sorted(os.listdir(log_dir)) for r in log_sanitizer_reports(Path(log_dir, name))]
+
+
+def log_sanitizer_reports(log: Path) -> list[str]:
+    """The first line of every ASan, LSan or UBSan report in one server's ``log`` (none when it is no file)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
     reports = []
-    for name in sorted(os.listdir(log_dir)):
-        text = Path(log_dir, name).read_text(errors="replace")
-        for marker in SANITIZER_MARKERS:
-            at = text.find(marker)
-            while at >= 0:
-                reports.append(f"{name}: {text[at:].splitlines()[0]}")
-                at = text.find(marker, at + 1)
+    for marker in SANITIZER_MARKERS:
+        at = text.find(marker)
+        while at >= 0:
+            reports.append(f"{log.name}: {text[at:].splitlines()[0]}")
+            at = text.find(marker, at + 1)
     return reports
