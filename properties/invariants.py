@@ -80,6 +80,16 @@ INVARIANTS: dict[str, str] = {
     # computed in properties/reuse.py: a shortfall is a counted registered finding, else a failure
     "reuse": "a request resumes from at least as many tokens as the best usable source held (its slot's "
     "prefix, the entry upstream's load would pick, a checkpoint)",
+    # the machine families' own (properties/families.py): slot files, --cache-reuse and context shift, idle slots
+    "slot_file_restore": "after a slot file restore answered 200 the slot holds the file's tokens and state and no "
+    "checkpoint of another prompt",
+    "no_partial_file": "no slot file is left partial by a save, but in the registered findings' exact shapes",
+    "reuse_equivalence": "after --cache-reuse moved chunks the slot's memory is a fresh evaluation of the prompt's "
+    "first cache_n tokens, every chunk in place",
+    "context_shift": "a context shift keeps the first n_keep tokens and the tail after n_discard, drops the "
+    "checkpoints, and leaves a fresh evaluation of the kept tokens",
+    "stateless_not_cached": "an embedding or rerank slot's prompt is never saved to the cache as a completion's, "
+    "but as the registered finding",
 }
 
 

@@ -136,7 +136,7 @@ class ReuseMachine(PromptCacheMachine):
     def _wrap(self, server: ServerContext) -> None:
         """The post-conditions, around the server's own methods (instance attributes shadow them)."""
         start, shift = server._start_prompt, server.context_shift
-        seen = type(self).shifts_seen
+        seen, checked = type(self).shifts_seen, type(self).stats_checked
 
         def started(slot: ServerSlot) -> None:
             cached, n = slot.prompt.tokens, len(server.reuses)
@@ -144,12 +144,14 @@ class ReuseMachine(PromptCacheMachine):
             if slot.state is SlotState.PROCESSING_PROMPT:
                 seen[0] += len(server.reuses) > n and bool(server.reuses[-1][2])
                 check_reuse(server, slot, cached, n)
+                checked["reuse_equivalence"] += 1
 
         def shifted(slot: ServerSlot) -> bool:
             ok = shift(slot)
             if ok:
                 seen[1] += 1
                 check_context_shift(server, slot)
+                checked["context_shift"] += 1
             return ok
 
         server._start_prompt = started  # type: ignore[method-assign]

@@ -148,6 +148,7 @@ class SlotFileMachine(PromptCacheMachine):
             self.stale_draft.add(id_slot)
         if r.ok and f is not None and self.checks_on:
             check_slot_restore(self.server, id_slot, f.tokens, f.state if f.id_slot == id_slot else None)
+            type(self).stats_checked["slot_file_restore"] += 1
 
     @precondition(_idle)
     @rule(id_slot=st.integers(0, 1))
