@@ -13,7 +13,8 @@ embeddings only on lfm2: :mod:`harness.load.stateless`), under the same bounds.
 
 Exit 0 when every bound held, 1 when one broke (RSS over its bound, the logged cache over its
 limit, a crash or a request error with faults off, an OOM kill under ``--memory-limit MIB`` (the server in a
-memory cgroup; the requests that led to it written beside its log), an output unlike a fresh server's), 2 on a
+memory cgroup; the requests that led to it written beside its log), an output unlike a fresh server's, a
+sanitizer report from an ASan build given by ``--server-bin``, which has no RSS bound of its own), 2 on a
 usage error, 4 when llama-server does not build, 5 when ``--memory-limit`` finds no memory cgroup to make.
 The figures come from a shared machine: compare
 runs made on the same machine only.
