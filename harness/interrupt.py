@@ -39,7 +39,7 @@ import sys
 import threading
 from collections.abc import Iterator
 from types import FrameType
-from typing import NoReturn
+from typing import Any, NoReturn
 
 from harness.errors import EXIT_INTERRUPTED
 
@@ -159,6 +159,15 @@ def guard() -> Iterator[None]:
     _state.received, _state.pending, _state.shield = 0, False, 0
     for s in SIGNALS:
         signal.signal(s, _handler)
+    old_hook = sys.unraisablehook
+
+    def unraisable(u: Any) -> None:
+        # a Ctrl-C raised inside a finalizer: Python would print "Exception ignored in ..." and its traceback;
+        # it is already counted, and check() raises it again where the run can end
+        if u.exc_type is not KeyboardInterrupt:
+            old_hook(u)
+
+    sys.unraisablehook = unraisable
     _state.depth = 1
     try:
         yield
@@ -168,6 +177,7 @@ def guard() -> Iterator[None]:
                 _kill_groups(tuple(_groups - before))
         finally:
             _state.depth = 0
+            sys.unraisablehook = old_hook
             for s, h in old.items():
                 signal.signal(s, h if h is not None else signal.SIG_DFL)
             signal.pthread_sigmask(signal.SIG_SETMASK, mask)

@@ -109,6 +109,10 @@ def test_a_ctrl_c_python_swallowed_in_a_finalizer_is_raised_again_by_check() -> 
                 os.kill(os.getpid(), signal.SIGINT)
                 time.sleep(0.05)  # the handler runs here: its KeyboardInterrupt is "ignored" by Python
 
+        class Broken:
+            def __del__(self):
+                raise ValueError("a finalizer's own error")
+
         with guard():
             try:
                 Finalized()
@@ -118,11 +122,16 @@ def test_a_ctrl_c_python_swallowed_in_a_finalizer_is_raised_again_by_check() -> 
                 print("not reached", flush=True)
             except KeyboardInterrupt:
                 print("raised by check", flush=True)
+            Broken()
+            gc.collect()
         """
     )
     assert r.returncode == 0, r
     assert r.stdout.splitlines() == ["went on", "raised by check"]
-    assert "Exception ignored in" in r.stderr and "KeyboardInterrupt" in r.stderr
+    # the swallowed Ctrl-C prints no traceback (a CI run once showed one from LlamaProvider.__del__); any other
+    # error of a finalizer still does
+    assert "KeyboardInterrupt" not in r.stderr, r.stderr
+    assert "Exception ignored in" in r.stderr and "a finalizer's own error" in r.stderr
 
 
 def test_sigint_inherited_ignored_is_heard_again() -> None:
