@@ -4,10 +4,11 @@ from __future__ import annotations
 
 import argparse
 import sys
+from collections.abc import Sequence
 
 from harness.errors import UsageError
 
-__all__ = ["SEMANTICS", "add_semantics", "semantics_of"]
+__all__ = ["SEMANTICS", "add_semantics", "models_of", "semantics_of"]
 
 SEMANTICS = ("shared", "master")
 
@@ -26,3 +27,12 @@ def semantics_of(args: argparse.Namespace) -> str:
             raise UsageError(f"--variant {args.variant} contradicts --semantics {args.semantics}; use --semantics")
         return str(args.variant)
     return str(args.semantics or "shared")
+
+
+def models_of(text: str, known: Sequence[str]) -> tuple[str, ...]:
+    """``--models A,B``: the models named, each one of ``known`` (else one line, exit 2)."""
+    archs = tuple(a for a in text.split(",") if a)
+    bad = [a for a in archs if a not in known]
+    if bad or not archs:
+        raise UsageError(f"--models: unknown model {','.join(bad) or text!r} (choose from {','.join(known)})")
+    return archs

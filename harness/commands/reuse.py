@@ -18,6 +18,7 @@ import json
 import sys
 from pathlib import Path
 
+from harness.commands.common import models_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.reuse_programs import ARCHS, command_line, run_model
 from harness.targets.llama_build import build_server
@@ -37,10 +38,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.examples <= 100_000:
         raise UsageError(f"--examples must be between 1 and 100000, got {args.examples}")
-    archs = tuple(a for a in args.models.split(",") if a)
-    bad = [a for a in archs if a not in ARCHS]
-    if bad or not archs:
-        raise UsageError(f"--models: unknown model {','.join(bad) or args.models!r} (choose from {','.join(ARCHS)})")
+    archs = models_of(args.models, ARCHS)
     if args.server_bin is not None and not args.server_bin.is_file():
         raise UsageError(f"--server-bin {args.server_bin}: no such file")
     binary = args.server_bin or build_server("pr")

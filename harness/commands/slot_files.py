@@ -30,7 +30,7 @@ from typing import Any
 
 from harness.backends.llama_server.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
 from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
-from harness.commands.common import add_semantics, semantics_of
+from harness.commands.common import add_semantics, models_of, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.findings import finding
 from harness.load.slot_programs import ARCHS, command_line, run_model
@@ -80,7 +80,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--examples must be >= 0, got {args.examples}")
     if args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
-    _models(args.models)
+    models_of(args.models, ARCHS)
     if args.server_bin is not None:
         if not args.server_bin.is_file():
             raise UsageError(f"--server-bin {args.server_bin}: no such file")
@@ -109,17 +109,9 @@ def run(args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
-def _models(text: str) -> tuple[str, ...]:
-    archs = tuple(a for a in text.split(",") if a)
-    bad = [a for a in archs if a not in ARCHS]
-    if bad or not archs:
-        raise UsageError(f"--models: unknown model {','.join(bad) or text!r} (choose from {','.join(ARCHS)})")
-    return archs
-
-
 def _generated(binary: Path, args: argparse.Namespace) -> tuple[list[dict[str, object]], list[str]]:
     """The generated programs on every model of ``--models``: one line each; the figures and the failures."""
-    archs = _models(args.models) if args.examples else ()
+    archs = models_of(args.models, ARCHS) if args.examples else ()
     rows, failures = [], []
     for arch in archs:
         f = run_model(arch, binary, examples=args.examples, seed=args.seed)

@@ -14,6 +14,7 @@ greedy flip within the model's batch-shape bound is a registered finding (none f
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -27,7 +28,22 @@ from harness.load.outputs import Divergences, compare_output
 from harness.targets.llama_server import ServerProcess
 from properties.run import SHRINKS
 
-__all__ = ["GeneratedFailure", "Outcome", "output_verdict", "run_generated"]
+__all__ = ["GeneratedFailure", "GeneratedFigures", "Outcome", "output_verdict", "run_generated"]
+
+
+class GeneratedFigures:
+    """A model's figures of a generated run (a dataclass with ``findings``, a ``Counter``, and ``failure``)."""
+
+    findings: Counter[str]
+    failure: GeneratedFailure | None
+
+    def to_json(self) -> dict[str, Any]:
+        d = {k: v for k, v in vars(self).items() if k not in ("failure", "findings")}
+        d["findings"] = dict(sorted(self.findings.items()))
+        if self.failure is not None:
+            d["failure"] = {"check": self.failure.name, "message": self.failure.message,
+                            "program": self.failure.program}  # fmt: skip
+        return d
 
 
 class GeneratedFailure(Exception):

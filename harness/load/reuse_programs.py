@@ -47,7 +47,7 @@ from fixtures.models import model_path
 from harness.backends.llama_server.reuse import N_CTX
 from harness.errors import GgmlAbort
 from harness.interrupt import check
-from harness.load.generated import GeneratedFailure, output_verdict, run_generated
+from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
@@ -72,7 +72,7 @@ def program_strategy() -> st.SearchStrategy[tuple[Any, ...]]:
 
 
 @dataclass
-class ReuseFigures:
+class ReuseFigures(GeneratedFigures):
     arch: str
     examples: int = 0
     requests: int = 0
@@ -85,14 +85,6 @@ class ReuseFigures:
     findings: Counter[str] = field(default_factory=Counter)
     failure: GeneratedFailure | None = None
     seed: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in vars(self).items() if k not in ("failure", "findings")}
-        d["findings"] = dict(sorted(self.findings.items()))
-        if self.failure is not None:
-            d["failure"] = {"check": self.failure.name, "message": self.failure.message,
-                            "program": self.failure.program}  # fmt: skip
-        return d
 
 
 def _tokens(r: Any) -> tuple[int, ...]:

@@ -42,7 +42,7 @@ from fixtures.models import model_path
 from harness.backends.llama_server.differential import ServerConfig
 from harness.backends.llama_server.slot_restore import SlotDifferential
 from harness.interrupt import check
-from harness.load.generated import GeneratedFailure, output_verdict, run_generated
+from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
 from harness.model.server_context import ServerSlot
 from harness.model.slot_files import SlotFileStore
 from harness.targets.llama_server import ServerProcess
@@ -95,7 +95,7 @@ MUTANTS = ("keep-checkpoints", "corrupt-file")
 
 
 @dataclass
-class ModelFigures:
+class ModelFigures(GeneratedFigures):
     """One model's generated run."""
 
     arch: str
@@ -109,14 +109,6 @@ class ModelFigures:
     tokens_reprocessed: int = 0  # slot-restore-drops-checkpoints: tokens the dropped checkpoints would have kept
     failure: GeneratedFailure | None = None
     seed: int = 0
-
-    def to_json(self) -> dict[str, Any]:
-        d = {k: v for k, v in vars(self).items() if k not in ("failure", "findings")}
-        d["findings"] = dict(sorted(self.findings.items()))
-        if self.failure is not None:
-            d["failure"] = {"check": self.failure.name, "message": self.failure.message,
-                            "program": self.failure.program}  # fmt: skip
-        return d
 
 
 def _prompt(bases: Sequence[tuple[int, ...]], source: int, keep: int, n_new: int, seed: int) -> tuple[int, ...]:
