@@ -24,6 +24,7 @@ FLOORS: list[tuple[str, int]] = [
     ("harness.targets", 2),
     ("properties", 3),
     ("faults", 4),
+    ("harness.trace", 4),  # the libllama call tracer: interposer, replay, shrink
     ("harness.backends", 5),
     ("harness.campaign", 6),  # fuzz campaigns: workers, example databases, live view, replay
     ("harness.measure", 6),  # measurements and their reporters: memory report, bench

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from faults.replay import lib_dir_of, replay
+from harness.trace.replay import lib_dir_of, replay
 from fixtures.models import model_path
 from harness.backends.base import GateOptions, GateReport
 from harness.load.clients import BUSY, Req, run_clients

@@ -1,4 +1,4 @@
-"""The libllama trace (faults/trace.c) on a real llama-server, its replay in one process, and the shrink.
+"""The libllama trace (harness/trace/trace.c) on a real llama-server, its replay in one process, and the shrink.
 
 A real concurrent run (three clients, ``-np 2``, the generated llama model) is recorded through the
 ``LD_PRELOAD`` interposer; replayed through llama-cpp-python on the server's own ``libllama.so``, every
@@ -16,8 +16,8 @@ from typing import Any
 
 import pytest
 
-from faults.replay import replay, shrink_trace
-from faults.trace import (
+from harness.trace.replay import replay, shrink_trace
+from harness.trace.calls import (
     Event,
     Memory,
     build_trace,

@@ -1,6 +1,6 @@
 """Locating a wrong answer in the server's libllama trace (issue #41): the short-window rule of the calls
-(:func:`faults.trace.short_window`), the slice and the explainer (:mod:`faults.lineage`), the shrink from
-the slice (:mod:`faults.shrink`), on a real gemma2 llama-server's wrong answer; and the standalone
+(:func:`harness.trace.calls.short_window`), the slice and the explainer (:mod:`harness.trace.lineage`), the shrink from
+the slice (:mod:`harness.trace.shrink`), on a real gemma2 llama-server's wrong answer; and the standalone
 reproducer of the soak's shrunk divergence."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from pathlib import Path
 
 import pytest
 
-from faults.lineage import SHORT_WINDOW, Explainer, slice_read
-from faults.replay import lib_dir_of, replay, shrink_trace
-from faults.trace import Event, Memory, check_trace, read_trace, short_window, trace_env
+from harness.trace.lineage import SHORT_WINDOW, Explainer, slice_read
+from harness.trace.replay import lib_dir_of, replay, shrink_trace
+from harness.trace.calls import Event, Memory, check_trace, read_trace, short_window, trace_env
 from fixtures.models import SPECS, model_path
 from harness.load.outputs import Divergences, OutputDiff
 from harness.targets.llama_build import build_server

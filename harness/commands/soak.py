@@ -4,7 +4,7 @@
 native shim failing one large allocation every few seconds). What is sampled and checked is in
 :mod:`harness.load.soak`. ``--json PATH`` writes every phase's figures (requests/s, p50/p99
 latency, the RSS curve, cache size and entries, evictions, fault trials survived). Every server runs
-under the libllama trace (``faults/trace.c``; ``--no-trace`` without, and without under ``--memory-limit``,
+under the libllama trace (``harness/trace/trace.c``; ``--no-trace`` without, and without under ``--memory-limit``,
 whose cgroup would be charged for the trace file's page cache): the trace of a server that gave
 an output no known finding explains is kept beside the server logs and printed with the lines that
 replay and shrink it (``python -m harness trace replay|shrink``). ``--embedding-clients N`` adds N clients

@@ -1,7 +1,7 @@
 """``python -m harness trace record|replay|shrink``: what llama-server asks of libllama, replayed and shrunk.
 
 ``record`` runs the ``concurrent-output-divergence`` workload (:mod:`harness.load.traced`) on a
-llama-server traced by the ``LD_PRELOAD`` interposer ``faults/trace.c`` (every libllama call that
+llama-server traced by the ``LD_PRELOAD`` interposer ``harness/trace/trace.c`` (every libllama call that
 touches memory or state, every batch row, the logits read back; one JSON line per call, at most
 ``--max-bytes``), ``--rounds`` times or until an answer differs from a fresh single-slot server's, and
 prints the trace, its size, the wrong answers and the line that replays it; ``--sequential`` sends
@@ -26,8 +26,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from faults.replay import replay, replay_line, shrink_trace
-from faults.trace import DEFAULT_MAX_BYTES, read_trace
+from harness.trace.replay import replay, replay_line, shrink_trace
+from harness.trace.calls import DEFAULT_MAX_BYTES, read_trace
 from fixtures.models import ARCHS, model_path
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError

@@ -7,7 +7,7 @@ must match the model fed the server's order; outputs are compared with a fresh s
 every model: a divergence fails unless a located finding's exact condition explains it
 (``concurrent-output-divergence`` within the model's measured batch-shape bound,
 :data:`harness.findings.BATCH_SHAPE_FLIP_GAP`; ``busy-slot-by-id``). Each server runs under the libllama
-trace (``faults/trace.c``): the trace of a server whose output failed is kept and printed with the
+trace (``harness/trace/trace.c``): the trace of a server whose output failed is kept and printed with the
 lines that replay and shrink it (``python -m harness trace replay|shrink``), beside the timed requests.
 Adds about half a minute to the server gate. The
 figures go to ``report.extra["server"]["concurrent"]``; the known findings ``busy-slot-by-id``

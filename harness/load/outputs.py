@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from faults.lineage import DECODE_THREW, SHORT_WINDOW, Explainer
-from faults.trace import read_trace
+from harness.trace.lineage import DECODE_THREW, SHORT_WINDOW, Explainer
+from harness.trace.calls import read_trace
 from fixtures.models import BYTE_TOKEN_OFFSET, SPECS
 from harness.findings import BATCH_SHAPE_FLIP_GAP
 from harness.targets.llama_server import ServerProcess
@@ -53,7 +53,7 @@ class OutputDiff:
 class Divergences:
     """Outputs unlike a fresh server's that a known finding explains, by that finding's exact condition.
 
-    * Located from the server's libllama trace, first (:meth:`located`, :class:`faults.lineage.Explainer`):
+    * Located from the server's libllama trace, first (:meth:`located`, :class:`harness.trace.lineage.Explainer`):
       the reads that gave the first wrong token depend on a decode that threw
       (``decode-exception-keeps-slot-tokens``) or on a row decoded with its sliding window short of a
       cell (``swa-restore-window-short``, a checkpoint restore re-evaluating its ``pos_max``).

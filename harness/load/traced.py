@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from faults.replay import lib_dir_of
-from faults.trace import DEFAULT_MAX_BYTES, static_note, trace_env
+from harness.trace.replay import lib_dir_of
+from harness.trace.calls import DEFAULT_MAX_BYTES, static_note, trace_env
 from harness.errors import UsageError
 from harness.targets.llama_server import ServerProcess
 

@@ -3,7 +3,7 @@
 :func:`shrink` keeps the target (``("fresh", i)``: read ``i``'s argmax unlike a fresh sequential
 evaluation's; ``("ret", i)``: call ``i`` returning unlike in the trace) and cuts the rest:
 
-1. **the slice** (:func:`~faults.lineage.slice_read`): only the calls the target's sequences depend
+1. **the slice** (:func:`~harness.trace.lineage.slice_read`): only the calls the target's sequences depend
    on, when the replay of that alone still shows the target (a 100,000-call soak trace slices to a
    few thousand calls, replayed in about a second);
 2. **drop calls**, then **drop batch rows**: Zeller's delta debugging (:func:`ddmin`) over the calls,
@@ -12,9 +12,9 @@ evaluation's; ``("ret", i)``: call ``i`` returning unlike in the trace) and cuts
    target still shows.
 
 Every candidate must keep the rest of the trace's behaviour: each call kept returns what it returned
-in the trace, the calls make no inconsistency of their own (:class:`~faults.trace.Memory`) but the
+in the trace, the calls make no inconsistency of their own (:class:`~harness.trace.calls.Memory`) but the
 target's, and no batch is decoded with a sliding window shorter than the trace's own replay had it
-(:attr:`~faults.replay_engine.RunResult.windows`: a shrink that drops a checkpoint restore must not
+(:attr:`~harness.trace.replay_engine.RunResult.windows`: a shrink that drops a checkpoint restore must not
 show the target for another reason than the server's).
 """
 
@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from faults.lineage import STATEFUL, slice_read, with_rows
-from faults.replay_engine import Engine, RunResult
-from faults.trace import Event, Memory, rows
+from harness.trace.lineage import STATEFUL, slice_read, with_rows
+from harness.trace.replay_engine import Engine, RunResult
+from harness.trace.calls import Event, Memory, rows
 
 __all__ = ["ddmin", "merge_batches", "shrink"]
 

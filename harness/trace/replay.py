@@ -1,6 +1,6 @@
 """Replay and shrink a libllama trace in a child process on the traced server's own libllama.
 
-:func:`replay` and :func:`shrink_trace` run :mod:`faults.replay_child` in a child
+:func:`replay` and :func:`shrink_trace` run :mod:`harness.trace.replay_child` in a child
 (:func:`harness.child.run_child`) whose ``LLAMA_CPP_LIB_PATH`` is ``lib_dir`` (the directory of the
 traced ``llama-server``'s ``libllama.so``: :func:`lib_dir_of`), so that the replay runs the machine code
 the server ran; ``lib_dir=None`` keeps llama-cpp-python's own library. Each returns the child's JSON
@@ -48,7 +48,7 @@ def _run(args: list[str], lib_dir: Path | None, timeout: float) -> dict[str, Any
         env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
     with tempfile.TemporaryDirectory(prefix="trace-replay-") as tmp:
         out = Path(tmp) / "out.json"
-        res = run_child([sys.executable, "-m", "faults.replay_child", *args, "--out", str(out)], env=env,
+        res = run_child([sys.executable, "-m", "harness.trace.replay_child", *args, "--out", str(out)], env=env,
                         timeout=timeout)  # fmt: skip
         if res.crashed or res.returncode != 0 or not out.is_file():
             tail = " | ".join((res.stderr or res.stacks).strip().splitlines()[-3:])

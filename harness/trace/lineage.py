@@ -5,14 +5,14 @@
   cut, copy and shift of them, a state set into one of them and the get that made those bytes (whose
   sequence it then depends on), until a whole state set, a ``seq_rm`` of everything or a ``clear``
   replaces what came before. A soak's trace of 100,000 calls slices to a few thousand, which the replay
-  runs in about a second and the shrink (:mod:`faults.shrink`) starts from.
+  runs in about a second and the shrink (:mod:`harness.trace.shrink`) starts from.
 * :class:`Explainer` finds the reads whose sequence held a given token history (the calls' view,
-  :class:`~faults.trace.Memory`: the read that gave an answer's token ``k`` held the prompt and the
+  :class:`~harness.trace.calls.Memory`: the read that gave an answer's token ``k`` held the prompt and the
   ``k`` tokens before it) and names the located finding whose exact condition a read's calls meet:
   ``decode-exception-keeps-slot-tokens`` when one of them is a decode that threw (it has no return
   in the trace: the server kept the batch's tokens as evaluated, server-context.cpp:2871-2874 at
   0c1e570), ``swa-restore-window-short`` when one of them decoded a row with its sliding window short
-  (:func:`~faults.trace.short_window`, from the ``pos_min`` libllama answered the server). Else None:
+  (:func:`~harness.trace.calls.short_window`, from the ``pos_min`` libllama answered the server). Else None:
   a difference no located finding explains.
 """
 
@@ -21,7 +21,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from faults.trace import Event, Memory, main_context, rows
+from harness.trace.calls import Event, Memory, main_context, rows
 
 __all__ = ["DECODE_THREW", "SHORT_WINDOW", "Explainer", "Lineage", "slice_read", "with_rows"]
 
@@ -118,7 +118,7 @@ class Explainer:
     """One trace, read once, asked which located finding explains a served token (:meth:`explain`).
 
     One walk of the calls indexes every read by the token history its sequence held (the calls' view,
-    :class:`~faults.trace.Memory`) and finds the decodes that threw and those decoded with a short
+    :class:`~harness.trace.calls.Memory`) and finds the decodes that threw and those decoded with a short
     window; then each question is a lookup and a slice."""
 
     def __init__(self, events: Sequence[Event], n_swa: int) -> None:

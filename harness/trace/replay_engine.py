@@ -1,6 +1,6 @@
 """Replay a libllama trace in one process, through llama-cpp-python's low-level API.
 
-This module runs in the child :mod:`faults.replay` starts (``python -m faults.replay_child``), whose
+This module runs in the child :mod:`harness.trace.replay` starts (``python -m harness.trace.replay_child``), whose
 ``LLAMA_CPP_LIB_PATH`` names the traced server's own ``libllama.so``: the same machine code, the
 same model file, the same context parameters (``n_threads`` 1), so a replay that does what the server did
 gives the server's logits bit for bit.
@@ -14,10 +14,10 @@ gives the server's logits bit for bit.
   sequence holds (:class:`Fresh`: a context of its own, one sequence, the prompt in ``n_batch`` chunks,
   then token by token, as a single-slot server evaluates it). On a model with a sliding window every
   batch's first row of each sequence is checked against the replay's own ``llama_memory_seq_pos_min``
-  (:func:`~faults.trace.short_window`): ``RunResult.windows``.
+  (:func:`~harness.trace.calls.short_window`): ``RunResult.windows``.
 
-The shrink that runs the engine again and again is :mod:`faults.shrink`; the child's command line,
-:mod:`faults.replay_child`.
+The shrink that runs the engine again and again is :mod:`harness.trace.shrink`; the child's command line,
+:mod:`harness.trace.replay_child`.
 """
 
 from __future__ import annotations
@@ -31,8 +31,8 @@ from typing import Any
 
 import numpy as np
 
-from faults.lineage import STATEFUL
-from faults.trace import (
+from harness.trace.lineage import STATEFUL
+from harness.trace.calls import (
     Event,
     Memory,
     Row,
@@ -87,7 +87,7 @@ class RunResult:
     rets: list[tuple[int, int, int]] = field(default_factory=list)  # (i, trace's, replay's) that differ
     issues: list[tuple[int, str]] = field(default_factory=list)  # what the calls themselves get wrong
     # (call, seq, pos, pos_min): a row decoded while the replay's memory of its sequence started above
-    # its sliding window (faults.trace.short_window, asked of the replay's own libllama)
+    # its sliding window (harness.trace.calls.short_window, asked of the replay's own libllama)
     windows: list[tuple[int, int, int, int]] = field(default_factory=list)
     skipped: list[str] = field(default_factory=list)  # what could not be replayed
     calls: int = 0

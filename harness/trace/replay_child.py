@@ -1,9 +1,9 @@
-"""The replay's child: ``python -m faults.replay_child replay|shrink TRACE --out JSON``.
+"""The replay's child: ``python -m harness.trace.replay_child replay|shrink TRACE --out JSON``.
 
-:mod:`faults.replay` starts it with ``LLAMA_CPP_LIB_PATH`` naming the traced server's own
-``libllama.so``; it replays the trace (:class:`~faults.replay_engine.Engine`, with ``--fresh`` every
+:mod:`harness.trace.replay` starts it with ``LLAMA_CPP_LIB_PATH`` naming the traced server's own
+``libllama.so``; it replays the trace (:class:`~harness.trace.replay_engine.Engine`, with ``--fresh`` every
 read also against a fresh sequential evaluation) and, for ``shrink``, shrinks it
-(:func:`~faults.shrink.shrink`) to the target given or the first divergence, writing the shrunk trace
+(:func:`~harness.trace.shrink.shrink`) to the target given or the first divergence, writing the shrunk trace
 to ``--shrunk``. Its JSON is the replay's summary and the shrink's (target, calls and rows left,
 seconds, path).
 """
@@ -18,9 +18,9 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from faults.replay_engine import Engine, RunResult
-from faults.shrink import shrink
-from faults.trace import read_trace, write_trace
+from harness.trace.replay_engine import Engine, RunResult
+from harness.trace.shrink import shrink
+from harness.trace.calls import read_trace, write_trace
 from harness.child import child_setup
 
 __all__ = ["main"]
@@ -28,7 +28,7 @@ __all__ = ["main"]
 
 def main(argv: Sequence[str] | None = None) -> int:
     child_setup(watchdog=False)
-    ap = argparse.ArgumentParser(prog="python -m faults.replay_child")
+    ap = argparse.ArgumentParser(prog="python -m harness.trace.replay_child")
     ap.add_argument("action", choices=("replay", "shrink"))
     ap.add_argument("trace")
     ap.add_argument("--out", required=True)

@@ -1,4 +1,4 @@
-/* LD_PRELOAD interposer: a trace of what a process (llama-server) asks of libllama (faults/trace.py builds it).
+/* LD_PRELOAD interposer: a trace of what a process (llama-server) asks of libllama (harness/trace/calls.py builds it).
  *
  * Compiled at run time against the tree's own include/llama.h (so every struct layout is the tree's), it
  * wraps, through dlsym(RTLD_NEXT), every libllama call that touches a context's memory or state and the
@@ -26,7 +26,7 @@
  * Without LLAMA_TRACE every wrapper only passes the call on. A batch under construction
  * (llama_batch_ext_*) is shadowed per batch pointer; the shadow's memory comes from __libc_malloc so
  * that the fault shim (faults/shim.c), preloaded beside this, never counts or fails it.
- * llamatrace_hash() is exported for the reader (faults/trace.py) to hash rows the same way.
+ * llamatrace_hash() is exported for the reader (harness/trace/calls.py) to hash rows the same way.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
