@@ -24,7 +24,7 @@ from harness.errors import HarnessError
 
 __all__ = ["ReplayFailed", "lib_dir_of", "replay", "replay_line", "shrink_trace"]
 
-_ROOT = str(Path(__file__).resolve().parents[1])
+_ROOT = str(Path(__file__).resolve().parents[2])
 
 
 class ReplayFailed(HarnessError):
