@@ -14,7 +14,6 @@ from pathlib import Path
 
 import pytest
 
-from harness.trace.replay import lib_dir_of, replay
 from fixtures.models import model_path
 from harness.backends.base import GateOptions, GateReport
 from harness.load.clients import BUSY, Req, run_clients
@@ -35,6 +34,7 @@ from harness.load.soak_result import PhaseResult
 from harness.load.traced import ServerTrace
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
+from harness.trace.replay import lib_dir_of, replay
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 

@@ -16,7 +16,10 @@ from typing import Any
 
 import pytest
 
-from harness.trace.replay import replay, shrink_trace
+from fixtures.models import model_path
+from harness.load.traced import TracedRun, fresh_answers, record_concurrent, workload
+from harness.targets.llama_build import build_server
+from harness.targets.llama_stage import sanitizer_first
 from harness.trace.calls import (
     Event,
     Memory,
@@ -28,10 +31,7 @@ from harness.trace.calls import (
     static_note,
     write_trace,
 )
-from fixtures.models import model_path
-from harness.load.traced import TracedRun, fresh_answers, record_concurrent, workload
-from harness.targets.llama_build import build_server
-from harness.targets.llama_stage import sanitizer_first
+from harness.trace.replay import replay, shrink_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 

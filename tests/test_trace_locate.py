@@ -11,13 +11,13 @@ from pathlib import Path
 
 import pytest
 
-from harness.trace.lineage import SHORT_WINDOW, Explainer, slice_read
-from harness.trace.replay import lib_dir_of, replay, shrink_trace
-from harness.trace.calls import Event, Memory, check_trace, read_trace, short_window, trace_env
 from fixtures.models import SPECS, model_path
 from harness.load.outputs import Divergences, OutputDiff
 from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
+from harness.trace.calls import Event, Memory, check_trace, read_trace, short_window, trace_env
+from harness.trace.lineage import SHORT_WINDOW, Explainer, slice_read
+from harness.trace.replay import lib_dir_of, replay, shrink_trace
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SWA = SPECS["gemma2"].n_swa or 0

@@ -13,11 +13,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.trace.lineage import DECODE_THREW, SHORT_WINDOW, Explainer
-from harness.trace.calls import read_trace
 from fixtures.models import BYTE_TOKEN_OFFSET, SPECS
 from harness.findings import BATCH_SHAPE_FLIP_GAP
 from harness.targets.llama_server import ServerProcess
+from harness.trace.calls import read_trace
+from harness.trace.lineage import DECODE_THREW, SHORT_WINDOW, Explainer
 
 __all__ = ["BATCH_SHAPE_FLIP_GAP", "DECODE_THREW", "SHORT_WINDOW", "Divergences", "OutputDiff", "compare_output"]
 

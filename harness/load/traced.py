@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.trace.replay import lib_dir_of
-from harness.trace.calls import DEFAULT_MAX_BYTES, static_note, trace_env
 from harness.errors import UsageError
 from harness.targets.llama_server import ServerProcess
+from harness.trace.calls import DEFAULT_MAX_BYTES, static_note, trace_env
+from harness.trace.replay import lib_dir_of
 
 __all__ = [
     "LOAD_TRACE_MAX_BYTES",

@@ -18,10 +18,10 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
+from harness.child import child_setup
+from harness.trace.calls import read_trace, write_trace
 from harness.trace.replay_engine import Engine, RunResult
 from harness.trace.shrink import shrink
-from harness.trace.calls import read_trace, write_trace
-from harness.child import child_setup
 
 __all__ = ["main"]
 

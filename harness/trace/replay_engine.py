@@ -31,7 +31,7 @@ from typing import Any
 
 import numpy as np
 
-from harness.trace.lineage import STATEFUL
+from harness.targets.libllama import load_model
 from harness.trace.calls import (
     Event,
     Memory,
@@ -43,7 +43,7 @@ from harness.trace.calls import (
     rows,
     short_window,
 )
-from harness.targets.libllama import load_model
+from harness.trace.lineage import STATEFUL
 
 __all__ = ["STATEFUL", "Engine", "Fresh", "ReadResult", "RunResult"]
 

@@ -24,9 +24,9 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
+from harness.trace.calls import Event, Memory, rows
 from harness.trace.lineage import STATEFUL, slice_read, with_rows
 from harness.trace.replay_engine import Engine, RunResult
-from harness.trace.calls import Event, Memory, rows
 
 __all__ = ["ddmin", "merge_batches", "shrink"]
 
