@@ -114,7 +114,7 @@ def run_child(
     """Run ``argv`` with ``FAULTS_STACKS`` (and ``LD_PRELOAD=preload``); never raises for its death.
 
     ``preexec`` runs in the child between ``fork`` and ``exec`` (entering a memory cgroup, setting an
-    rlimit: :mod:`harness.targets.memlimit`). ``argv`` may be a function instead: it runs in a forked
+    rlimit: :mod:`harness.memlimit`). ``argv`` may be a function instead: it runs in a forked
     child, which inherits the environment and the preloaded libraries of the caller (``env``,
     ``preload`` and ``preexec`` are refused).
     """

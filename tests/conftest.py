@@ -19,6 +19,8 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
+from harness.trees.build import build_server, build_source, cached_binary
+from harness.trees.pinned import export_pinned
 
 from harness.errors import HarnessError
 from harness.model import (
@@ -31,8 +33,6 @@ from harness.model import (
     ServerPromptCacheState,
     get_semantics,
 )
-from harness.targets.llama_build import build_server, build_source, cached_binary
-from harness.targets.llama_pinned import export_pinned
 
 BUILDS = (("shared", "pr"), ("master", "master"))
 

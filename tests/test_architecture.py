@@ -19,8 +19,10 @@ FLOORS: list[tuple[str, int]] = [
     ("harness.findings", 0),
     ("harness.interrupt", 0),  # Ctrl-C: one handler, the live children's process groups
     ("harness.child", 0),
+    ("harness.memlimit", 0),  # a real memory limit for a child: cgroup or RLIMIT_AS
     ("fixtures", 0),
     ("harness.model", 1),
+    ("harness.trees", 2),  # llama.cpp trees and their builds
     ("harness.targets", 2),
     ("properties", 3),
     ("faults", 4),

@@ -15,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.trees.build import build_server
 
 from fixtures.models import model_path
 from harness.backends.llama_server.reuse import reuse_pair, shift_run
@@ -24,7 +25,6 @@ from harness.model.provider import MemoryKind, SyntheticProvider
 from harness.model.reuse import Chunk, context_shift_bounds, reuse_chunks, shifted_tokens
 from harness.model.server_context import ServerParams
 from harness.model.shift import HOLE
-from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
 from properties.reuse_machine import REUSE_KINDS, kill_reuse, reuse_config, reuse_machine_class, run_reuse

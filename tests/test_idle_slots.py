@@ -12,13 +12,13 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.trees.build import build_server
 
 from fixtures.models import model_path
 from harness.findings import finding
 from harness.load.outputs import compare_output
 from harness.load.stateless import SERVER_ARGS, mismatches, mixed_program, mixed_run, predict
 from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerContext, ServerParams
-from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
 from properties.invariants import Violation

@@ -132,7 +132,7 @@ def test_reproducer_shows_the_finding_on_the_pr_server(name: str) -> None:
     import importlib.util
     from pathlib import Path
 
-    from harness.targets.llama_build import cached_binary
+    from harness.trees.build import cached_binary
 
     binary = cached_binary("pr")
     if binary is None:

@@ -12,9 +12,8 @@ import subprocess
 from pathlib import Path
 
 import pytest
-
-from harness.targets.llama_pinned import PATCH_PATH, sdist_source
-from harness.targets.llama_semantics import infer_semantics, infer_semantics_from_text
+from harness.trees.pinned import PATCH_PATH, sdist_source
+from harness.trees.semantics import infer_semantics, infer_semantics_from_text
 
 
 def _header(payload: str, before: str = "") -> dict[str, str]:

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+from harness.trees.build import build_server
 
 from fixtures.models import model_path
 from harness.backends.base import GateOptions, GateReport
@@ -32,7 +33,6 @@ from harness.load.outputs import (
 from harness.load.soak import LiveServer, check_sanitizer_reports
 from harness.load.soak_result import PhaseResult
 from harness.load.traced import ServerTrace
-from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 from harness.trace.replay import lib_dir_of, replay
 

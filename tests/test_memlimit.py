@@ -1,4 +1,4 @@
-"""The real memory limit (:mod:`harness.targets.memlimit`): a memory cgroup with a hard limit, and RLIMIT_AS.
+"""The real memory limit (:mod:`harness.memlimit`): a memory cgroup with a hard limit, and RLIMIT_AS.
 
 Real cgroups on this machine (v1 ``memory`` or v2, as root): a child that allocates past the limit is
 OOM-killed and the group's counters say so; one below it survives with its peak counted; the group is
@@ -16,9 +16,7 @@ import textwrap
 import time
 from pathlib import Path
 
-from harness.child import run_child
-from harness.errors import EXIT_NO_MEMLIMIT
-from harness.targets.memlimit import (
+from harness.memlimit import (
     PREFIX,
     MemoryCgroup,
     address_limit_preexec,
@@ -27,6 +25,9 @@ from harness.targets.memlimit import (
     limit_address_space,
     sweep_stale,
 )
+
+from harness.child import run_child
+from harness.errors import EXIT_NO_MEMLIMIT
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
@@ -101,7 +102,7 @@ _OWNER = textwrap.dedent(
     """
     import subprocess, sys, time
     from harness.interrupt import guard
-    from harness.targets.memlimit import MemoryCgroup
+    from harness.memlimit import MemoryCgroup
     with guard():
         with MemoryCgroup(limit_bytes=256 << 20) as cg:
             # no PR_SET_PDEATHSIG: the sweep itself must kill what is left in a stale group

@@ -25,13 +25,13 @@ from types import ModuleType
 from typing import Any
 
 import pytest
+from harness.trees.build import build_server
 
 from fixtures.models import model_path
 from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
 from harness.findings import finding
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
 from properties.invariants import Violation

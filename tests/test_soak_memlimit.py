@@ -13,9 +13,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-
-from harness.targets.llama_build import build_server
-from harness.targets.memlimit import PREFIX, cgroup_support
+from harness.memlimit import PREFIX, cgroup_support
+from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds
 

@@ -15,11 +15,11 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from harness.trees.build import build_server
+from harness.trees.stage import sanitizer_first
 
 from fixtures.models import model_path
 from harness.load.traced import TracedRun, fresh_answers, record_concurrent, workload
-from harness.targets.llama_build import build_server
-from harness.targets.llama_stage import sanitizer_first
 from harness.trace.calls import (
     Event,
     Memory,

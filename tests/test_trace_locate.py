@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+from harness.trees.build import build_server
 
 from fixtures.models import SPECS, model_path
 from harness.load.outputs import Divergences, OutputDiff
-from harness.targets.llama_build import build_server
 from harness.targets.llama_server import ServerProcess
 from harness.trace.calls import Event, Memory, check_trace, read_trace, short_window, trace_env
 from harness.trace.lineage import SHORT_WINDOW, Explainer, slice_read

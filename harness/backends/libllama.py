@@ -51,7 +51,7 @@ from harness.backends.base import (
 from harness.errors import PropertyFailure
 from harness.findings import FINDINGS, finding
 from harness.targets.libllama import PENDING_CP_FINDING, SWA_WINDOW_FINDING, load_model
-from harness.targets.llama_api import libllama_of, loaded_libllama
+from harness.trees.api import libllama_of, loaded_libllama
 from properties.libllama_scenarios import FullContextResult, draft_recovery_run, full_context_run, memray_figures
 from properties.machine import MachineConfig, machine_class
 from properties.run import make_settings, run_machine

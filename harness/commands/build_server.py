@@ -17,8 +17,8 @@ from pathlib import Path
 
 from harness.commands.common import SEMANTICS
 from harness.errors import UsageError
-from harness.targets.llama_build import build_server, build_source
-from harness.targets.llama_pinned import export_pinned
+from harness.trees.build import build_server, build_source
+from harness.trees.pinned import export_pinned
 
 __all__ = ["add_arguments", "run"]
 

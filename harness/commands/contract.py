@@ -17,7 +17,7 @@ from pathlib import Path
 
 from fixtures.models import ARCHS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
-from harness.targets.llama_api import libllama_of, loaded_libllama
+from harness.trees.api import libllama_of, loaded_libllama
 from properties.libllama_contract import run_contract, table
 
 __all__ = ["add_arguments", "run"]

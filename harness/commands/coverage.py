@@ -38,7 +38,7 @@ from harness.errors import EXIT_OK, HarnessError, UsageError
 from harness.measure.coverage import CoverageRun, gcovr_report
 from harness.measure.coverage_live import COVERAGE_RUN_ENV
 from harness.measure.coverage_report import print_report, write_report
-from harness.targets.llama_build import build_server
+from harness.trees.build import build_server
 
 __all__ = ["WORKLOADS", "add_arguments", "run"]
 

@@ -16,7 +16,7 @@ from pathlib import Path
 from faults.llama_native import OPS, _first_frames, sweep_llama_native
 from fixtures.models import ARCHS
 from harness.errors import UsageError
-from harness.targets.llama_api import libllama_of
+from harness.trees.api import libllama_of
 
 __all__ = ["add_arguments", "run"]
 

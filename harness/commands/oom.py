@@ -26,11 +26,11 @@ from pathlib import Path
 
 from fixtures.models import CHECKPOINT_MIBS
 from harness.backends.llama_server.oom import MODES, OomRun, OomSettings, expected, run_oom
+from harness.backends.llama_server.probe import probe
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, UsageError
-from harness.targets.llama_build import ServerBuild, server_build
-from harness.targets.llama_probe import probe
-from harness.targets.memlimit import MemoryCgroup, cgroup_support
+from harness.memlimit import MemoryCgroup, cgroup_support
+from harness.trees.build import ServerBuild, server_build
 
 __all__ = ["add_arguments", "run"]
 

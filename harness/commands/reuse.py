@@ -21,7 +21,7 @@ from pathlib import Path
 from harness.commands.common import models_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.reuse_programs import ARCHS, command_line, run_model
-from harness.targets.llama_build import build_server
+from harness.trees.build import build_server
 
 __all__ = ["add_arguments", "run"]
 

@@ -34,7 +34,7 @@ from harness.commands.common import add_semantics, models_of, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.findings import finding
 from harness.load.slot_programs import ARCHS, command_line, run_model
-from harness.targets.llama_build import build_server
+from harness.trees.build import build_server
 
 __all__ = ["add_arguments", "run"]
 

@@ -30,13 +30,13 @@ import tempfile
 from pathlib import Path
 
 from fixtures.models import ARCHS
+from harness.backends.llama_server.probe import probe
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.soak import CACHE_RAM_MIB, SoakSettings, soak
 from harness.load.traced import ServerTrace
-from harness.targets.llama_build import ServerBuild, server_build
-from harness.targets.llama_probe import probe
-from harness.targets.memlimit import MemoryCgroup, cgroup_support
+from harness.memlimit import MemoryCgroup, cgroup_support
+from harness.trees.build import ServerBuild, server_build
 
 __all__ = ["add_arguments", "run"]
 

@@ -30,9 +30,9 @@ from fixtures.models import ARCHS, model_path
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.traced import fresh_answers, record_concurrent, workload
-from harness.targets.llama_build import server_build
 from harness.trace.calls import DEFAULT_MAX_BYTES, read_trace
 from harness.trace.replay import replay, replay_line, shrink_trace
+from harness.trees.build import server_build
 
 __all__ = ["add_arguments", "run"]
 

@@ -159,7 +159,7 @@ def run_trace(
     trace = traces.path(name) if traces is not None else None
     program = replay_program(
         ["from pathlib import Path",
-         "from harness.targets.llama_build import build_server, build_source",
+         "from harness.trees.build import build_server, build_source",
          "from harness.backends.llama_server.differential import ServerConfig",
          "from harness.load.clients import Req",
          "from harness.load.concurrent import replay"],

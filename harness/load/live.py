@@ -14,8 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Protocol
 
+from harness.memlimit import MemoryCgroup
 from harness.targets.llama_server import ServerProcess, proc_status
-from harness.targets.memlimit import MemoryCgroup
 
 __all__ = ["PROGRAM_KEEP", "LiveServer", "OomRecord", "oom_killed", "rss_bytes"]
 

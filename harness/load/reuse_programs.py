@@ -176,7 +176,7 @@ class _Run:
 
 def replay_text(arch: str, n_cache_reuse: int, lines: Sequence[str], mutant: str | None = None) -> str:
     m = "" if mutant is None else f", mutant={mutant!r}"
-    head = ["from harness.targets.llama_build import build_server",
+    head = ["from harness.trees.build import build_server",
             "from harness.load.reuse_programs import replay",
             f"with replay({arch!r}, build_server('pr'), {n_cache_reuse}{m}) as r:"]  # fmt: skip
     return "\n".join([*head, *lines])

@@ -59,9 +59,9 @@ from harness.load.outputs import SHORT_WINDOW, Divergences, compare_output
 from harness.load.soak_result import CACHE_RAM_MIB, PhaseResult, SoakSettings
 from harness.load.stateless import server_args, stateless_clients
 from harness.load.traced import ServerTrace
+from harness.memlimit import MemoryCgroup
 from harness.targets.llama_server import RequestFailed, ServerProcess
-from harness.targets.llama_stage import asan_runtime
-from harness.targets.memlimit import MemoryCgroup
+from harness.trees.stage import asan_runtime
 
 __all__ = ["CACHE_RAM_MIB", "FAULT_MIN_SIZE", "LiveServer", "PhaseResult", "SoakSettings", "soak", "soak_phase"]
 

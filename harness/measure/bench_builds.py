@@ -1,7 +1,7 @@
 """The bench's build case (``--only builds``): how long the second of two near-identical trees takes to build.
 
 A contributor's branch and its base share nearly every file. Each build stages its tree into the one stage
-of :mod:`harness.targets.llama_stage` and compiles through ccache, so the second tree recompiles only what
+of :mod:`harness.trees.stage` and compiles through ccache, so the second tree recompiles only what
 differs. Measured in a child with a cache of its own (``XDG_CACHE_HOME`` a fresh directory, holding only a
 copy of the extracted sdist, so nothing is downloaded): a cold build of the pinned tree with our patch, then
 
@@ -27,7 +27,7 @@ from pathlib import Path
 from harness.child import run_child
 from harness.errors import UsageError
 from harness.measure.bench import Budget, Figure, figure, register
-from harness.targets.llama_pinned import export_pinned, sdist_source
+from harness.trees.pinned import export_pinned, sdist_source
 
 __all__ = ["EDIT", "builds"]
 

@@ -62,7 +62,7 @@ from harness.measure.arms import SLICE, run_arms
 from harness.measure.bench import Budget, Figure, figure, register
 from harness.measure.saves import LAYERS, save_curve
 from harness.targets.libllama import LlamaProvider, load_model
-from harness.targets.llama_build import cached_binary
+from harness.trees.build import cached_binary
 from properties.machine import REACH, MachineConfig, PromptCacheMachine
 from properties.mutants import MUTANTS, kill
 from properties.run import PROFILES, machines_for

@@ -25,8 +25,8 @@ from fixtures.models import CHECKPOINT_MIBS
 from harness.backends.llama_server.oom import OomRun, OomSettings, run_oom
 from harness.errors import UsageError
 from harness.measure.bench import Budget, Figure, figure, register
-from harness.targets.llama_build import cached_binary
-from harness.targets.memlimit import cgroup_support
+from harness.memlimit import cgroup_support
+from harness.trees.build import cached_binary
 
 __all__ = ["CHECKPOINTS", "MASTER_BUDGET_GIB", "big_saves", "master_estimate_gib"]
 

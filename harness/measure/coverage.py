@@ -2,7 +2,7 @@
 
 A coverage run is a directory (:class:`CoverageRun`): ``src/`` (links to the build's sources, the directory gcov
 runs in), one directory per workload whose ``gcda/`` receives the counters of every server that workload
-started (:meth:`CoverageRun.env`; :mod:`harness.targets.llama_gcov`), and ``servers.txt``, one line per
+started (:meth:`CoverageRun.env`; :mod:`harness.trees.gcov`), and ``servers.txt``, one line per
 server stopped (its exit code: a server killed or crashed wrote no counters, and the report says how many).
 
 :func:`gcovr_report` runs gcovr (its own ``--json``: files, lines with their function and branches; optionally
@@ -28,7 +28,7 @@ from typing import Any
 from harness.child import run_child
 from harness.errors import Unavailable, UsageError
 from harness.measure.coverage_targets import TARGETS, Target, reason_for
-from harness.targets.llama_gcov import NOTES, SERVER_EXITS_ENV, SOURCES, gcov_env
+from harness.trees.gcov import NOTES, SERVER_EXITS_ENV, SOURCES, gcov_env
 
 __all__ = [
     "SERVER_EXITS_ENV",

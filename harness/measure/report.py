@@ -50,9 +50,9 @@ from harness.measure.saves import (
     server_update_cost,
     update_cost,
 )
+from harness.memlimit import cgroup_support
 from harness.model.semantics import get_semantics
-from harness.targets.llama_build import PINNED_COMMIT, build_server, build_source, infer_semantics
-from harness.targets.memlimit import cgroup_support
+from harness.trees.build import PINNED_COMMIT, build_server, build_source, infer_semantics
 from properties.mutants import MUTANTS
 from properties.run import commit
 

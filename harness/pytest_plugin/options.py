@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from harness.errors import HarnessError
-from harness.targets.llama_build import build_server, build_source, cached_binary
+from harness.trees.build import build_server, build_source, cached_binary
 
 __all__ = ["SERVER_SEMANTICS", "add_options", "check_options", "server_binary"]
 

@@ -1,4 +1,4 @@
-"""Run a real ``llama-server`` binary (built by :mod:`harness.targets.llama_build` or anywhere else).
+"""Run a real ``llama-server`` binary (built by :mod:`harness.trees.build` or anywhere else).
 
 :class:`ServerProcess` starts it on ``127.0.0.1`` and a free port, waits for ``GET /health``, and
 always stops it again (context exit, exceptions, Ctrl-C, ``atexit``; the server also dies with the
@@ -30,9 +30,9 @@ from typing import IO, Any
 
 from harness.errors import RequestFailed, ServerStartError
 from harness.interrupt import check, interrupted, shielded, track, untrack
-from harness.targets.llama_build import build_server, log_tail
-from harness.targets.llama_gcov import SERVER_EXITS_ENV
-from harness.targets.llama_stage import sanitizer_first
+from harness.trees.build import build_server, log_tail
+from harness.trees.gcov import SERVER_EXITS_ENV
+from harness.trees.stage import sanitizer_first
 
 __all__ = [
     "RequestFailed",
@@ -100,7 +100,7 @@ class ServerProcess:
     ``binary=None`` builds (or reuses) the ``flavour`` build. ``env`` is merged into the
     environment (e.g. ``{"LD_PRELOAD": shim}``). The server's stdout and stderr go to
     ``log_path`` (a fresh temporary file unless given). ``preexec`` runs in the server's process
-    between ``fork`` and ``exec`` (entering a memory cgroup: :mod:`harness.targets.memlimit`).
+    between ``fork`` and ``exec`` (entering a memory cgroup: :mod:`harness.memlimit`).
     """
 
     def __init__(
@@ -307,7 +307,7 @@ class ServerProcess:
         return rc
 
     def _record_exit(self, pid: int, rc: int | None) -> None:
-        """A coverage run (:mod:`harness.targets.llama_gcov`) counts the servers that exited without their counters."""
+        """A coverage run (:mod:`harness.trees.gcov`) counts the servers that exited without their counters."""
         path = self.env.get(SERVER_EXITS_ENV) or os.environ.get(SERVER_EXITS_ENV)
         if path:
             with contextlib.suppress(OSError), open(path, "a") as f:
@@ -432,7 +432,7 @@ _FORMS: dict[Path, dict[str, Any]] = {}
 
 
 def completion_fields(binary: Path) -> dict[str, Any]:
-    """The fields every completion to ``binary`` carries, as :mod:`harness.targets.llama_probe` decided
+    """The fields every completion to ``binary`` carries, as :mod:`harness.backends.llama_server.probe` decided
     (nothing, unless a probe found this binary's version needs them)."""
     return dict(_FORMS.get(binary.resolve(), {}))
 

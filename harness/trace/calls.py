@@ -38,8 +38,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from faults.native import NativeUnavailable, cache_dir
-from harness.targets.llama_pinned import sdist_source
-from harness.targets.llama_stage import links_libllama
+from harness.trees.pinned import sdist_source
+from harness.trees.stage import links_libllama
 
 __all__ = [
     "DEFAULT_MAX_BYTES",

@@ -52,9 +52,9 @@ from harness.backends.llama_server.differential import (
 from harness.backends.llama_server.memory import memory_and_faults
 from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
 from harness.errors import BuildError, ServerStartError, UsageError
-from harness.targets.llama_build import PINNED_COMMIT, ServerBuild, server_build
-from harness.targets.llama_semantics import infer_semantics
-from harness.targets.llama_tree import check_tree, tree_at_revision
+from harness.trees.build import PINNED_COMMIT, ServerBuild, server_build
+from harness.trees.semantics import infer_semantics
+from harness.trees.tree import check_tree, tree_at_revision
 from properties.run import run_seeded
 
 __all__ = ["ServerBackend", "run_change_backend", "run_server_backend"]

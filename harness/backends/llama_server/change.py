@@ -223,7 +223,7 @@ class ChangePair:
         """``sent`` (default: every request so far) as a script that replays it on both servers."""
         lines = [
             "from pathlib import Path",
-            "from harness.targets.llama_build import build_server, build_source",
+            "from harness.trees.build import build_server, build_source",
             "from harness.backends.llama_server.change import ChangePair",
             "from harness.backends.llama_server.differential import ServerConfig",
             f"with ChangePair({self.cfg!r}, {self.exprs[0]}, {self.exprs[1]}) as p:",

@@ -274,7 +274,7 @@ class Differential:
         against the same configuration, each row checked (:meth:`check`)."""
         lines = [
             "from pathlib import Path",
-            "from harness.targets.llama_build import build_server, build_source",
+            "from harness.trees.build import build_server, build_source",
             "from harness.backends.llama_server.differential import Differential, ServerConfig",
             f"with Differential({self.cfg!r}, {self.binary_expr}, {self.semantics!r}) as d:",
         ]

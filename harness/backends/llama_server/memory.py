@@ -25,8 +25,8 @@ from harness.backends.llama_server.differential import Differential, ServerConfi
 from harness.backends.llama_server.oom import gate_check
 from harness.errors import BadAlloc
 from harness.model.sites import upstream
-from harness.targets.llama_build import cached_binary
 from harness.targets.llama_server import RequestFailed, proc_status
+from harness.trees.build import cached_binary
 
 __all__ = ["DIVERGING", "FaultTrial", "memory_and_faults", "save_fault", "save_peak"]
 

@@ -6,7 +6,7 @@ One run (:func:`run_oom`) is one ``llama-server`` build under one kind of limit:
    one slot, ``--ctx-checkpoints K``, ``-lv 4`` (the log says every checkpoint's size, the save's state size
    and how long it took). The weights are mapped from the file (11-90 MB: page cache, which the kernel
    reclaims before it OOM-kills, and which the baseline leaves out).
-   In ``cgroup`` mode it runs inside a :class:`~harness.targets.memlimit.MemoryCgroup` from its first
+   In ``cgroup`` mode it runs inside a :class:`~harness.memlimit.MemoryCgroup` from its first
    instruction, capped at a ceiling that only protects the machine until the limit is set.
 2. A 16-token prompt, then extensions of 16 tokens each on the same slot: two checkpoints a request
    (``-ub 8``: the server makes them 12 and 4 tokens before a prompt's end), until the slot holds K. Their
@@ -39,8 +39,8 @@ from typing import Any
 
 from fixtures.models import BIG_SPECS, checkpoint_model_name, model_path
 from harness.errors import RequestFailed, UsageError
+from harness.memlimit import MemoryCgroup, address_space, cgroup_support, limit_address_space
 from harness.targets.llama_server import ServerProcess, proc_status
-from harness.targets.memlimit import MemoryCgroup, address_space, cgroup_support, limit_address_space
 
 __all__ = ["MODES", "OomRun", "OomSettings", "expected", "gate_check", "run_oom"]
 

@@ -22,8 +22,8 @@ from harness.backends.llama_server.differential import (
     ServerMismatch,
     sanitizer_reports,
 )
-from harness.targets.llama_build import PINNED_COMMIT, ServerBuild, pinned_status
-from harness.targets.llama_probe import agree_forms, probe
+from harness.backends.llama_server.probe import agree_forms, probe
+from harness.trees.build import PINNED_COMMIT, ServerBuild, pinned_status
 from properties.machine import MachineConfig
 
 __all__ = ["ServerRun", "describe", "hypothesis_settings", "unflaked"]

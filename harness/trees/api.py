@@ -34,11 +34,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.trees.build import server_build
+from harness.trees.pinned import SDIST_VERSION, sdist_source
+from harness.trees.semantics import blank_comments
+from harness.trees.tree import cache_root, check_tree
+
 from harness.errors import UsageError
-from harness.targets.llama_build import server_build
-from harness.targets.llama_pinned import SDIST_VERSION, sdist_source
-from harness.targets.llama_semantics import blank_comments
-from harness.targets.llama_tree import cache_root, check_tree
 
 __all__ = ["ApiCheck", "bindings", "check_libllama", "libllama_of", "loaded_libllama", "use_libllama"]
 
@@ -89,7 +90,7 @@ def bindings() -> dict[str, Any]:
     except (OSError, ValueError):
         pass
     env = {k: v for k, v in os.environ.items() if k != LIB_ENV}  # the package's own library
-    proc = subprocess.run([sys.executable, "-m", "harness.targets.llama_api", "--dump"], capture_output=True,
+    proc = subprocess.run([sys.executable, "-m", "harness.trees.api", "--dump"], capture_output=True,
                           text=True, env=env, timeout=120, check=False)  # fmt: skip
     if proc.returncode != 0:
         tail = " | ".join(proc.stderr.strip().splitlines()[-2:])

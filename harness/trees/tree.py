@@ -1,6 +1,6 @@
 """Reading a user's llama.cpp tree: is it one, what is its content, and where the harness keeps what it makes of it.
 
-Nothing here builds; :mod:`harness.targets.llama_build` builds a tree this module has read.
+Nothing here builds; :mod:`harness.trees.build` builds a tree this module has read.
 
 * :func:`check_tree`: a directory that holds a llama.cpp tree (``CMakeLists.txt``, ``tools/server``,
   ``common/common.h``), or one :class:`~harness.errors.UsageError` line.
@@ -10,7 +10,7 @@ Nothing here builds; :mod:`harness.targets.llama_build` builds a tree this modul
 * :func:`tree_at_revision`: a revision of a user's git checkout, exported once into the cache.
 * :func:`cache_root`, :func:`file_lock`: where the harness keeps what it builds, and its locks.
 
-Which semantics a tree has is :mod:`harness.targets.llama_semantics`.
+Which semantics a tree has is :mod:`harness.trees.semantics`.
 """
 
 from __future__ import annotations

@@ -3,24 +3,24 @@
 Two entry points, one pipeline:
 
 :func:`build_server` (``build-server [--semantics shared|master] [--asan] [--coverage]``)
-    the pinned tree (:mod:`harness.targets.llama_pinned`) in one of four flavours: ``master`` as
+    the pinned tree (:mod:`harness.trees.pinned`) in one of four flavours: ``master`` as
     vendored; ``pr`` with ``fixtures/pr-27451.patch`` (shared, immutable, refcounted checkpoint payloads
     and an OOM-safe ``server_prompt_cache::alloc``); ``asan``, the ``pr`` source with
     ``-fsanitize=address,undefined -fno-omit-frame-pointer -g`` at ``-O1``; ``coverage``, the ``pr``
-    source with ``--coverage`` at ``-O0``, its gcov notes kept in the entry (:mod:`~harness.targets.llama_gcov`).
+    source with ``--coverage`` at ``-O0``, its gcov notes kept in the entry (:mod:`~harness.trees.gcov`).
 :func:`build_source` (``build-server --source DIR``)
-    any llama.cpp checkout, never written to, cached by :func:`~harness.targets.llama_tree.tree_hash` of
+    any llama.cpp checkout, never written to, cached by :func:`~harness.trees.tree.tree_hash` of
     its content (a copy of a tree built before, or of the pinned tree, reuses that build).
 
 How a build runs (:func:`_build_locked`): the tree is synced into the one stage of
-:mod:`harness.targets.llama_stage` and built there with CMake and ninja, through ccache when installed,
+:mod:`harness.trees.stage` and built there with CMake and ninja, through ccache when installed,
 so a branch and its base share every object they have in common. Each build says how many files it staged
 and what ccache made of it.
 
 libllama and ggml are built as **shared libraries** (``BUILD_SHARED_LIBS=ON``, ``$ORIGIN`` run paths) and
 copied beside ``llama-server``: the cache entry ``<key>/`` holds ``llama-server``, ``libllama.so``,
 ``libggml*.so`` and ``libmtmd.so``, so llama-cpp-python can load the tree's own libllama
-(``LLAMA_CPP_LIB_PATH``, :mod:`harness.targets.llama_api`) and an ``LD_PRELOAD`` interposer sees the
+(``LLAMA_CPP_LIB_PATH``, :mod:`harness.trees.api`) and an ``LD_PRELOAD`` interposer sees the
 server's libllama calls. ``<key>`` hashes the tree's content, the flavour, the CMake arguments and the
 compiler; a second call returns at once.
 
@@ -45,9 +45,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import EXIT_BUILD_FAILED, BuildError, UsageError
-from harness.targets.llama_gcov import coverage_cmake_args, is_coverage, keep_notes
-from harness.targets.llama_pinned import (
+from harness.trees.gcov import coverage_cmake_args, is_coverage, keep_notes
+from harness.trees.pinned import (
     PATCH_PATH,
     PINNED_COMMIT,
     SDIST_NAME,
@@ -62,8 +61,8 @@ from harness.targets.llama_pinned import (
     sdist_source,
     source_hash,
 )
-from harness.targets.llama_semantics import SemanticsInference, infer_semantics
-from harness.targets.llama_stage import (
+from harness.trees.semantics import SemanticsInference, infer_semantics
+from harness.trees.stage import (
     BINARY,
     ccache_counts,
     ccache_setup,
@@ -72,7 +71,9 @@ from harness.targets.llama_stage import (
     stage_root,
     sync_stage,
 )
-from harness.targets.llama_tree import cache_root, check_tree, file_lock, tree_hash, walk_tree
+from harness.trees.tree import cache_root, check_tree, file_lock, tree_hash, walk_tree
+
+from harness.errors import EXIT_BUILD_FAILED, BuildError, UsageError
 
 __all__ = [
     "EXIT_BUILD_FAILED",

@@ -4,7 +4,7 @@
 at ``-O0`` (so a line's count is the line's, not a neighbour's the optimiser merged it into), for the C, C++
 and link steps: ``llama-server``, ``libllama.so``, ``libggml*.so`` and ``libmtmd.so`` each write their own
 counters. GCC names every counter file after the object file it compiled, inside the stage's build
-directory (:mod:`harness.targets.llama_stage`), and the stage is rewritten by the next build of another
+directory (:mod:`harness.trees.stage`), and the stage is rewritten by the next build of another
 tree: so :func:`keep_notes` copies each ``.gcno`` (the compile-time half of gcov's data) and the compiled
 sources into the cache entry, ``<key>/gcov/notes`` and ``<key>/gcov/src``, and records the build directory.
 
@@ -25,8 +25,9 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from harness.trees.stage import stage_root
+
 from harness.errors import BuildError, UsageError
-from harness.targets.llama_stage import stage_root
 
 __all__ = [
     "COVERAGE_FLAGS",

@@ -7,7 +7,7 @@
 * :func:`pinned_tree_hashes` and :func:`pinned_status`: whether a user's tree is the pinned one (with or
   without the patch) and, if not, which of its source files differ.
 
-Everything the harness caches lives under :func:`~harness.targets.llama_tree.cache_root`.
+Everything the harness caches lives under :func:`~harness.trees.tree.cache_root`.
 """
 
 from __future__ import annotations
@@ -25,10 +25,11 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
+from harness.trees.semantics import infer_semantics
+from harness.trees.tree import cache_root, file_lock, source_files, tree_hash, walk_tree
+
 from harness.child import run_logged as run_tool
 from harness.errors import BuildError, HarnessError, UsageError
-from harness.targets.llama_semantics import infer_semantics
-from harness.targets.llama_tree import cache_root, file_lock, source_files, tree_hash, walk_tree
 
 __all__ = [
     "PATCH_PATH",
@@ -224,7 +225,7 @@ def patched_contents(vendored: Path) -> dict[str, bytes | None]:
 
 def pinned_files(patched: bool, log: Callable[[str], None] = lambda _m: None) -> dict[str, Path | bytes]:
     """The pinned tree's files (relative path -> file, or its content where the patch changed it), as
-    :func:`harness.targets.llama_build.build_server` stages them."""
+    :func:`harness.trees.build.build_server` stages them."""
     vendored = sdist_source(log)
     files: dict[str, Path | bytes] = dict(walk_tree(vendored))
     if patched:
