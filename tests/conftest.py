@@ -19,8 +19,6 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pytest
-from harness.trees.build import build_server, build_source, cached_binary
-from harness.trees.pinned import export_pinned
 
 from harness.errors import HarnessError
 from harness.model import (
@@ -33,6 +31,8 @@ from harness.model import (
     ServerPromptCacheState,
     get_semantics,
 )
+from harness.trees.build import build_server, build_source, cached_binary
+from harness.trees.pinned import export_pinned
 
 BUILDS = (("shared", "pr"), ("master", "master"))
 

@@ -10,13 +10,13 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness.memlimit import cgroup_support
-from harness.trees.build import cached_binary
 
 from harness.cli import main
 from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
 from harness.measure import arms, bench_cases, saves
 from harness.measure.bench import CASES, case_names, compare, figure, table
+from harness.memlimit import cgroup_support
+from harness.trees.build import cached_binary
 from properties.machine import MachineConfig, machine_class
 from properties.run import machines_for, make_settings, run_seeded
 

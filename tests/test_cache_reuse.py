@@ -15,7 +15,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness.trees.build import build_server
 
 from fixtures.models import model_path
 from harness.backends.llama_server.reuse import reuse_pair, shift_run
@@ -27,6 +26,7 @@ from harness.model.server_context import ServerParams
 from harness.model.shift import HOLE
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
+from harness.trees.build import build_server
 from properties.reuse_machine import REUSE_KINDS, kill_reuse, reuse_config, reuse_machine_class, run_reuse
 from properties.reuse_mutants import REUSE_MUTANTS
 

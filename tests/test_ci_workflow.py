@@ -17,6 +17,7 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 
 import pytest
+
 from harness.trees import build as ls
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)

@@ -17,8 +17,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness.trees.build import build_server, cmake_args
-from harness.trees.gcov import SOURCES, gcov_env, is_coverage
 
 from fixtures.models import model_path
 from harness.backends.base import Plan
@@ -30,6 +28,8 @@ from harness.measure import coverage as cov
 from harness.measure.coverage_live import COVERAGE_RUN_ENV, LineProbe
 from harness.measure.coverage_targets import TARGETS, UNEXPLAINED, Target, reason_for
 from harness.targets.llama_server import ServerProcess
+from harness.trees.build import build_server, cmake_args
+from harness.trees.gcov import SOURCES, gcov_env, is_coverage
 
 pytestmark = pytest.mark.coverage_build  # built before the first test (tests/conftest.py)
 

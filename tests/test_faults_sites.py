@@ -8,7 +8,6 @@ import shutil
 from pathlib import Path
 
 import pytest
-from harness.trees.pinned import sdist_source
 
 from faults.native import run_native, run_new_demo
 from faults.sites import (
@@ -23,6 +22,7 @@ from faults.sites import (
     site_of,
 )
 from harness.model.sites import SITES
+from harness.trees.pinned import sdist_source
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_cc = pytest.mark.skipif(

@@ -8,10 +8,10 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness.trees.build import build_server
 
 from harness.load import reuse_programs, slot_programs
 from harness.load.generated import GeneratedFailure
+from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds
 

@@ -12,7 +12,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness.trees.build import build_server
 
 from fixtures.models import model_path
 from harness.findings import finding
@@ -21,6 +20,7 @@ from harness.load.stateless import SERVER_ARGS, mismatches, mixed_program, mixed
 from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerContext, ServerParams
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
+from harness.trees.build import build_server
 from properties.invariants import Violation
 from properties.mutants import MUTANTS, STATELESS_MUTANTS
 from properties.stateless import FINDING, PROPERTY, check_stateless_not_cached

@@ -12,6 +12,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
+
 from harness.trees.pinned import PATCH_PATH, sdist_source
 from harness.trees.semantics import infer_semantics, infer_semantics_from_text
 

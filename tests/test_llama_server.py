@@ -18,12 +18,12 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from harness.trees import build as ls
-from harness.trees import pinned as llama_pinned
-from harness.trees.build import build_server
 
 from harness.cli import main as cli_main
 from harness.targets.llama_server import ServerProcess, ServerStartError
+from harness.trees import build as ls
+from harness.trees import pinned as llama_pinned
+from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 

@@ -13,7 +13,6 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.trees.build import build_server
 
 from fixtures.models import model_path
 from harness.backends.base import GateOptions, GateReport
@@ -35,6 +34,7 @@ from harness.load.soak_result import PhaseResult
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import ServerProcess
 from harness.trace.replay import lib_dir_of, replay
+from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 

@@ -16,6 +16,8 @@ import textwrap
 import time
 from pathlib import Path
 
+from harness.child import run_child
+from harness.errors import EXIT_NO_MEMLIMIT
 from harness.memlimit import (
     PREFIX,
     MemoryCgroup,
@@ -25,9 +27,6 @@ from harness.memlimit import (
     limit_address_space,
     sweep_stale,
 )
-
-from harness.child import run_child
-from harness.errors import EXIT_NO_MEMLIMIT
 
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20

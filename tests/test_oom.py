@@ -17,10 +17,10 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.memlimit import PREFIX, cgroup_support, sweep_stale
-from harness.trees.build import build_server
 
 from harness.backends.llama_server.oom import OomSettings, gate_check, run_oom
+from harness.memlimit import PREFIX, cgroup_support, sweep_stale
+from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds
 

@@ -8,7 +8,6 @@ from collections.abc import Iterator
 from typing import Any
 
 import pytest
-from harness.trees.build import build_server
 
 from harness.load.clients import EMBED, Req
 from harness.load.concurrent import fresh_server, load_config, run_concurrent, run_trace
@@ -16,6 +15,7 @@ from harness.load.overlap import RssWatch, bound_violations, embedding_config, e
 from harness.load.stateless import server_args
 from harness.model.server_context import ServerContext
 from harness.targets.llama_server import ServerProcess
+from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds
 

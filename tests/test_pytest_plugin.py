@@ -10,10 +10,10 @@ import time
 from pathlib import Path
 
 import pytest
-from harness.trees.build import cached_binary
 
 from faults.rlimit import LimitedRun
 from harness.pytest_plugin import NativeFaults
+from harness.trees.build import cached_binary
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 

@@ -25,7 +25,6 @@ from types import ModuleType
 from typing import Any
 
 import pytest
-from harness.trees.build import build_server
 
 from fixtures.models import model_path
 from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
@@ -34,6 +33,7 @@ from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import ServerProcess
 from harness.targets.synthetic import make_server
+from harness.trees.build import build_server
 from properties.invariants import Violation
 from properties.machine import MachineConfig, machine_class
 from properties.mutants import MUTANTS, config, kill

@@ -11,7 +11,6 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
-from harness.trees.build import build_server
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure
@@ -25,6 +24,7 @@ from harness.backends.llama_server.differential import (
 )
 from harness.backends.llama_server.memory import save_fault, save_peak
 from harness.backends.llama_server.section import unflaked
+from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 

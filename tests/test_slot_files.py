@@ -16,7 +16,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness.trees.build import build_server
 
 from harness.backends.llama_server.slot_files import (
     BAD_BODY_FINDING,
@@ -30,6 +29,7 @@ from harness.backends.llama_server.slot_files import (
 from harness.backends.llama_server.slot_names import BENIGN, Name, classify, explicit_names, text_name
 from harness.backends.llama_server.slot_sandbox import SECRET, SYMLINKS, Sandbox
 from harness.findings import FINDINGS
+from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 

@@ -7,7 +7,6 @@ import subprocess
 import sys
 
 import pytest
-from harness.trees.build import build_server
 from hypothesis import Phase, settings
 
 from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
@@ -16,6 +15,7 @@ from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerParams
 from harness.model.slot_files import HEADER, SlotFile, SlotFileStore, slot_erase, slot_restore, slot_save
 from harness.targets.synthetic import make_server
+from harness.trees.build import build_server
 from properties import invariants as inv
 from properties.machine import MachineConfig
 from properties.mutants import SLOT_FILE_MUTANTS

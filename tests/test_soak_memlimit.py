@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
 from harness.memlimit import PREFIX, cgroup_support
 from harness.trees.build import build_server
 

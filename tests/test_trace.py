@@ -15,8 +15,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from harness.trees.build import build_server
-from harness.trees.stage import sanitizer_first
 
 from fixtures.models import model_path
 from harness.load.traced import TracedRun, fresh_answers, record_concurrent, workload
@@ -32,6 +30,8 @@ from harness.trace.calls import (
     write_trace,
 )
 from harness.trace.replay import replay, shrink_trace
+from harness.trees.build import build_server
+from harness.trees.stage import sanitizer_first
 
 ROOT = Path(__file__).resolve().parents[1]
 

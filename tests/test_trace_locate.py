@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-from harness.trees.build import build_server
 
 from fixtures.models import SPECS, model_path
 from harness.load.outputs import Divergences, OutputDiff
@@ -18,6 +17,7 @@ from harness.targets.llama_server import ServerProcess
 from harness.trace.calls import Event, Memory, check_trace, read_trace, short_window, trace_env
 from harness.trace.lineage import SHORT_WINDOW, Explainer, slice_read
 from harness.trace.replay import lib_dir_of, replay, shrink_trace
+from harness.trees.build import build_server
 
 ROOT = Path(__file__).resolve().parents[1]
 N_SWA = SPECS["gemma2"].n_swa or 0

@@ -18,11 +18,11 @@ from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+
+from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
 from harness.trees.api import check_libllama
 from harness.trees.build import build_server, build_source, cache_root
 from harness.trees.pinned import sdist_source
-
-from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
 
 pytestmark = [pytest.mark.llama_server_builds, pytest.mark.user_trees]  # built before the first test (conftest)
 

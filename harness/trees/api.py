@@ -34,12 +34,11 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.errors import UsageError
 from harness.trees.build import server_build
 from harness.trees.pinned import SDIST_VERSION, sdist_source
 from harness.trees.semantics import blank_comments
 from harness.trees.tree import cache_root, check_tree
-
-from harness.errors import UsageError
 
 __all__ = ["ApiCheck", "bindings", "check_libllama", "libllama_of", "loaded_libllama", "use_libllama"]
 

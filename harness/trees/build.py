@@ -45,6 +45,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from harness.errors import EXIT_BUILD_FAILED, BuildError, UsageError
 from harness.trees.gcov import coverage_cmake_args, is_coverage, keep_notes
 from harness.trees.pinned import (
     PATCH_PATH,
@@ -72,8 +73,6 @@ from harness.trees.stage import (
     sync_stage,
 )
 from harness.trees.tree import cache_root, check_tree, file_lock, tree_hash, walk_tree
-
-from harness.errors import EXIT_BUILD_FAILED, BuildError, UsageError
 
 __all__ = [
     "EXIT_BUILD_FAILED",

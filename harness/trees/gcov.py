@@ -25,9 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from harness.trees.stage import stage_root
-
 from harness.errors import BuildError, UsageError
+from harness.trees.stage import stage_root
 
 __all__ = [
     "COVERAGE_FLAGS",

@@ -25,11 +25,10 @@ import tempfile
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 
-from harness.trees.semantics import infer_semantics
-from harness.trees.tree import cache_root, file_lock, source_files, tree_hash, walk_tree
-
 from harness.child import run_logged as run_tool
 from harness.errors import BuildError, HarnessError, UsageError
+from harness.trees.semantics import infer_semantics
+from harness.trees.tree import cache_root, file_lock, source_files, tree_hash, walk_tree
 
 __all__ = [
     "PATCH_PATH",

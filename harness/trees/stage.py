@@ -22,9 +22,8 @@ import subprocess
 from collections.abc import Mapping
 from pathlib import Path
 
-from harness.trees.tree import cache_root, walk_tree
-
 from harness.errors import BuildError
+from harness.trees.tree import cache_root, walk_tree
 
 __all__ = ["BINARY", "ccache_counts", "ccache_setup", "copy_artifacts", "links_libllama", "stage_root", "sync_stage"]
 
