@@ -29,7 +29,9 @@ FLOORS: list[tuple[str, int]] = [
     ("harness.trace", 4),  # the libllama call tracer: interposer, replay, shrink
     ("harness.backends", 5),
     ("harness.campaign", 6),  # fuzz campaigns: workers, example databases, live view, replay
-    ("harness.measure", 6),  # measurements and their reporters: memory report, bench
+    ("harness.report", 6),  # the memory report: saves, flame graphs, the page
+    ("harness.bench", 6),  # the bench: its framework, cases, arms and baselines
+    ("harness.coverage", 6),  # line and branch coverage of the C++ under test, through gcovr
     ("harness.load", 6),  # concurrent clients and soak against a real server
     ("harness.commands", 7),
     ("harness.cli", 8),

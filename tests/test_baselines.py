@@ -1,4 +1,4 @@
-"""The exploration bench's baselines (:mod:`harness.measure.baselines`): the replayed machine draws
+"""The exploration bench's baselines (:mod:`harness.bench.baselines`): the replayed machine draws
 exactly the gate machine's choices, and a replay that does not is caught, never measured."""
 
 from __future__ import annotations
@@ -8,8 +8,8 @@ from typing import Any, cast
 import pytest
 from hypothesis.internal.conjecture import engine
 
+from harness.bench.baselines import PreconditionTape, TrivialMachine, empty_machine, recording
 from harness.errors import UsageError
-from harness.measure.baselines import PreconditionTape, TrivialMachine, empty_machine, recording
 from properties.machine import PromptCacheMachine, machine_class
 from properties.run import machines_for, make_settings, run_seeded
 

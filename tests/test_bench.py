@@ -11,11 +11,13 @@ from typing import Any
 
 import pytest
 
+from harness.bench import arms
+from harness.bench import cases as bench_cases
+from harness.bench.framework import CASES, case_names, compare, figure, table
 from harness.cli import main
 from harness.errors import EXIT_FAILED, EXIT_OK, EXIT_USAGE, UsageError
-from harness.measure import arms, bench_cases, saves
-from harness.measure.bench import CASES, case_names, compare, figure, table
 from harness.memlimit import cgroup_support
+from harness.report import saves
 from harness.trees.build import cached_binary
 from properties.machine import MachineConfig, machine_class
 from properties.run import machines_for, make_settings, run_seeded
@@ -195,14 +197,14 @@ def test_exploration_times_the_machine_only_on_its_recordings_programs(monkeypat
 
 
 def _arm_children() -> list[str]:
-    """Processes running ``harness.measure.arms`` (read from /proc: no pgrep needed on a fresh machine)."""
+    """Processes running ``harness.bench.arms`` (read from /proc: no pgrep needed on a fresh machine)."""
     found = []
     for d in Path("/proc").iterdir():
         try:
             cmd = (d / "cmdline").read_bytes().split(b"\0") if d.name.isdigit() else []
         except OSError:
             continue
-        if b"harness.measure.arms" in cmd:
+        if b"harness.bench.arms" in cmd:
             found.append(d.name)
     return found
 

@@ -23,10 +23,10 @@ from harness.backends.base import Plan
 from harness.campaign.engine import CampaignState
 from harness.campaign.view import status
 from harness.cli import main as cli_main
+from harness.coverage import gcovr as cov
+from harness.coverage.functions import TARGETS, UNEXPLAINED, Target, reason_for
+from harness.coverage.live import COVERAGE_RUN_ENV, LineProbe
 from harness.errors import Unavailable, UsageError
-from harness.measure import coverage as cov
-from harness.measure.coverage_live import COVERAGE_RUN_ENV, LineProbe
-from harness.measure.coverage_targets import TARGETS, UNEXPLAINED, Target, reason_for
 from harness.targets.llama_server import ServerProcess
 from harness.trees.build import build_server, cmake_args
 from harness.trees.gcov import SOURCES, gcov_env, is_coverage

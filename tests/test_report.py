@@ -18,8 +18,8 @@ import pytest
 
 from harness.cli import main
 from harness.commands.mutants import kill
-from harness.measure.page import SECTIONS
-from harness.measure.report import Options, Plan, build_report
+from harness.report.page import SECTIONS
+from harness.report.stages import Options, Plan, build_report
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 

@@ -10,8 +10,8 @@ import html
 import re
 from pathlib import Path
 
-from harness.measure import page
-from harness.measure.page import SECTIONS, numbered, render, section
+from harness.report import page
+from harness.report.page import SECTIONS, numbered, render, section
 
 
 def test_numbered_counts_from_one_in_order() -> None:

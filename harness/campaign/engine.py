@@ -17,7 +17,7 @@ what was found. A worker is recorded before a Ctrl-C can be raised; a second Ctr
 worker and exits at once (130).
 
 Run by ``python -m harness coverage --run fuzz`` (the server backend on the gcov build), a campaign also counts
-the lines of the C++ under test its servers reached as progress (:class:`~harness.measure.coverage_live.LineProbe`,
+the lines of the C++ under test its servers reached as progress (:class:`~harness.coverage.live.LineProbe`,
 read at most every 30 s): in the status line, the summary and the JSON.
 """
 
@@ -43,8 +43,8 @@ from harness.campaign.replay import Verdict, replay_records
 from harness.campaign.store import FailureRecord, failures, open_db
 from harness.campaign.worker import EVENT
 from harness.child import Spawned, read_lines, spawn
+from harness.coverage.live import LineProbe
 from harness.interrupt import guard, interrupted, shielded
-from harness.measure.coverage_live import LineProbe
 
 __all__ = ["GRACE", "CampaignState", "MachineStat", "View", "run_campaign"]
 

@@ -1,6 +1,6 @@
 """``python -m harness bench``: the performance table, measured side by side in one run (issue 17).
 
-Runs the cases of :mod:`harness.measure.bench_cases` (all, or ``--only NAME``, repeatable), prints one
+Runs the cases of :mod:`harness.bench.cases` (all, or ``--only NAME``, repeatable), prints one
 table with each figure's median, min..max over its repetitions, its goal and whether the goal is met,
 writes every figure with its inputs as JSON (``--json PATH``, default ``artifacts/bench.json``) and the
 table as markdown (``--md PATH``, default ``artifacts/bench.md``; ``docs/bench.md`` is the last full
@@ -19,9 +19,9 @@ import argparse
 import json
 import os
 
+from harness.bench import builds, cases, oom  # noqa: F401  (registers the cases)
+from harness.bench.framework import CASES, compare, load_json, run_bench, table
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
-from harness.measure import bench_builds, bench_cases, bench_oom  # noqa: F401  (registers the cases)
-from harness.measure.bench import CASES, compare, load_json, run_bench, table
 from properties.run import commit
 
 __all__ = ["add_arguments", "run"]

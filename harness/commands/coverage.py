@@ -4,7 +4,7 @@ reach of the C++ under test.
 Builds (or reuses) the ``coverage`` llama-server (``build-server --coverage``: the pinned tree with PR #27451,
 gcov at ``-O0``), runs each workload on it with its counters sent into ``OUT/run/<workload>/gcda`` (never into
 the cache; the servers of one workload add up), then gcovr over them: per workload and all together, one row
-per function of :data:`~harness.measure.coverage_targets.TARGETS`: lines and branches reached of the total
+per function of :data:`~harness.coverage.functions.TARGETS`: lines and branches reached of the total
 (throw and unreachable branches excluded), and every block of lines never reached with its reason
 (``unexplained`` when the table has none). Writes ``OUT/coverage.json`` (rows, blocks, servers),
 ``OUT/coverage.html`` with a page per source file (gcovr ``--html-details``), and ``OUT/gcovr-*.json``.
@@ -12,7 +12,7 @@ per function of :data:`~harness.measure.coverage_targets.TARGETS`: lines and bra
 The workloads: ``gate`` the server gate (``--semantics shared``, with its short concurrent run); ``concurrent``
 (``--short`` with ``--quick``); ``soak`` for ``--minutes``; ``fuzz`` a campaign on the server backend for
 ``--minutes``, one worker, which counts the lines its servers reached as it goes (``lines 946/1856 (+14)`` in its
-status lines: :mod:`harness.measure.coverage_live`); ``slot-files`` the slot save/restore/erase differential
+status lines: :mod:`harness.coverage.live`); ``slot-files`` the slot save/restore/erase differential
 (``slot-files --differential``: completions between the actions, ten generated programs per model, then a full
 tmpfs, whose truncated restore aborts one server); ``slot-names`` the hostile file names (``slot-files``: the
 explicit list and ten generated names); ``reuse`` the generated ``--cache-reuse`` and context-shift programs
@@ -34,10 +34,10 @@ from types import ModuleType
 
 from harness.backends.llama_server.campaign import SERVER_BIN_ENV
 from harness.commands import concurrent, fuzz, gate, reuse, slot_files, soak
+from harness.coverage.gcovr import CoverageRun, gcovr_report
+from harness.coverage.live import COVERAGE_RUN_ENV
+from harness.coverage.report import print_report, write_report
 from harness.errors import EXIT_OK, HarnessError, UsageError
-from harness.measure.coverage import CoverageRun, gcovr_report
-from harness.measure.coverage_live import COVERAGE_RUN_ENV
-from harness.measure.coverage_report import print_report, write_report
 from harness.trees.build import build_server
 
 __all__ = ["WORKLOADS", "add_arguments", "run"]

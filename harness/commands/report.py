@@ -4,7 +4,7 @@ Master against PR #27451 (shared checkpoints), each on the model's ledger, libll
 real llama-server (VmHWM/RSS): a save's transient peak against the number and the size of the
 checkpoints with the theory line beside it, the logical ``--cache-ram`` charge against physical bytes,
 the PR's per-update allocation cost, the breakdown of the server's peak, the fault sweep, the mutation
-matrix, the known findings and the environment. The work is :mod:`harness.measure.report`; this module
+matrix, the known findings and the environment. The work is :mod:`harness.report.stages`; this module
 parses the flags. Exit 0 when every stage ran, 1 when a stage failed (the page says which), 2 on bad
 input, 4 when a build failed.
 """
@@ -18,7 +18,7 @@ from pathlib import Path
 from harness.commands.common import SEMANTICS
 from harness.commands.mutants import kill
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
-from harness.measure.report import Options, build_report, command_line, resolve_semantics
+from harness.report.stages import Options, build_report, command_line, resolve_semantics
 
 __all__ = ["add_arguments", "run"]
 

@@ -24,9 +24,9 @@ import sys
 import tempfile
 from pathlib import Path
 
+from harness.bench.framework import Budget, Figure, figure, register
 from harness.child import run_child
 from harness.errors import UsageError
-from harness.measure.bench import Budget, Figure, figure, register
 from harness.trees.pinned import export_pinned, sdist_source
 
 __all__ = ["EDIT", "builds"]

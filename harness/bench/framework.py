@@ -1,6 +1,6 @@
 """The bench's framework: cases, figures with their inputs and spread, goals, the table, the comparison.
 
-A *case* (:class:`Case`, registered in :data:`CASES` by :mod:`harness.measure.bench_cases`) is a
+A *case* (:class:`Case`, registered in :data:`CASES` by :mod:`harness.bench.cases`) is a
 function of a :class:`Budget` that returns :class:`Figure` objects. A figure is one number measured
 ``reps`` times: its samples give ``min``/``median``/``max``, its ``inputs`` say what was measured (seed,
 sizes, examples, repetitions...), and an optional :class:`Goal` says what it should be

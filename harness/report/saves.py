@@ -766,18 +766,18 @@ def server_update_cost(
 
 
 def main(argv: Sequence[str]) -> int:
-    """``python -m harness.measure.saves LAYER SEMANTICS N REP WARM``: one point of the bench's ``saves``
+    """``python -m harness.report.saves LAYER SEMANTICS N REP WARM``: one point of the bench's ``saves``
     case (``model`` or ``llama``, N checkpoints of about 1 MiB) in a fresh interpreter, its rows as JSON on
     the last line of stdout. Every size is then measured from the same process state, as the server
     layer's points are (a fresh llama-server each): a process that held 256 MiB of checkpoints a moment
-    ago has another heap (:func:`harness.measure.bench_cases.save_layers`)."""
+    ago has another heap (:func:`harness.bench.cases.save_layers`)."""
     if (
         len(argv) != 5
         or argv[0] not in ("model", "llama")
         or argv[1] not in ("master", "shared")
         or not all(a.isdigit() for a in argv[2:])
     ):
-        print("usage: python -m harness.measure.saves {model,llama} {master,shared} N REP WARM", file=sys.stderr)
+        print("usage: python -m harness.report.saves {model,llama} {master,shared} N REP WARM", file=sys.stderr)
         return EXIT_USAGE
     layer, sem, (n, rep, warm) = argv[0], argv[1], (int(a) for a in argv[2:])
     try:

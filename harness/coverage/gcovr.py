@@ -7,7 +7,7 @@ server stopped (its exit code: a server killed or crashed wrote no counters, and
 
 :func:`gcovr_report` runs gcovr (its own ``--json``: files, lines with their function and branches; optionally
 ``--html-details``) over some workloads' counters; :func:`function_rows` turns that into one row per function
-of :data:`~harness.measure.coverage_targets.TARGETS` (a lambda counts with the function it is in), and
+of :data:`~harness.coverage.functions.TARGETS` (a lambda counts with the function it is in), and
 :func:`unreached_blocks` into the blocks of lines never reached, each with its reason. :func:`reached_lines` is
 the campaign's hook: the set of ``(file, line)`` of the targets a run directory's counters reached, from gcov's
 own JSON of the target objects only (:func:`gcov_doc`, seconds where gcovr takes a minute).
@@ -26,8 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.child import run_child
+from harness.coverage.functions import TARGETS, Target, reason_for
 from harness.errors import Unavailable, UsageError
-from harness.measure.coverage_targets import TARGETS, Target, reason_for
 from harness.trees.gcov import NOTES, SERVER_EXITS_ENV, SOURCES, gcov_env
 
 __all__ = [
@@ -334,7 +334,7 @@ def target_reach(run: CoverageRun, doc: Any) -> tuple[set[tuple[str, int]], int]
 def reached_lines(run_dir: Path, workloads: Iterable[str] | None = None) -> set[tuple[str, int]]:
     """The ``(file, line)`` of the targets that the counters in ``run_dir`` reached (every workload unless
     named), read with gcov from the target objects' counters (:func:`gcov_doc`): a campaign counts the new ones
-    as progress (:mod:`harness.measure.coverage_live`). Empty when gcov could not read them."""
+    as progress (:mod:`harness.coverage.live`). Empty when gcov could not read them."""
     run = CoverageRun.open(run_dir)
     names = list(workloads) if workloads is not None else run.workloads()
     doc = gcov_doc(run, names) if names else None

@@ -23,8 +23,8 @@ from typing import Any
 
 from fixtures.models import CHECKPOINT_MIBS
 from harness.backends.llama_server.oom import OomRun, OomSettings, run_oom
+from harness.bench.framework import Budget, Figure, figure, register
 from harness.errors import UsageError
-from harness.measure.bench import Budget, Figure, figure, register
 from harness.memlimit import cgroup_support
 from harness.trees.build import cached_binary
 

@@ -13,8 +13,8 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from harness.measure.coverage import CoverageRun, Row, function_rows, unreached_blocks
-from harness.measure.coverage_targets import UNEXPLAINED
+from harness.coverage.functions import UNEXPLAINED
+from harness.coverage.gcovr import CoverageRun, Row, function_rows, unreached_blocks
 
 __all__ = ["print_report", "write_report"]
 

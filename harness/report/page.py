@@ -2,7 +2,7 @@
 
 Everything the page shows is in the report dict (:func:`harness.commands.report.run` writes it as
 ``report.json`` beside the page): plots are matplotlib figures inlined as SVG (text kept as text, no
-fonts or scripts loaded), tables are HTML, the flame graphs are :mod:`harness.measure.flame`'s SVG.
+fonts or scripts loaded), tables are HTML, the flame graphs are :mod:`harness.report.flame`'s SVG.
 The page loads nothing: no CDN, no stylesheet, no image file; the links to the memray captures
 (``.bin``, next to the page) are plain links, never fetched while rendering.
 

@@ -4,7 +4,7 @@ A campaign on the server backend run by ``python -m harness coverage --run fuzz`
 counters into a coverage run's directory and names it in :data:`COVERAGE_RUN_ENV` (``DIR`` and the workload,
 joined by ``os.pathsep``). :class:`LineProbe` reads, at most every :data:`READ_SECONDS` and only when a target
 object's counter file changed, the lines of the targets the servers stopped so far reached
-(:func:`harness.measure.coverage.gcov_doc`: gcov's own JSON of the eight target objects, a few seconds; never
+(:func:`harness.coverage.gcovr.gcov_doc`: gcov's own JSON of the eight target objects, a few seconds; never
 gcovr, which takes a minute): the campaign's status line and summary say ``lines 946/1856 (+14)`` (the new ones
 since the previous reading) and its JSON has every reading over time. A server writes its counters when it
 exits, so a reading counts the servers stopped by then; a worker's last servers count once the campaign ends
@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.measure.coverage import CoverageRun, gcov_doc, target_reach
+from harness.coverage.gcovr import CoverageRun, gcov_doc, target_reach
 
 __all__ = ["COVERAGE_RUN_ENV", "READ_SECONDS", "LineProbe"]
 

@@ -3,13 +3,13 @@
 The arms of a gate machine (``CLASS``, ci profile, one seed):
 
 * ``machine``: the machine as the gate runs it;
-* ``replay``: Hypothesis alone on the same programs (:func:`harness.measure.baselines.empty_machine`
+* ``replay``: Hypothesis alone on the same programs (:func:`harness.bench.baselines.empty_machine`
   with the machine's preconditions' answers replayed from a tape);
-* ``trivial``: :data:`harness.measure.baselines.TrivialMachine` (every rule always valid);
+* ``trivial``: :data:`harness.bench.baselines.TrivialMachine` (every rule always valid);
 * ``off``: the machine with ``checks_on`` False (no state invariant, no post-condition).
 
-Each arm is a child, ``python -m harness.measure.arms ARM CLASS EXAMPLES SEED``. It first runs the
-machine with a recorder (:func:`harness.measure.baselines.recording`): that is the replay's tape and
+Each arm is a child, ``python -m harness.bench.arms ARM CLASS EXAMPLES SEED``. It first runs the
+machine with a recorder (:func:`harness.bench.baselines.recording`): that is the replay's tape and
 the statuses every arm's timed run must repeat, and it warms every arm the same way (the same imports,
 code paths and heap growth before the clock starts). Then it prints ``ready`` and stops itself
 (``SIGSTOP``). :func:`run_arms` pins the four stopped children to one CPU and resumes them one at a
@@ -46,9 +46,9 @@ from typing import Any, cast
 from hypothesis.stateful import RuleBasedStateMachine
 from hypothesis.statistics import collector
 
+from harness.bench.baselines import PreconditionTape, TrivialMachine, empty_machine, recording
 from harness.child import Spawned, read_lines, spawn
 from harness.errors import EXIT_USAGE, HarnessError, Unavailable, UsageError
-from harness.measure.baselines import PreconditionTape, TrivialMachine, empty_machine, recording
 from properties.machine import MachineConfig, machine_class
 from properties.run import machines_for, make_settings, run_seeded
 
@@ -172,7 +172,7 @@ def run_arms(
     with tempfile.TemporaryDirectory(prefix="arms-") as tmp:
         try:
             for arm in ARMS:
-                argv = [sys.executable, "-m", "harness.measure.arms", arm, class_name, str(examples), str(seed)]
+                argv = [sys.executable, "-m", "harness.bench.arms", arm, class_name, str(examples), str(seed)]
                 children[arm] = spawn(argv, stderr_path=os.path.join(tmp, f"{arm}.err"))
             ready: set[str] = set()
             while len(ready) < len(ARMS):  # every arm recorded, warmed and stopped itself
@@ -216,7 +216,7 @@ def _check(children: dict[str, Spawned], results: dict[str, Any], deadline: floa
 
 def main(argv: Sequence[str]) -> int:
     if len(argv) != 4 or argv[0] not in ARMS or not argv[2].isdigit() or not argv[3].isdigit():
-        print(f"usage: python -m harness.measure.arms {{{','.join(ARMS)}}} CLASS EXAMPLES SEED", file=sys.stderr)
+        print(f"usage: python -m harness.bench.arms {{{','.join(ARMS)}}} CLASS EXAMPLES SEED", file=sys.stderr)
         return EXIT_USAGE
     try:
         r = timed_arm(argv[0], _config(argv[1]), int(argv[2]), int(argv[3]), ready=_stop_self)

@@ -1,9 +1,9 @@
 """The exploration case's call counts, each pair in a fresh interpreter.
 
-``python -m harness.measure.calls CLASS EXAMPLES SEED`` prints two numbers: the Python function calls
+``python -m harness.bench.calls CLASS EXAMPLES SEED`` prints two numbers: the Python function calls
 (:mod:`cProfile`) of the gate machine ``CLASS`` under the ci profile, as the gate runs it, and of
-Hypothesis alone on the same programs (:func:`harness.measure.baselines.empty_machine`, its
-preconditions' answers replayed from a first run through :func:`~harness.measure.baselines.recording`
+Hypothesis alone on the same programs (:func:`harness.bench.baselines.empty_machine`, its
+preconditions' answers replayed from a first run through :func:`~harness.bench.baselines.recording`
 that is not counted).
 A count depends on what the process did before it (module-level counters such as the timing sample
 of ``properties.invariants`` decide which wrappings are timed), so the bench runs this module as a child
@@ -20,8 +20,8 @@ from collections.abc import Sequence
 
 from hypothesis.stateful import RuleBasedStateMachine
 
+from harness.bench.baselines import PreconditionTape, empty_machine, recording
 from harness.errors import EXIT_USAGE, HarnessError, UsageError
-from harness.measure.baselines import PreconditionTape, empty_machine, recording
 from properties.machine import machine_class
 from properties.run import machines_for, make_settings, run_seeded
 
@@ -50,7 +50,7 @@ def count(class_name: str, examples: int, seed: int) -> tuple[int, int]:
 
 def main(argv: Sequence[str]) -> int:
     if len(argv) != 3 or not argv[1].isdigit() or not argv[2].isdigit():
-        print("usage: python -m harness.measure.calls CLASS EXAMPLES SEED", file=sys.stderr)
+        print("usage: python -m harness.bench.calls CLASS EXAMPLES SEED", file=sys.stderr)
         return EXIT_USAGE
     try:
         m_calls, r_calls = count(argv[0], int(argv[1]), int(argv[2]))

@@ -2,7 +2,7 @@
 
 :func:`build_report` runs each stage (a progress line when it starts and when it ends; a stage that
 would start after the time budget is spent is skipped and says so), collects every figure into one
-dict (``report.json``) and writes the page (:mod:`harness.measure.page`), the memray captures (``.bin``)
+dict (``report.json``) and writes the page (:mod:`harness.report.page`), the memray captures (``.bin``)
 and their flame graphs next to it. A stage that fails with a :class:`~harness.errors.HarnessError`
 (a server that will not start, a model that will not load) is recorded as failed with its one line;
 the other stages still run, and the page says which stage failed.
@@ -10,7 +10,7 @@ the other stages still run, and the page says which stage failed.
 The stages: ``builds`` (both pinned llama-servers, or the user's tree for its own semantics);
 ``breakdown`` first, the figures the issue asks to explain: the server's peak on the gate's own
 configuration with a diverging prompt that creates no checkpoint and one that creates two, beside the
-gate's :func:`save_peak`; ``saves-count`` and ``saves-size`` (:func:`harness.measure.saves.save_curve`
+gate's :func:`save_peak`; ``saves-count`` and ``saves-size`` (:func:`harness.report.saves.save_curve`
 on every layer, both semantics); ``charge``; ``limit`` (both servers save big checkpoints under
 ``baseline + S + C/2`` in a memory cgroup and under RLIMIT_AS,
 :func:`harness.backends.llama_server.oom.run_oom`: 4 x 64 MiB in ``--quick``, up to 4 x 256 MiB in the full
@@ -39,9 +39,11 @@ from harness.backends.llama_server.memory import save_peak
 from harness.backends.llama_server.oom import OomSettings, expected, run_oom
 from harness.errors import HarnessError, UsageError
 from harness.findings import FINDINGS
-from harness.measure.flame import flame_svg
-from harness.measure.page import render
-from harness.measure.saves import (
+from harness.memlimit import cgroup_support
+from harness.model.semantics import get_semantics
+from harness.report.flame import flame_svg
+from harness.report.page import render
+from harness.report.saves import (
     allocator_control,
     charge_run,
     checkpoint_size,
@@ -50,8 +52,6 @@ from harness.measure.saves import (
     server_update_cost,
     update_cost,
 )
-from harness.memlimit import cgroup_support
-from harness.model.semantics import get_semantics
 from harness.trees.build import PINNED_COMMIT, build_server, build_source, infer_semantics
 from properties.mutants import MUTANTS
 from properties.run import commit

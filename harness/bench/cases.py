@@ -1,13 +1,13 @@
-"""The bench's cases, one function each, registered in :data:`harness.measure.bench.CASES` (issue 17).
+"""The bench's cases, one function each, registered in :data:`harness.bench.framework.CASES` (issue 17).
 
 1. ``exploration``: examples/s of each gate machine against Hypothesis alone on the same programs
-   (:mod:`harness.measure.baselines`: the machine's rules with empty bodies, its preconditions' answers
+   (:mod:`harness.bench.baselines`: the machine's rules with empty bodies, its preconditions' answers
    replayed, so the same choices are drawn) under the same settings (the ``ci`` profile, same seed), in
    CPU seconds (``time.process_time``). Each arm of a repetition runs in a warmed child of its own, and
-   the arms take turns of 50 ms on one CPU (:mod:`harness.measure.arms`), so that they see the same
+   the arms take turns of 50 ms on one CPU (:mod:`harness.bench.arms`), so that they see the same
    host. The machine is timed as the gate runs it. Beside it, the same machine with its checks off
    (``checks_on``): what a check costing nothing would give; and the machine against
-   :data:`~harness.measure.baselines.TrivialMachine`, whose programs (every rule always valid) are not
+   :data:`~harness.bench.baselines.TrivialMachine`, whose programs (every rule always valid) are not
    the machine's. Then one repetition at each of the next :data:`OTHER_SEEDS` seeds, where every seed
    must meet the goal: the verdict must not hang on one seed's programs.
 2. ``mutants``: seconds to kill each mutant and the steps of its shrunk program (:func:`properties.mutants.kill`),
@@ -15,8 +15,8 @@
 3. ``sweep``: the fault sweep's trials/s and its wall time, both semantics, both modes.
 4. ``saves``: save time and transient peak against the checkpoint payload size, master against shared.
    Three layers (:func:`save_layers`): the model's ledger (:func:`model_save_point`), libllama in this
-   process and a real llama-server, both through :func:`harness.measure.saves.save_curve`. Time is that
-   of warm saves (:func:`harness.measure.saves.warm_saves`: the same prompt saved again after a restore,
+   process and a real llama-server, both through :func:`harness.report.saves.save_curve`. Time is that
+   of warm saves (:func:`harness.report.saves.warm_saves`: the same prompt saved again after a restore,
    every size in the same heap state); the first save's, which depends on whether its pages are fresh,
    is beside it. The goal is on the libllama and server layers (:data:`SAVE_GOAL_LAYERS`).
 5. ``server``: a real llama-server differential (:class:`harness.backends.llama_server.Differential`):
@@ -53,14 +53,14 @@ from faults.scenarios import SCENARIOS
 from faults.sweep import run_sweep
 from fixtures.models import model_path
 from harness.backends.llama_server.differential import Differential, ServerConfig
+from harness.bench.arms import SLICE, run_arms
+from harness.bench.framework import Budget, Figure, figure, register
 from harness.campaign.machines import Plan
 from harness.campaign.machines import machines as campaign_machines
 from harness.campaign.runner import run_batch
 from harness.child import run_child
 from harness.errors import UsageError
-from harness.measure.arms import SLICE, run_arms
-from harness.measure.bench import Budget, Figure, figure, register
-from harness.measure.saves import LAYERS, save_curve
+from harness.report.saves import LAYERS, save_curve
 from harness.targets.libllama import LlamaProvider, load_model
 from harness.trees.build import cached_binary
 from properties.machine import REACH, MachineConfig, PromptCacheMachine
@@ -78,7 +78,7 @@ def exploration(b: Budget) -> list[Figure]:
     profile = PROFILES["ci"]
     n = 5 if b.quick else profile["max_examples"]
     # in turns one repetition's ratio moves by ~+-0.01 on a steady host (np3: 0.762-0.785 over six); one after
-    # the other in the bench's process it moved by +-0.15 (the same work took 2.9-5.1 s); harness.measure.arms
+    # the other in the bench's process it moved by +-0.15 (the same work took 2.9-5.1 s); harness.bench.arms
     reps = b.reps(5)
     configs = machines_for("shared", "ci")[: 1 if b.quick else None]
     runs: dict[str, list[dict[str, Any]]] = {c.class_name: [] for c in configs}
@@ -102,7 +102,7 @@ def exploration(b: Budget) -> list[Figure]:
             b.out(f"  seed {s} {cfg.class_name:<33} same programs {r['replay'] / r['machine']:.2f}")
     inputs: dict[str, Any] = {"profile": "ci", "examples": n, "steps": profile["steps"], "seed": b.seed}
     inputs["clock"] = "process_time"
-    inputs["arms"] = f"a warmed child each, timed in turns of {SLICE * 1000:.0f} ms on one CPU (harness.measure.arms)"
+    inputs["arms"] = f"a warmed child each, timed in turns of {SLICE * 1000:.0f} ms on one CPU (harness.bench.arms)"
     out: list[Figure] = []
     for name, rs in runs.items():
         split = {k: round(statistics.median(r["split"][k] for r in rs), 3) for k in rs[0]["split"]}
@@ -110,7 +110,7 @@ def exploration(b: Budget) -> list[Figure]:
             f"{name} / same programs", "ratio", [r["replay"] / r["machine"] for r in rs], goal=(">=", 0.80),
             **inputs, machine_examples_per_s=round(statistics.median(n / r["machine"] for r in rs), 2),
             precondition_calls=rs[0]["calls"], split=split,
-            how="Hypothesis alone on the machine's own programs (harness.measure.baselines: its preconditions' "
+            how="Hypothesis alone on the machine's own programs (harness.bench.baselines: its preconditions' "
             "answers replayed, empty bodies, the same choices) / the machine: 1 - this is the harness' share",
         ))  # fmt: skip
         out.append(figure(
@@ -143,7 +143,7 @@ def exploration(b: Budget) -> list[Figure]:
             f"{cfg.class_name} / same programs, calls", "ratio", [r_calls / m_calls], **{**inputs, "clock": "calls"},
             machine_calls=m_calls, replay_calls=r_calls,
             how="Python function calls (cProfile) of Hypothesis alone on the machine's own programs / of the "
-            "machine, one run in a fresh interpreter (harness.measure.calls): the same on every run for a seed to "
+            "machine, one run in a fresh interpreter (harness.bench.calls): the same on every run for a seed to "
             "within a few calls (and for any PYTHONHASHSEED), so two commits compare "
             "without this machine's clock noise; a proxy for the goal above, not the goal (calls differ in cost)",
         ))  # fmt: skip
@@ -154,8 +154,8 @@ def exploration(b: Budget) -> list[Figure]:
 
 def _calls(cfg: MachineConfig, examples: int, seed_value: int) -> tuple[int, int]:
     """Function calls of the machine of ``cfg`` and of Hypothesis alone on its programs, counted in a
-    fresh interpreter (:mod:`harness.measure.calls`: what this process did before would change them)."""
-    argv = [sys.executable, "-m", "harness.measure.calls", cfg.class_name, str(examples), str(seed_value)]
+    fresh interpreter (:mod:`harness.bench.calls`: what this process did before would change them)."""
+    argv = [sys.executable, "-m", "harness.bench.calls", cfg.class_name, str(examples), str(seed_value)]
     r = run_child(argv, timeout=1800)
     words = r.stdout.split()
     if r.crashed or r.returncode != 0 or len(words) != 2:
@@ -179,7 +179,7 @@ def _jackknife_spread(rs: list[dict[str, Any]]) -> float:
 def _explore(cfg: MachineConfig, examples: int, seed_value: int) -> dict[str, Any]:
     """One repetition of ``cfg``: the trivial machine, the machine as the gate runs it, Hypothesis alone
     on the same programs and the machine with its checks off, each in a child of its own, timed in
-    turns on one CPU (:func:`harness.measure.arms.run_arms`). CPU seconds of each, the tape's length
+    turns on one CPU (:func:`harness.bench.arms.run_arms`). CPU seconds of each, the tape's length
     and Hypothesis' statistics split of the first three."""
     arms = run_arms(cfg.class_name, examples, seed_value)
     split = {f"{who}_{k}": v for who in ("trivial", "machine", "replay") for k, v in arms[who]["split"].items()}
@@ -370,13 +370,13 @@ def save_layers(
     is copied in both semantics: a run at commit 0ec4099 with four checkpoints of total / 4 bytes on
     the sized ``mamba-d*`` models measured 223x from 1 to 256 MiB on the PR's libllama, all of it S.)
     Each row is the first save after the build-up and ``warm`` more saves of the same prompt
-    (:func:`harness.measure.saves.warm_saves`). Every point runs in a fresh process: the ``model`` and
+    (:func:`harness.report.saves.warm_saves`). Every point runs in a fresh process: the ``model`` and
     ``llama`` points in an interpreter of their own (:func:`_save_point`), the ``server`` points in a
     llama-server of their own, so no size is timed on the heap another size left behind.
 
-    ``model``: the model's ledger (:func:`harness.measure.saves.model_save_point`, a synthetic recurrent
+    ``model``: the model's ledger (:func:`harness.report.saves.model_save_point`, a synthetic recurrent
     context).
-    ``llama`` and ``server``: :func:`harness.measure.saves.save_curve` on ``mamba-big`` (1.02 MiB
+    ``llama`` and ``server``: :func:`harness.report.saves.save_curve` on ``mamba-big`` (1.02 MiB
     checkpoints), its ``counts`` axis; each row says the bytes it got. ``server`` is left out when no
     llama-server of ``semantics`` is built (``python -m harness build-server --semantics SEMANTICS``).
     """
@@ -392,8 +392,8 @@ def save_layers(
 
 
 def _save_point(layer: str, semantics: str, n: int, rep: int, warm: int) -> dict[str, Any]:
-    """One ``model`` or ``llama`` point in a fresh interpreter (``python -m harness.measure.saves``)."""
-    argv = [sys.executable, "-m", "harness.measure.saves", layer, semantics, str(n), str(rep), str(warm)]
+    """One ``model`` or ``llama`` point in a fresh interpreter (``python -m harness.report.saves``)."""
+    argv = [sys.executable, "-m", "harness.report.saves", layer, semantics, str(n), str(rep), str(warm)]
     r = run_child(argv, timeout=900)
     lines = r.stdout.strip().splitlines()
     if r.crashed or r.returncode != 0 or not lines:
@@ -409,7 +409,7 @@ def _save_point(layer: str, semantics: str, n: int, rep: int, warm: int) -> dict
 #: point (``CheckpointList.copy``), about a microsecond per checkpoint; it grows with the number of
 #: checkpoints, not their bytes, and a C++ server pays tens of nanoseconds for the same list copy.
 SAVE_GOAL_LAYERS = ("llama", "server")
-# what a save's transient peak is on each layer (harness.measure.saves)
+# what a save's transient peak is on each layer (harness.report.saves)
 PEAK_HOW = {
     "model": "the physical bytes the save adds above the live bytes at its peak, on the model's ledger (exact)",
     "llama": "the heap's high-water mark during the save under memray (native), libllama's allocations and the "
