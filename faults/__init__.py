@@ -58,7 +58,7 @@ hidden as ``ok`` nor charged to the PR. The pass criterion of ``sweep`` is no ``
 Entry points: ``python -m harness sweep`` (:mod:`faults.sweep`), ``python -m harness rlimit``
 (:mod:`faults.rlimit`), ``python -m harness native`` (:mod:`faults.llama_native`),
 :func:`faults.pymem.sweep_pymem`, :func:`faults.native.run_native`, :func:`faults.native.run_new_demo`,
-and the ``pymem``/``rlimit`` layers on llama-cpp-python's caches (:mod:`faults.lcp`, run by the
+and the ``pymem``/``rlimit`` layers on llama-cpp-python's caches (:mod:`faults.lcp_cache`, run by the
 ``llama-cpp-python-cache`` gate). Every child, a command or a forked function, runs through
 :func:`harness.child.run_child`, which never lets a child's death or hang become the runner's.
 """

@@ -6,7 +6,7 @@ what the fault can reach and what it cannot, and which entry point runs it. The 
 
 Outcomes (:class:`Outcome`) are the same words in every fault layer, report and JSON file. The
 model seam's sweep (:mod:`faults.sweep`) runs in process and reports the first five; the child
-layers (``pymem``, ``rlimit``, ``native``, :mod:`faults.llama_native`, :mod:`faults.lcp`) add the
+layers (``pymem``, ``rlimit``, ``native``, :mod:`faults.llama_native`, :mod:`faults.lcp_cache`) add the
 two deaths a real process can die. Each layer's finer word (``MemoryError`` escaped or absorbed, the
 call reported or absorbed the failure, the cache unchanged or inserted) is in the trial's detail.
 

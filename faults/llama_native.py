@@ -54,7 +54,7 @@ from typing import Any
 from faults.kinds import Outcome, died
 from faults.native import ShimControl, run_native
 from faults.sites import Symbolizer, allocation_text, observe
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.child import ChildResult, child_setup, run_child
 from harness.targets.libllama import LlamaProvider, load_model
 

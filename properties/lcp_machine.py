@@ -29,7 +29,7 @@ continues, shrinks the capacity and injects size/pickle faults, against a refere
 ordered dict of keys and sizes). A failing property raises :class:`LcpViolation`, naming the known
 finding it shows when it is one of :data:`KNOWN_LCP_FINDINGS`; the findings passed as ``tolerate``
 are modelled as upstream behaves, so that the machine can check everything else.
-:func:`diagnose_fault` is the judgement of ``fault_atomic`` the fault layers share (:mod:`faults.lcp`).
+:func:`diagnose_fault` is the judgement of ``fault_atomic`` the fault layers share (:mod:`faults.lcp_cache`).
 """
 
 from __future__ import annotations

@@ -86,7 +86,7 @@ from hypothesis.stateful import (
     rule,
 )
 
-from fixtures.models import ARCHS, model_path
+from fixtures.gguf import ARCHS, model_path
 from harness.findings import FINDINGS, Finding
 from harness.targets.libllama import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
 from properties.run import run_seeded

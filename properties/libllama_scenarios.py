@@ -16,7 +16,7 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
-from fixtures.models import draft_path, model_path
+from fixtures.gguf import draft_path, model_path
 from harness.model.provider import STATE_SEQ_FLAGS_NONE, STATE_SEQ_FLAGS_PARTIAL_ONLY
 from harness.model.server_context import ServerParams
 from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server

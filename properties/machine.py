@@ -41,7 +41,7 @@ from hypothesis import currently_in_test_context, target
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, invariant, precondition, rule
 
-from fixtures.models import draft_path, model_path
+from fixtures.gguf import draft_path, model_path
 from harness.errors import BadAlloc, GgmlAbort, TargetCrash, UsageError
 from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY
 from harness.model.semantics import Semantics, get_semantics

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.llama_server.reuse import reuse_pair, shift_run
 from harness.findings import FINDINGS
 from harness.load.outputs import Divergences, compare_output

@@ -18,7 +18,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.base import Plan
 from harness.campaign.engine import CampaignState
 from harness.campaign.view import status

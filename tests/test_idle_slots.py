@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.findings import finding
 from harness.load.outputs import compare_output
 from harness.load.stateless import SERVER_ARGS, mismatches, mixed_program, mixed_run, predict

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.models import ARCHS
+from fixtures.gguf import ARCHS
 from harness.findings import FINDINGS, Finding
 from properties.libllama_contract import (
     _REFS,

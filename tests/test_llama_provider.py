@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.models import ARCHS, draft_path, model_path
+from fixtures.gguf import ARCHS, draft_path, model_path
 from harness.findings import finding
 from harness.model.provider import (
     STATE_SEQ_FLAGS_NONE,

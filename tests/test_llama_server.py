@@ -60,7 +60,7 @@ def binary() -> Path:
 
 @pytest.fixture(scope="module")
 def model() -> Path:
-    from fixtures.models import model_path
+    from fixtures.gguf import model_path
 
     return model_path("llama")
 
@@ -210,7 +210,7 @@ def test_prompt_cache_restores_after_slot_is_reused(binary: Path, model: Path) -
 def test_checkpoints_saved_to_and_restored_from_prompt_cache(binary: Path, arch: str) -> None:
     """Recurrent/hybrid/SWA models: A's context checkpoint goes into the cache entry (shared under the
     PR patch) and brings A back after B used the slot."""
-    from fixtures.models import model_path
+    from fixtures.gguf import model_path
 
     a = PROMPT
     b = "Pack my box with five dozen liquor jugs. " * 3
@@ -231,7 +231,7 @@ def test_checkpoints_saved_to_and_restored_from_prompt_cache(binary: Path, arch:
 @pytest.mark.parametrize("arch", ["llama", "jamba"])
 def test_speculative_draft_with_prompt_cache(binary: Path, arch: str) -> None:
     """-md draft.gguf (+ --spec-type draft-simple): drafts are made, the prompt cache still restores A."""
-    from fixtures.models import draft_path, model_path
+    from fixtures.gguf import draft_path, model_path
 
     a = PROMPT
     b = "Pack my box with five dozen liquor jugs. " * 3

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.base import GateOptions, GateReport
 from harness.load.clients import BUSY, Req, run_clients
 from harness.load.concurrent import attach_trace, concurrent_configs, fresh_server, judge, load_config, scenario

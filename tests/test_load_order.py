@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.load.clients import Req, Sent
 from harness.load.concurrent import load_config
 from harness.load.order import Event, parse_log

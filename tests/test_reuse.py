@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
 from harness.findings import finding
 from harness.model.server_context import ServerContext, ServerParams

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.load.traced import TracedRun, fresh_answers, record_concurrent, workload
 from harness.trace.calls import (
     Event,

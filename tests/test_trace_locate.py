@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from fixtures.models import SPECS, model_path
+from fixtures.gguf import SPECS, model_path
 from harness.load.outputs import Divergences, OutputDiff
 from harness.targets.llama_server import ServerProcess
 from harness.trace.calls import Event, Memory, check_trace, read_trace, short_window, trace_env

@@ -6,7 +6,7 @@ of :mod:`harness.targets.lcp_cache`. A failing property is diagnosed: when it is
 :data:`~properties.lcp_machine.KNOWN_LCP_FINDINGS`, it is reported, the reference model adopts
 upstream's behaviour for it, and the machine runs again to check everything else; an undiagnosed
 failure goes into ``"failures"`` with its shrunk program and a replay command. Then the two
-child-process layers of :mod:`faults.lcp`: CPython allocation failures swept over
+child-process layers of :mod:`faults.lcp_cache`: CPython allocation failures swept over
 ``cache[key] = state``, and ``RLIMIT_AS`` in a forked child around a re-insert. Every temporary
 directory is removed. JSON: ``"llama_cpp_cache"``.
 
@@ -26,7 +26,7 @@ from typing import Any
 from hypothesis.stateful import RuleBasedStateMachine
 
 from faults.kinds import Outcome
-from faults.lcp import run_rlimit, sweep_pymem
+from faults.lcp_cache import run_rlimit, sweep_pymem
 from faults.pymem import pymem_unavailable
 from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, MachineSpec, Out, Plan
 from harness.findings import finding

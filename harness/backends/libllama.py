@@ -36,7 +36,7 @@ from hypothesis import settings
 
 from faults.kinds import Outcome
 from faults.llama_native import OPS, sweep_llama_native
-from fixtures.models import ARCHS, draft_path, model_path
+from fixtures.gguf import ARCHS, draft_path, model_path
 from harness.backends.base import (
     Backend,
     Failure,

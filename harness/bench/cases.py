@@ -51,7 +51,7 @@ from hypothesis.database import InMemoryExampleDatabase
 
 from faults.scenarios import SCENARIOS
 from faults.sweep import run_sweep
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.llama_server.differential import Differential, ServerConfig
 from harness.bench.arms import SLICE, run_arms
 from harness.bench.framework import Budget, Figure, figure, register

@@ -21,7 +21,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from fixtures.models import CHECKPOINT_MIBS
+from fixtures.gguf import CHECKPOINT_MIBS
 from harness.backends.llama_server.oom import OomRun, OomSettings, run_oom
 from harness.bench.framework import Budget, Figure, figure, register
 from harness.errors import UsageError

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 
-from fixtures.models import ARCHS, draft_path, model_path
+from fixtures.gguf import ARCHS, draft_path, model_path
 from harness.backends import BACKENDS
 from harness.backends.base import MachineSpec, Plan
 from harness.errors import UsageError

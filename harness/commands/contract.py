@@ -15,7 +15,7 @@ import json
 import sys
 from pathlib import Path
 
-from fixtures.models import ARCHS
+from fixtures.gguf import ARCHS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.trees.api import libllama_of, loaded_libllama
 from properties.libllama_contract import run_contract, table

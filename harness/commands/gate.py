@@ -24,7 +24,7 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from pathlib import Path
 
-from fixtures.models import ARCHS
+from fixtures.gguf import ARCHS
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
 from harness.backends.base import Backend, GateOptions, GateReport
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HarnessError, UsageError

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from faults.llama_native import OPS, _first_frames, sweep_llama_native
-from fixtures.models import ARCHS
+from fixtures.gguf import ARCHS
 from harness.errors import UsageError
 from harness.trees.api import libllama_of
 

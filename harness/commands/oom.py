@@ -24,7 +24,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fixtures.models import CHECKPOINT_MIBS
+from fixtures.gguf import CHECKPOINT_MIBS
 from harness.backends.llama_server.oom import MODES, OomRun, OomSettings, expected, run_oom
 from harness.backends.llama_server.probe import probe
 from harness.commands.common import SEMANTICS

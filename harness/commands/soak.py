@@ -29,7 +29,7 @@ import sys
 import tempfile
 from pathlib import Path
 
-from fixtures.models import ARCHS
+from fixtures.gguf import ARCHS
 from harness.backends.llama_server.probe import probe
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError

@@ -26,7 +26,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from fixtures.models import ARCHS, model_path
+from fixtures.gguf import ARCHS, model_path
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.traced import fresh_answers, record_concurrent, workload

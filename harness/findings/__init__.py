@@ -9,13 +9,13 @@ by a broad tolerance); this table says *what* each one is, once. :meth:`Finding.
 at fault (``upstream``) and the state that shows them (:class:`ContractCondition`).
 
 The rows live by backend in this package's modules (``synthetic``, ``libllama``, ``server``,
-``lcp_caches``); the record types in ``record``. Imports nothing of the project outside it: every
+``lcp_cache``); the record types in ``record``. Imports nothing of the project outside it: every
 floor may use it.
 """
 
 from __future__ import annotations
 
-from harness.findings.lcp_caches import LCP_CACHES
+from harness.findings.lcp_cache import LCP_CACHES
 from harness.findings.libllama import LIBLLAMA
 from harness.findings.record import ContractCondition, Finding
 from harness.findings.server import SERVER

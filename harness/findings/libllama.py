@@ -7,7 +7,7 @@ from harness.findings.record import ContractCondition, Finding
 
 __all__ = ["LIBLLAMA"]
 
-# the fixtures models (fixtures/models.py ARCHS), by memory kind, for the contract's conditions
+# the fixtures models (fixtures/gguf.py ARCHS), by memory kind, for the contract's conditions
 _TRANSFORMERS = frozenset({"llama", "gemma2"})
 _HYBRIDS = frozenset({"jamba", "lfm2"})
 _RECURRENT = frozenset({"mamba", "jamba", "lfm2"})

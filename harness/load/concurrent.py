@@ -46,7 +46,7 @@ from collections.abc import Callable, Sequence
 from contextlib import nullcontext
 from pathlib import Path
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.llama_server.differential import ServerConfig
 from harness.load.clients import BUSY, EMBED, Req, Sent, replay_program, run_clients
 from harness.load.order import parse_log

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from fixtures.models import BYTE_TOKEN_OFFSET, SPECS
+from fixtures.gguf import BYTE_TOKEN_OFFSET, SPECS
 from harness.findings import BATCH_SHAPE_FLIP_GAP
 from harness.targets.llama_server import ServerProcess
 from harness.trace.calls import read_trace

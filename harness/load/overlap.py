@@ -24,7 +24,7 @@ import threading
 from dataclasses import replace
 from types import TracebackType
 
-from fixtures.models import BOS_ID, BYTE_TOKEN_OFFSET
+from fixtures.gguf import BOS_ID, BYTE_TOKEN_OFFSET
 from harness.backends.llama_server.differential import ServerConfig
 from harness.load.clients import EMBED, Req
 from harness.load.live import rss_bytes

@@ -43,7 +43,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.llama_server.reuse import N_CTX
 from harness.errors import GgmlAbort
 from harness.interrupt import check

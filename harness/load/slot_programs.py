@@ -38,7 +38,7 @@ from typing import Any
 
 from hypothesis import strategies as st
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.llama_server.differential import ServerConfig
 from harness.backends.llama_server.slot_restore import SlotDifferential
 from harness.interrupt import check

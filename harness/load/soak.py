@@ -48,7 +48,7 @@ from pathlib import Path
 
 from faults.native import RemoteShim
 from faults.sites import modules_beside
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.llama_server.differential import log_sanitizer_reports
 from harness.errors import ServerStartError, UsageError
 from harness.interrupt import check, interrupted

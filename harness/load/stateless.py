@@ -29,7 +29,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any, Protocol
 
-from fixtures.models import BOS_ID, BYTE_TOKEN_OFFSET, SPACE_ID, model_path
+from fixtures.gguf import BOS_ID, BYTE_TOKEN_OFFSET, SPACE_ID, model_path
 from harness.backends.llama_server.differential import ServerConfig
 from harness.load.live import LiveServer, rss_bytes
 from harness.load.outputs import compare_output
@@ -83,7 +83,7 @@ _WORDS = ("alpha", "beta", "gamma", "delta", "eps", "zeta", "eta", "theta", "iot
 
 
 def tokens_of(text: str) -> tuple[int, ...]:
-    """The fixtures' tokenizer without BOS: one token per byte, a space is ``▁`` (fixtures/models.py)."""
+    """The fixtures' tokenizer without BOS: one token per byte, a space is ``▁`` (fixtures/gguf.py)."""
     return tuple(SPACE_ID if b == 0x20 else BYTE_TOKEN_OFFSET + b for b in text.encode())
 
 

@@ -35,7 +35,7 @@ import pytest
 
 from faults.native import LARGE_ALLOCATION, NativeUnavailable, RemoteShim, build_shim, run_native
 from faults.rlimit import LimitedRun, run_limited
-from fixtures.models import draft_path, model_path
+from fixtures.gguf import draft_path, model_path
 from harness.child import ChildResult
 from harness.errors import UsageError
 from harness.model.server_context import ServerContext

@@ -3,7 +3,7 @@
 The save (``server_slot::prompt_save``, tools/server/server-context.cpp:258 @ 0c1e570) of a slot that
 holds ``n`` context checkpoints of ``c`` bytes each (C = n c) and a state of S bytes: master deep-copies
 the checkpoints into the new cache entry (its transient peak is S + C), the PR shares them (S). The
-model's logical ``--cache-ram`` charge is S + C in both. The models are :data:`fixtures.models.BIG_SPECS`'
+model's logical ``--cache-ram`` charge is S + C in both. The models are :data:`fixtures.gguf.BIG_SPECS`'
 ``mamba-big`` family (one slot's recurrent state, and so each checkpoint, is 4 x 512 x (d_state + 3)
 x 4 bytes: 88 KiB to 64 MiB), driven the way :func:`harness.backends.llama_server.save_peak` drives
 ``mamba-big``: a prompt extended by 40 tokens per request leaves up to two checkpoints per request,
@@ -60,7 +60,7 @@ from typing import Any
 
 import memray
 
-from fixtures.models import SIZED_D_STATES, draft_path, model_path, sized_model_name
+from fixtures.gguf import SIZED_D_STATES, draft_path, model_path, sized_model_name
 from harness.backends.llama_server.differential import Differential, ServerConfig
 from harness.errors import EXIT_USAGE, HarnessError, UsageError
 from harness.model.checkpoint import CommonPromptCheckpoint

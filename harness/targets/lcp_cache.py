@@ -7,7 +7,7 @@ loads the state when it covers more of the prompt than the context already does,
 ``cache[prompt + completion] = save_state()`` afterwards.
 
 This module holds what the properties (:mod:`properties.lcp_machine`), the fault layers
-(:mod:`faults.lcp`) and the gate runner (:mod:`harness.backends.lcp_cache`) share about the target:
+(:mod:`faults.lcp_cache`) and the gate runner (:mod:`harness.backends.lcp_cache`) share about the target:
 real states of the tiny fixtures models (:class:`ModelEnv`), both caches behind one observing
 interface (:class:`CacheAdapter`), and the in-process seam that raises ``MemoryError`` at the Nth
 size computation or pickling inside ``cache[key] = state`` (:func:`seam_armed`).
@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 
 __all__ = [
     "ALPHABET",

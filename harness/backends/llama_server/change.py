@@ -29,7 +29,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from fixtures.models import draft_path, model_path
+from fixtures.gguf import draft_path, model_path
 from harness.backends.llama_server.differential import (
     Differential,
     Program,

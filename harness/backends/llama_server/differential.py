@@ -37,7 +37,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from fixtures.models import draft_path, model_path
+from fixtures.gguf import draft_path, model_path
 from harness.errors import PropertyFailure
 from harness.model.server_context import ServerParams
 from harness.targets.libllama import close_server, make_llama_server

@@ -2,7 +2,7 @@
 
 One run (:func:`run_oom`) is one ``llama-server`` build under one kind of limit:
 
-1. The server starts on a ``mamba2-cN`` model (:data:`fixtures.models.BIG_SPECS`: one checkpoint of N MiB),
+1. The server starts on a ``mamba2-cN`` model (:data:`fixtures.gguf.BIG_SPECS`: one checkpoint of N MiB),
    one slot, ``--ctx-checkpoints K``, ``-lv 4`` (the log says every checkpoint's size, the save's state size
    and how long it took). The weights are mapped from the file (11-90 MB: page cache, which the kernel
    reclaims before it OOM-kills, and which the baseline leaves out).
@@ -37,7 +37,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fixtures.models import BIG_SPECS, checkpoint_model_name, model_path
+from fixtures.gguf import BIG_SPECS, checkpoint_model_name, model_path
 from harness.errors import RequestFailed, UsageError
 from harness.memlimit import MemoryCgroup, address_space, cgroup_support, limit_address_space
 from harness.targets.llama_server import ServerProcess, proc_status

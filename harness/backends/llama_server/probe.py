@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.errors import RequestFailed, UsageError
 from harness.targets.llama_server import ServerProcess, set_completion_fields
 

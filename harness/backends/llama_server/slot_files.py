@@ -34,7 +34,7 @@ from typing import Any
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.backends.llama_server.slot_names import Name, explicit_names, generated_names
 from harness.backends.llama_server.slot_sandbox import SYMLINKS, Sandbox, diff
 from harness.errors import RequestFailed

@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from fixtures.models import draft_path, model_path
+from fixtures.gguf import draft_path, model_path
 from harness.backends.llama_server.differential import Differential, ServerConfig, check_output
 from harness.errors import RequestFailed, Unavailable
 from harness.interrupt import check

@@ -11,10 +11,10 @@ child died), and the row's ``state`` says what the cache holds (``unchanged``, `
 ``pymem`` (:func:`sweep_pymem`)
     ``_testcapi.set_nomemory`` fails CPython allocation ``1, 1+stride, ...`` of ``cache[key] = state``
     (``reinsert``: the middle of three entries again; ``evict``: a new entry that evicts), in a child
-    (``python -m faults.lcp --pymem-child``) under a watchdog; a dead child's point is a row of its
+    (``python -m faults.lcp_cache --pymem-child``) under a watchdog; a dead child's point is a row of its
     own and the next child resumes after it.
 ``rlimit`` (:func:`run_rlimit`)
-    A child (``python -m faults.lcp --rlimit-child``) caches three ~1.2 MB states, then per headroom
+    A child (``python -m faults.lcp_cache --rlimit-child``) caches three ~1.2 MB states, then per headroom
     forks (:func:`harness.child.run_child` with a function), limits its own address space to its
     size plus the headroom, and re-inserts one entry.
 
@@ -39,7 +39,7 @@ from typing import Any
 
 from faults.kinds import Outcome, died
 from faults.pymem import pymem_unavailable
-from fixtures.models import model_path
+from fixtures.gguf import model_path
 from harness.child import child_setup, run_child
 from harness.targets.lcp_cache import ALPHABET, BOS, TMP, CacheAdapter, Key, ModelEnv, held_bytes, llama_cpp
 from properties.lcp_machine import ALLOWED_STATES, diagnose_fault
@@ -153,7 +153,7 @@ def _sweep_points(
     while points:
         spec = {"cache": cache, "act": act, "points": points, "tmp": tmp}
         child = run_child(
-            [sys.executable, "-m", "faults.lcp", "--pymem-child", json.dumps(spec)],
+            [sys.executable, "-m", "faults.lcp_cache", "--pymem-child", json.dumps(spec)],
             env=env,
             timeout=timeout,
         )
@@ -272,7 +272,7 @@ def run_rlimit(cache: str, headrooms: Sequence[int | None], timeout: float = 90.
     with contextlib.ExitStack() as stack:
         stack.callback(shutil.rmtree, tmp, True)
         child = run_child(
-            [sys.executable, "-m", "faults.lcp", "--rlimit-child", json.dumps(spec)],
+            [sys.executable, "-m", "faults.lcp_cache", "--rlimit-child", json.dumps(spec)],
             env=env,
             timeout=timeout,
         )
