@@ -19,7 +19,9 @@ import argparse
 import json
 import os
 
-from harness.bench import builds, cases, oom  # noqa: F401  (registers the cases)
+from harness.bench import builds as bench_builds  # noqa: F401  (registers the cases)
+from harness.bench import cases as bench_cases  # noqa: F401
+from harness.bench import oom as bench_oom  # noqa: F401
 from harness.bench.framework import CASES, compare, load_json, run_bench, table
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from properties.run import commit
