@@ -27,11 +27,11 @@ from typing import Any
 import pytest
 
 from fixtures.gguf import model_path
-from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
+from harness.backends.llama_server.differential import Differential, ServerMismatch
 from harness.findings import finding
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import ServerConfig, ServerProcess
 from harness.targets.synthetic import make_server
 from harness.trees.build import build_server
 from properties.invariants import Violation

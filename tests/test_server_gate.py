@@ -15,15 +15,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.errors import FlakyFailure
 
-from harness.backends.llama_server.differential import (
-    Differential,
-    ServerConfig,
-    ServerMismatch,
-    full_context,
-    sanitizer_reports,
-)
+from harness.backends.llama_server.differential import Differential, ServerMismatch, full_context
 from harness.backends.llama_server.memory import save_fault, save_peak
 from harness.backends.llama_server.section import unflaked
+from harness.targets.llama_server import ServerConfig, sanitizer_reports
 from harness.trees.build import build_server
 
 pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
+from harness.backends.llama_server.differential import Differential, ServerMismatch
+from harness.targets.llama_server import ServerConfig
 from harness.trees.api import check_libllama
 from harness.trees.build import build_server, build_source, cache_root
 from harness.trees.pinned import sdist_source

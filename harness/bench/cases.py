@@ -52,7 +52,7 @@ from hypothesis.database import InMemoryExampleDatabase
 from faults.scenarios import SCENARIOS
 from faults.sweep import run_sweep
 from fixtures.gguf import model_path
-from harness.backends.llama_server.differential import Differential, ServerConfig
+from harness.backends.llama_server.differential import Differential
 from harness.bench.arms import SLICE, run_arms
 from harness.bench.framework import Budget, Figure, figure, register
 from harness.campaign.machines import Plan
@@ -62,6 +62,7 @@ from harness.child import run_child
 from harness.errors import UsageError
 from harness.report.saves import LAYERS, save_curve
 from harness.targets.libllama import LlamaProvider, load_model
+from harness.targets.llama_server import ServerConfig
 from harness.trees.build import cached_binary
 from properties.machine import REACH, MachineConfig, PromptCacheMachine
 from properties.mutants import MUTANTS, kill

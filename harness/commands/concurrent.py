@@ -34,13 +34,13 @@ import sys
 import tempfile
 from pathlib import Path
 
-from harness.backends.llama_server.differential import ServerConfig, sanitizer_reports
 from harness.backends.llama_server.probe import probe
 from harness.commands.common import SEMANTICS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
 from harness.load.stateless import stateless_differential
 from harness.load.traced import ServerTrace
+from harness.targets.llama_server import ServerConfig, sanitizer_reports
 from harness.trees.build import server_build
 
 __all__ = ["add_arguments", "run"]

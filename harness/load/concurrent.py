@@ -47,7 +47,6 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from fixtures.gguf import model_path
-from harness.backends.llama_server.differential import ServerConfig
 from harness.load.clients import BUSY, EMBED, Req, Sent, replay_program, run_clients
 from harness.load.order import parse_log
 from harness.load.order_replay import Check, ConcurrentResult, Unmodellable, replay_order
@@ -56,7 +55,7 @@ from harness.load.overlap import RssWatch, bound_violations, embedding_config, e
 from harness.load.stateless import server_args
 from harness.load.traced import ServerTrace
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import ServerConfig, ServerProcess
 
 __all__ = [
     "ConcurrentResult",
@@ -160,7 +159,7 @@ def run_trace(
     program = replay_program(
         ["from pathlib import Path",
          "from harness.trees.build import build_server, build_source",
-         "from harness.backends.llama_server.differential import ServerConfig",
+         "from harness.targets.llama_server import ServerConfig",
          "from harness.load.clients import Req",
          "from harness.load.concurrent import replay"],
         f"print(replay({cfg!r}, {binary_expr}, {semantics!r}, REQS))",

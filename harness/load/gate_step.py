@@ -24,10 +24,10 @@ from collections import Counter
 from pathlib import Path
 
 from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out
-from harness.backends.llama_server.differential import sanitizer_reports
 from harness.findings import finding
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
 from harness.load.traced import ServerTrace
+from harness.targets.llama_server import sanitizer_reports
 from properties.machine import MachineConfig
 
 __all__ = ["N_TRACES", "server_concurrent_step"]

@@ -25,11 +25,11 @@ from dataclasses import replace
 from types import TracebackType
 
 from fixtures.gguf import BOS_ID, BYTE_TOKEN_OFFSET
-from harness.backends.llama_server.differential import ServerConfig
 from harness.load.clients import EMBED, Req
 from harness.load.live import rss_bytes
 from harness.load.order import cache_states
 from harness.load.soak import RSS_SLACK_MIB
+from harness.targets.llama_server import ServerConfig
 
 __all__ = ["SAMPLE_S", "RssWatch", "bound_violations", "embedding_config", "embedding_reqs"]
 

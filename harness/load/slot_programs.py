@@ -39,13 +39,12 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fixtures.gguf import model_path
-from harness.backends.llama_server.differential import ServerConfig
 from harness.backends.llama_server.slot_restore import SlotDifferential
 from harness.interrupt import check
 from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
 from harness.model.server_context import ServerSlot
 from harness.model.slot_files import SlotFileStore
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import ServerConfig, ServerProcess
 from properties.reuse import Ckpt, Source, resume_point
 
 __all__ = ["ARCHS", "MUTANTS", "ModelFigures", "command_line", "program_strategy", "replay", "replay_text", "run_model"]

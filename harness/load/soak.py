@@ -49,7 +49,6 @@ from pathlib import Path
 from faults.native import RemoteShim
 from faults.sites import modules_beside
 from fixtures.gguf import model_path
-from harness.backends.llama_server.differential import log_sanitizer_reports
 from harness.errors import ServerStartError, UsageError
 from harness.interrupt import check, interrupted
 from harness.load.clients import soak_prompt
@@ -60,7 +59,7 @@ from harness.load.soak_result import CACHE_RAM_MIB, PhaseResult, SoakSettings
 from harness.load.stateless import server_args, stateless_clients
 from harness.load.traced import ServerTrace
 from harness.memlimit import MemoryCgroup
-from harness.targets.llama_server import RequestFailed, ServerProcess
+from harness.targets.llama_server import RequestFailed, ServerProcess, log_sanitizer_reports
 from harness.trees.stage import asan_runtime
 
 __all__ = ["CACHE_RAM_MIB", "FAULT_MIN_SIZE", "LiveServer", "PhaseResult", "SoakSettings", "soak", "soak_phase"]

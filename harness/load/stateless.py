@@ -30,13 +30,12 @@ from pathlib import Path
 from typing import Any, Protocol
 
 from fixtures.gguf import BOS_ID, BYTE_TOKEN_OFFSET, SPACE_ID, model_path
-from harness.backends.llama_server.differential import ServerConfig
 from harness.load.live import LiveServer, rss_bytes
 from harness.load.outputs import compare_output
 from harness.model.semantics import Semantics
 from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import RequestFailed, ServerProcess
+from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess
 from harness.targets.synthetic import make_server
 from properties.stateless import check_stateless_not_cached
 

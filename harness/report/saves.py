@@ -61,7 +61,7 @@ from typing import Any
 import memray
 
 from fixtures.gguf import SIZED_D_STATES, draft_path, model_path, sized_model_name
-from harness.backends.llama_server.differential import Differential, ServerConfig
+from harness.backends.llama_server.differential import Differential
 from harness.errors import EXIT_USAGE, HarnessError, UsageError
 from harness.model.checkpoint import CommonPromptCheckpoint
 from harness.model.memory import Host
@@ -69,7 +69,7 @@ from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, Syn
 from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
-from harness.targets.llama_server import ServerProcess, proc_status
+from harness.targets.llama_server import ServerConfig, ServerProcess, proc_status
 
 __all__ = [
     "BASE",

@@ -5,6 +5,14 @@ always stops it again (context exit, exceptions, Ctrl-C, ``atexit``; the server 
 process that started it). After a Ctrl-C it is SIGKILLed at once rather than asked to stop, and a
 second Ctrl-C kills it with the process (:mod:`harness.interrupt`). A server that will not start,
 or a port in use, is one :class:`~harness.errors.ServerStartError` line with the tail of the server's log.
+
+:class:`ServerConfig` is one server configuration the harness runs (a fixture gguf's arch and the flags that
+matter to the prompt cache), both as the server's flags and as the reference model's parameters. A server's log
+is read here too: one log file per server started (:func:`unique_log`), and the sanitizer reports in one log or
+a directory of them (:func:`log_sanitizer_reports`, :func:`sanitizer_reports`).
+
+Size: one server's life in one module, its configuration, start, requests, stop and log, so a caller (the server
+backend, the load tools, the experiments) imports a server from one place.
 """
 
 from __future__ import annotations
@@ -12,6 +20,7 @@ from __future__ import annotations
 import atexit
 import contextlib
 import http.client
+import itertools
 import json
 import os
 import signal
@@ -24,24 +33,85 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from types import TracebackType
 from typing import IO, Any
 
 from harness.errors import RequestFailed, ServerStartError
 from harness.interrupt import check, interrupted, shielded, track, untrack
+from harness.model.server_context import ServerParams
 from harness.trees.build import build_server, log_tail
 from harness.trees.gcov import SERVER_EXITS_ENV
 from harness.trees.stage import sanitizer_first
 
 __all__ = [
+    "SANITIZER_MARKERS",
     "RequestFailed",
+    "ServerConfig",
     "ServerProcess",
     "ServerStartError",
     "completion_fields",
+    "log_sanitizer_reports",
     "proc_status",
+    "sanitizer_reports",
     "set_completion_fields",
+    "unique_log",
 ]
+
+
+# --------------------------------------------------------------------------------------------
+# configuration
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """One server configuration: the model and the flags that matter to the prompt cache."""
+
+    arch: str
+    n_parallel: int = 2
+    kv_unified: bool = False
+    cache_ram_mib: int = 1
+    ctx_checkpoints: int = 4
+    checkpoint_min_step: int = 64
+    n_ctx: int = 2048
+    n_batch: int = 256
+    n_ubatch: int = 64
+    draft: bool = False
+    log_verbosity: int | None = None  # ``-lv``: 4 logs the prompt cache's trace lines (server-task.cpp:1799)
+
+    @property
+    def name(self) -> str:
+        parts = [self.arch, f"np{self.n_parallel}", "kvu" if self.kv_unified else "kvs"]
+        if self.draft:
+            parts.append("draft")
+        return "-".join(parts)
+
+    def server_args(self) -> list[str]:
+        return [
+            "-cms",
+            str(self.checkpoint_min_step),
+            "-b",
+            str(self.n_batch),
+            "-ub",
+            str(self.n_ubatch),
+            "--no-warmup",
+            *(() if self.log_verbosity is None else ("-lv", str(self.log_verbosity))),
+        ]
+
+    def params(self) -> ServerParams:
+        return ServerParams(
+            n_slots=self.n_parallel,
+            cache_ram=self.cache_ram_mib,
+            cache_ram_unit=1 << 20,
+            n_ctx_checkpoints=self.ctx_checkpoints,
+            checkpoint_min_step=self.checkpoint_min_step,
+            kv_unified=self.kv_unified,
+            n_batch=self.n_batch,
+            n_ubatch=self.n_ubatch,
+            n_draft_max=16 if self.draft else 0,
+        )
 
 
 # --------------------------------------------------------------------------------------------
@@ -439,3 +509,36 @@ def completion_fields(binary: Path) -> dict[str, Any]:
 
 def set_completion_fields(binary: Path, fields: dict[str, Any]) -> None:
     _FORMS[binary.resolve()] = dict(fields)
+
+
+# --------------------------------------------------------------------------------------------
+# logs
+# --------------------------------------------------------------------------------------------
+
+
+_LOG_SEQ = itertools.count()
+
+
+def unique_log(log_dir: str, stem: str) -> str:
+    """One log file per server started (a server's log is scanned for sanitizer reports after it exits)."""
+    return os.path.join(log_dir, f"{stem}-{next(_LOG_SEQ):05d}.log")
+
+
+SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:")
+
+
+def sanitizer_reports(log_dir: str) -> list[str]:
+    """The first line of every ASan, LSan or UBSan report in the server logs under ``log_dir``."""
+    return [r for name in sorted(os.listdir(log_dir)) for r in log_sanitizer_reports(Path(log_dir, name))]
+
+
+def log_sanitizer_reports(log: Path) -> list[str]:
+    """The first line of every ASan, LSan or UBSan report in one server's ``log`` (none when it is no file)."""
+    text = log.read_text(errors="replace") if log.is_file() else ""
+    reports = []
+    for marker in SANITIZER_MARKERS:
+        at = text.find(marker)
+        while at >= 0:
+            reports.append(f"{log.name}: {text[at:].splitlines()[0]}")
+            at = text.find(marker, at + 1)
+    return reports

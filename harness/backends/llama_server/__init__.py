@@ -40,7 +40,6 @@ from harness.backends.llama_server.change import ChangeFound, ChangePair, Change
 from harness.backends.llama_server.differential import (
     MachineStats,
     Program,
-    ServerConfig,
     ServerMismatch,
     eviction,
     eviction_program,
@@ -52,6 +51,7 @@ from harness.backends.llama_server.differential import (
 from harness.backends.llama_server.memory import memory_and_faults
 from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
 from harness.errors import BuildError, ServerStartError, UsageError
+from harness.targets.llama_server import ServerConfig
 from harness.trees.build import PINNED_COMMIT, ServerBuild, server_build
 from harness.trees.semantics import infer_semantics
 from harness.trees.tree import check_tree, tree_at_revision

@@ -15,8 +15,9 @@ from pathlib import Path
 from hypothesis.stateful import RuleBasedStateMachine
 
 from harness.backends.base import MachineSpec, Plan
-from harness.backends.llama_server.differential import MachineStats, ServerConfig, server_configs, server_machine
+from harness.backends.llama_server.differential import MachineStats, server_configs, server_machine
 from harness.errors import UsageError
+from harness.targets.llama_server import ServerConfig
 from harness.trees.build import cached_binary
 
 __all__ = ["SERVER_BIN_ENV", "campaign_machines", "campaign_models"]

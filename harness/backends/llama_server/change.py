@@ -30,16 +30,8 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from fixtures.gguf import draft_path, model_path
-from harness.backends.llama_server.differential import (
-    Differential,
-    Program,
-    ServerConfig,
-    ServerMismatch,
-    prompt_from,
-    request_rule,
-    unique_log,
-)
-from harness.targets.llama_server import RequestFailed, ServerProcess
+from harness.backends.llama_server.differential import Differential, Program, ServerMismatch, prompt_from, request_rule
+from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 
 __all__ = ["EVENTS", "Answer", "ChangeFound", "ChangePair", "ChangeStats", "Step", "change_machine", "shrink"]
 
@@ -225,7 +217,7 @@ class ChangePair:
             "from pathlib import Path",
             "from harness.trees.build import build_server, build_source",
             "from harness.backends.llama_server.change import ChangePair",
-            "from harness.backends.llama_server.differential import ServerConfig",
+            "from harness.targets.llama_server import ServerConfig",
             f"with ChangePair({self.cfg!r}, {self.exprs[0]}, {self.exprs[1]}) as p:",
         ]
         for toks, n in self.sent if sent is None else sent:

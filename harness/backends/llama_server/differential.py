@@ -26,8 +26,6 @@ example is not shrunk (each step is a real request), the full request sequence i
 
 from __future__ import annotations
 
-import itertools
-import os
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,9 +37,8 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from fixtures.gguf import draft_path, model_path
 from harness.errors import PropertyFailure
-from harness.model.server_context import ServerParams
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import RequestFailed, ServerProcess
+from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from properties.reuse import ReuseTracer
 
 __all__ = [
@@ -51,72 +48,19 @@ __all__ = [
     "MachineStats",
     "Program",
     "Row",
-    "ServerConfig",
     "ServerMismatch",
     "check_output",
     "eviction",
     "eviction_program",
     "full_context",
     "full_context_program",
-    "log_sanitizer_reports",
     "prompt_from",
     "request_failure",
     "request_rule",
     "run_program",
-    "sanitizer_reports",
     "server_configs",
     "server_machine",
-    "unique_log",
 ]
-
-
-@dataclass(frozen=True)
-class ServerConfig:
-    """One server configuration: the model and the flags that matter to the prompt cache."""
-
-    arch: str
-    n_parallel: int = 2
-    kv_unified: bool = False
-    cache_ram_mib: int = 1
-    ctx_checkpoints: int = 4
-    checkpoint_min_step: int = 64
-    n_ctx: int = 2048
-    n_batch: int = 256
-    n_ubatch: int = 64
-    draft: bool = False
-    log_verbosity: int | None = None  # ``-lv``: 4 logs the prompt cache's trace lines (server-task.cpp:1799)
-
-    @property
-    def name(self) -> str:
-        parts = [self.arch, f"np{self.n_parallel}", "kvu" if self.kv_unified else "kvs"]
-        if self.draft:
-            parts.append("draft")
-        return "-".join(parts)
-
-    def server_args(self) -> list[str]:
-        return [
-            "-cms",
-            str(self.checkpoint_min_step),
-            "-b",
-            str(self.n_batch),
-            "-ub",
-            str(self.n_ubatch),
-            "--no-warmup",
-            *(() if self.log_verbosity is None else ("-lv", str(self.log_verbosity))),
-        ]
-
-    def params(self) -> ServerParams:
-        return ServerParams(
-            n_slots=self.n_parallel,
-            cache_ram=self.cache_ram_mib,
-            cache_ram_unit=1 << 20,
-            n_ctx_checkpoints=self.ctx_checkpoints,
-            checkpoint_min_step=self.checkpoint_min_step,
-            kv_unified=self.kv_unified,
-            n_batch=self.n_batch,
-            n_ubatch=self.n_ubatch,
-            n_draft_max=16 if self.draft else 0,
-        )
 
 
 @dataclass
@@ -275,7 +219,8 @@ class Differential:
         lines = [
             "from pathlib import Path",
             "from harness.trees.build import build_server, build_source",
-            "from harness.backends.llama_server.differential import Differential, ServerConfig",
+            "from harness.backends.llama_server.differential import Differential",
+            "from harness.targets.llama_server import ServerConfig",
             f"with Differential({self.cfg!r}, {self.binary_expr}, {self.semantics!r}) as d:",
         ]
         sent = [(row.tokens, row.n_predict) for row in self.rows]
@@ -517,31 +462,3 @@ def full_context(binary: Path, semantics: str, log_dir: str | None) -> list[Row]
 def eviction(binary: Path, semantics: str, log_dir: str | None) -> list[Row]:
     """:func:`eviction_program` on ``binary`` against the model."""
     return run_program(*eviction_program(), binary, semantics, log_dir)
-
-
-_LOG_SEQ = itertools.count()
-
-
-def unique_log(log_dir: str, stem: str) -> str:
-    """One log file per server started (a server's log is scanned for sanitizer reports after it exits)."""
-    return os.path.join(log_dir, f"{stem}-{next(_LOG_SEQ):05d}.log")
-
-
-SANITIZER_MARKERS = ("ERROR: AddressSanitizer", "ERROR: LeakSanitizer", "runtime error:")
-
-
-def sanitizer_reports(log_dir: str) -> list[str]:
-    """The first line of every ASan, LSan or UBSan report in the server logs under ``log_dir``."""
-    return [r for name in sorted(os.listdir(log_dir)) for r in log_sanitizer_reports(Path(log_dir, name))]
-
-
-def log_sanitizer_reports(log: Path) -> list[str]:
-    """The first line of every ASan, LSan or UBSan report in one server's ``log`` (none when it is no file)."""
-    text = log.read_text(errors="replace") if log.is_file() else ""
-    reports = []
-    for marker in SANITIZER_MARKERS:
-        at = text.find(marker)
-        while at >= 0:
-            reports.append(f"{log.name}: {text[at:].splitlines()[0]}")
-            at = text.find(marker, at + 1)
-    return reports

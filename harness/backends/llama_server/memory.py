@@ -21,11 +21,11 @@ from typing import Any
 
 from faults.native import RemoteShim
 from faults.sites import Observation, modules_beside
-from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
+from harness.backends.llama_server.differential import Differential, ServerMismatch
 from harness.backends.llama_server.oom import gate_check
 from harness.errors import BadAlloc
 from harness.model.sites import upstream
-from harness.targets.llama_server import RequestFailed, proc_status
+from harness.targets.llama_server import RequestFailed, ServerConfig, proc_status
 from harness.trees.build import cached_binary
 
 __all__ = ["DIVERGING", "FaultTrial", "memory_and_faults", "save_fault", "save_peak"]

@@ -16,13 +16,9 @@ from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import FlakyFailure
 
 from harness.backends.base import Failure, GateReport, MachineResult, Out
-from harness.backends.llama_server.differential import (
-    NEAR_TIE_LOGPROB,
-    SERVER_PROFILES,
-    ServerMismatch,
-    sanitizer_reports,
-)
+from harness.backends.llama_server.differential import NEAR_TIE_LOGPROB, SERVER_PROFILES, ServerMismatch
 from harness.backends.llama_server.probe import agree_forms, probe
+from harness.targets.llama_server import sanitizer_reports
 from harness.trees.build import PINNED_COMMIT, ServerBuild, pinned_status
 from properties.machine import MachineConfig
 

@@ -36,11 +36,11 @@ from pathlib import Path
 from typing import Any
 
 from fixtures.gguf import draft_path, model_path
-from harness.backends.llama_server.differential import Differential, ServerConfig, check_output
+from harness.backends.llama_server.differential import Differential, check_output
 from harness.errors import RequestFailed, Unavailable
 from harness.interrupt import check
 from harness.model.slot_files import SlotFileStore, slot_erase, slot_restore, slot_save
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import ServerConfig, ServerProcess
 
 __all__ = ["ARCHS", "SlotDifferential", "enospc", "run_differential", "stale_draft"]
 
