@@ -1,0 +1,390 @@
+"""The server backend's runner: from the gate's options to a built server, its semantics and the run.
+
+:class:`ServerBackend` (what :mod:`harness.backends` registers) chooses the server (``--server-bin``, ``--source``
+with ``--base``, or a pinned build), the semantics the model runs in, and runs either
+:func:`run_server_backend` (the differential machines, the eviction and full-context programs, the memory
+properties, the sanitizers) or :func:`run_change_backend` (``TREE`` against ``BASE``: the change differential,
+each difference shrunk on fresh servers, then the memory properties of both). What the checks are: the package's
+docstring (:mod:`harness.backends.llama_server`).
+"""
+
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable
+from pathlib import Path
+
+from hypothesis import settings
+from hypothesis.errors import FlakyFailure
+
+from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec, Out, Plan
+from harness.backends.llama_server.campaign import campaign_machines, campaign_models
+from harness.backends.llama_server.change import ChangeFound, ChangePair, ChangeStats, change_machine, shrink
+from harness.backends.llama_server.differential import (
+    MachineStats,
+    Program,
+    ServerMismatch,
+    eviction,
+    eviction_program,
+    full_context,
+    full_context_program,
+    server_configs,
+    server_machine,
+)
+from harness.backends.llama_server.memory import memory_and_faults
+from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
+from harness.errors import BuildError, ServerStartError, UsageError
+from harness.targets.llama_server import ServerConfig
+from harness.trees.build import PINNED_COMMIT, ServerBuild, server_build
+from harness.trees.semantics import infer_semantics
+from harness.trees.tree import check_tree, tree_at_revision
+from properties.run import run_seeded
+
+__all__ = ["ServerBackend", "run_change_backend", "run_server_backend"]
+
+
+class ServerBackend(Backend):
+    name = "server"
+    flags = frozenset({"asan", "source", "server_bin", "base"})
+
+    def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        log = lambda m: out("  build: " + m)  # noqa: E731
+        if opts.base is not None and opts.source is None:
+            raise UsageError("--base names the tree a change starts from; it needs --source TREE (the changed tree)")
+        try:
+            if opts.source is not None and opts.server_bin is not None:
+                raise UsageError("--source and --server-bin both name the server to test; give one")
+            if opts.server_bin is not None:
+                if opts.asan:
+                    raise UsageError("--asan builds llama-server; a --server-bin runs as built (sanitizers detected)")
+                build = server_build(binary=opts.server_bin, log=log)
+            elif opts.source is not None:
+                tree = check_tree(opts.source)
+                base_tree = _base_tree(opts.base, tree) if opts.base is not None else None
+                if not opts.semantics_given:  # before a build of many minutes: can the tree be read?
+                    _semantics_or_refuse(tree, "tree")
+                build = server_build(source=tree, asan=opts.asan, log=log)
+                if base_tree is not None:
+                    base = server_build(source=base_tree, asan=opts.asan, log=log, flag="--base")
+            else:
+                if opts.asan and opts.semantics == "master":
+                    raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
+                flavour = "asan" if opts.asan else ("master" if opts.semantics == "master" else "pr")
+                build = server_build(flavour=flavour, log=log)
+        except BuildError as e:
+            raise BuildError(f"llama-server could not be built: {e}") from None
+        semantics, how = _semantics_for(build, opts)
+        report.variant = semantics
+        if opts.base is not None:
+            base_sem = base.semantics or semantics
+            run_change_backend(report, build, base, semantics, base_sem, opts.profile, opts.seed, opts.max_examples,
+                               out, how)  # fmt: skip
+        else:
+            run_server_backend(report, build, semantics, opts.profile, opts.seed, opts.max_examples, out, how)
+
+    def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
+        return campaign_machines(plan, self.name)
+
+    def campaign_models(self, plan: Plan) -> tuple[frozenset[str], bool]:
+        return campaign_models(), True
+
+
+def _base_tree(base: str, tree: Path) -> Path:
+    """``--base``: a directory holding a llama.cpp tree, or a revision of the git checkout ``tree``."""
+    p = Path(base).expanduser()
+    if p.is_dir():
+        return check_tree(p, "--base")
+    return check_tree(tree_at_revision(tree, base), "--base")
+
+
+def _semantics_or_refuse(tree: Path, what: str) -> str:
+    inferred = infer_semantics(tree)
+    if inferred.semantics is None:
+        raise UsageError(
+            f"cannot tell the semantics of the {what} {tree} ({inferred.why}): "
+            "pass --semantics shared (PR #27451) or --semantics master"
+        )
+    return inferred.semantics
+
+
+def _semantics_for(build: ServerBuild, opts: GateOptions) -> tuple[str, str]:
+    """The semantics the model runs in (``--semantics`` if given, else the one the tree shows) and why."""
+    if opts.semantics_given:
+        how = "from --semantics"
+        if build.semantics is not None and build.semantics != opts.semantics:
+            how += (
+                f"; note: the tree reads as {build.semantics} ({build.semantics_why}): expect the differential "
+                "to diverge"
+            )
+        return opts.semantics, how
+    if build.semantics is None:
+        what = "binary" if build.tree is None else "tree"
+        why = build.semantics_why or "no build-info.json beside it says"
+        raise UsageError(
+            f"cannot tell the semantics of the {what} {build.label} ({why}): "
+            "pass --semantics shared (PR #27451) or --semantics master"
+        )
+    if build.origin.startswith("flavour "):
+        return build.semantics, f"the {build.label} build; --semantics overrides"
+    where = "inferred from the tree" if build.tree is not None else "from its build-info.json"
+    return build.semantics, f"{where}: {build.semantics_why}; --semantics overrides"
+
+
+def run_server_backend(
+    report: GateReport,
+    build: ServerBuild,
+    semantics: str,
+    profile: str,
+    seed: int,
+    max_examples: int | None,
+    out: Out,
+    how: str = "",
+) -> None:
+    """``gate --backend server``: differential machines, full context, memory, faults, sanitizers."""
+    replay = f"python -m harness gate --backend server {build.replay_flags}"
+    if not build.origin.startswith("flavour "):
+        replay += f" --semantics {semantics}"
+    replay += f" --profile {profile} --seed {seed}"
+    binary = build.binary
+    out(f"gate: backend=server build={build.origin} semantics={semantics} profile={profile} seed={seed} "
+        f"commit={report.commit}")  # fmt: skip
+    out(f"  binary {binary}" + (" (AddressSanitizer)" if build.asan else ""))
+    if how:
+        out(f"  semantics {semantics}: {how}")
+    pinned = describe(build, out)
+    if build.origin == "flavour asan" and not build.asan:
+        raise UsageError(
+            f"{binary} is not built with AddressSanitizer; rebuild: python -m harness build-server --asan --force"
+        )
+    note = "" if pinned else (
+        f" [the model is pinned to llama.cpp {PINNED_COMMIT} and this {'tree' if build.tree else 'binary'} is not "
+        "that tree: the divergence is either your change or upstream moving on since; --base BASE (the tree your "
+        "change starts from) tells them apart]"
+    )  # fmt: skip
+    run = ServerRun(report, build, semantics, replay, out, pinned, note)
+    run.version([build])
+    hs = hypothesis_settings(profile, max_examples)
+    with tempfile.TemporaryDirectory(prefix="server-gate-") as logs:
+        if build.asan:
+            # leaks are reported at exit, into the server's log
+            os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
+        _machines(run, binary, semantics, hs, seed, logs)
+        try:
+            rows = eviction(binary, semantics, logs)
+            run.section["requests"] += len(rows)
+            run.section["evictions"] += rows[-1].evictions
+            out(
+                f"  [ok  ] eviction: jamba --cache-ram 1, {len(rows)} requests, {rows[-1].evictions} evictions "
+                f"seen in the log and predicted, cache_n {[r.cache_n for r in rows[-3:]]} for the returning prompts"
+            )
+        except ServerMismatch as e:
+            run.mismatch(e, "server-eviction")
+        try:
+            rows = full_context(binary, semantics, logs)
+            run.section["requests"] += len(rows)
+            out(f"  [ok  ] full context: jamba n_ctx=1024, {len(rows)} requests, cache_n " + ", ".join(
+                str(r.cache_n) for r in rows))  # fmt: skip
+        except ServerMismatch as e:
+            run.mismatch(e, "server-full-context")
+        if not build.asan:
+            try:
+                memory_and_faults(report, run.section, build.label, semantics, binary, logs, run.fail, out)
+            except ServerMismatch as e:
+                run.mismatch(e, "server-memory")
+        run.sanitizers(logs)
+    run.known_near_ties()
+
+
+def _machines(run: ServerRun, binary: Path, semantics: str, hs: settings, seed: int, logs: str) -> None:
+    """The differential machine of every configuration, one row each."""
+    for cfg in server_configs():
+        stats = MachineStats()
+        t0 = time.perf_counter()
+        cls = server_machine(cfg, binary, semantics, stats, logs, run.build.replay_expr)
+        status = "ok  "
+        try:
+            run_seeded(cls, hs, seed)
+        except ServerMismatch as e:
+            status = "FAIL"
+            run.mismatch(e, f"server-{cfg.name}")
+        except FlakyFailure as group:
+            found = unflaked(group, ServerMismatch)
+            if found is None:
+                raise
+            status = "FAIL"  # the model is the oracle: what the server answered once is filed, said to be flaky
+            flaky = f"{found.message} [flaky: Hypothesis' second run of the same program did not show it]"
+            run.mismatch(ServerMismatch(found.name, flaky, found.program, found.kind), f"server-{cfg.name}")
+        except ServerStartError as e:
+            status = "FAIL"
+            run.section["server_crashes"] += 1
+            run.fail("server", "crash", str(e), "", f"server-{cfg.name}")
+        for k in ("requests", "near_tie_flips", "evictions", "cache_loads"):
+            run.section[k] += getattr(stats, k)
+        run.passed(time.perf_counter() - t0, Counter({"cache_n": stats.requests, "output": stats.output_checks}))
+        run.out(
+            f"  [{status}] {cfg.name:<20} {stats.requests:>4} requests ({stats.cache_hits} reused a prefix, "
+            f"{stats.cache_loads} cache loads, {stats.evictions} evictions), {stats.output_checks} outputs "
+            f"checked against a fresh server"
+            + (f", {stats.drafted} draft tokens" if cfg.draft else "")
+            + f" {time.perf_counter() - t0:5.1f}s"
+        )
+
+
+def run_change_backend(
+    report: GateReport,
+    tree: ServerBuild,
+    base: ServerBuild,
+    semantics: str,
+    base_semantics: str,
+    profile: str,
+    seed: int,
+    max_examples: int | None,
+    out: Out,
+    how: str = "",
+) -> None:
+    """``gate --backend server --source TREE --base BASE``: the change differential, then the memory
+    properties on ``TREE`` with ``BASE``'s figures beside them."""
+    replay = (f"python -m harness gate --backend server {tree.replay_flags} --base {base.replay_flags.split(' ', 1)[1]}"
+              f" --profile {profile} --seed {seed}")  # fmt: skip
+    out(f"gate: backend=server change TREE={tree.origin} BASE={base.origin} semantics={semantics} "
+        f"(BASE {base_semantics}) profile={profile} seed={seed} commit={report.commit}")  # fmt: skip
+    if how:
+        out(f"  semantics {semantics}: {how}")
+    describe(tree, out)
+    base_pinned = describe(base, out)
+    run = ServerRun(report, tree, semantics, replay, out, pinned=base_pinned)
+    run.section.update({"base": base.origin, "base_semantics": base_semantics, "base_pinned": base_pinned,
+                        "changes": 0, "same_answers": 0, "drift": [], "unconfirmed": []})  # fmt: skip
+    run.version([tree, base])
+    hs = hypothesis_settings(profile, max_examples)
+    with tempfile.TemporaryDirectory(prefix="server-change-") as logs:
+        if tree.asan:
+            os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
+
+        pair = _PairRun(run, tree, base, base_semantics, base_pinned, logs)
+        for cfg in server_configs():
+            pair.machine(cfg, hs, seed)
+        for name, (cfg, program) in (("eviction", eviction_program()), ("full-context", full_context_program())):
+            pair.program(name, cfg, program)
+        if not tree.asan:
+            _memory_change(report, run, tree, base, semantics, base_semantics, logs, out)
+        run.sanitizers(logs)
+    if run.section["drift"]:
+        out(f"  upstream drift: {len(run.section['drift'])} configuration(s) where BASE answers unlike the model "
+            f"(pinned to {PINNED_COMMIT}); not the change's, not failing")  # fmt: skip
+    run.known_near_ties()
+
+
+class _PairRun:
+    """The change differential's machines and programs for one run: each difference shrunk and filed, each
+    drift reported (or, on a pinned ``BASE``, filed as the model's mismatch)."""
+
+    def __init__(self, run: ServerRun, tree: ServerBuild, base: ServerBuild, base_semantics: str, base_pinned: bool,
+                 logs: str) -> None:  # fmt: skip
+        self.run, self.tree, self.base, self.base_semantics = run, tree, base, base_semantics
+        self.base_pinned, self.logs = base_pinned, logs
+        self.exprs = (tree.replay_expr, base.replay_expr)
+        self.shrunk = False
+
+    def machine(self, cfg: ServerConfig, hs: settings, seed: int) -> None:
+        stats = ChangeStats()
+        t0 = time.perf_counter()
+        status = "ok  "
+        cls = change_machine(cfg, self.tree.binary, self.base.binary, self.base_semantics, stats, self.logs,
+                             self.exprs)  # fmt: skip
+        try:
+            run_seeded(cls, hs, seed)
+        except ChangeFound as e:
+            status = "FAIL"
+            self.changed(e, cfg, f"server-{cfg.name}")
+        except FlakyFailure as group:
+            found = unflaked(group, ChangeFound)
+            if not isinstance(found, ChangeFound):
+                raise
+            status = "FAIL" if self.changed(found, cfg, f"server-{cfg.name}", flaky=True) else "ok  "
+        except ServerStartError as e:
+            status = "FAIL"
+            self.run.section["server_crashes"] += 1
+            self.run.fail("server", "crash", str(e), "", f"server-{cfg.name}")
+        self.account(stats, f"server-{cfg.name}")
+        self.run.passed(time.perf_counter() - t0, Counter({"change": stats.requests}))
+        self.run.out(f"  [{status}] {cfg.name:<20} {stats.requests:>4} requests to both, {stats.same} answered alike "
+                     f"(slot, cache_n, tokens, cache events) {time.perf_counter() - t0:5.1f}s")  # fmt: skip
+
+    def program(self, name: str, cfg: ServerConfig, program: Program) -> None:
+        stats = ChangeStats()
+        try:
+            with ChangePair(cfg, self.tree.binary, self.base.binary, self.base_semantics, self.logs,
+                            tree_expr=self.exprs[0], base_expr=self.exprs[1]) as p:  # fmt: skip
+                for toks, n in program:
+                    step = p.request(toks, n)
+                    stats.requests += 1
+                    if step.difference is not None:
+                        raise ChangeFound(step, p.sent, p.program())
+                    stats.same += 1
+                if p.drift is not None:
+                    stats.drift.append(f"{cfg.name}: {p.drift}")
+            self.run.out(f"  [ok  ] {name}: {len(program)} requests to both, answered alike")
+        except ChangeFound as e:
+            self.changed(e, cfg, f"server-{name}")
+        self.account(stats, f"server-{name}")
+
+    def changed(self, e: ChangeFound, cfg: ServerConfig, machine: str, *, flaky: bool = False) -> bool:
+        """File a difference as the change's: the first one of the run shrunk on fresh server pairs (minutes of
+        real requests), the others with their whole program. A ``flaky`` one (Hypothesis' second run of the
+        same program did not show it) is the change's only if it shows again on fresh servers; else it is kept
+        as ``unconfirmed`` with its program, printed, and not filed (False): a difference neither run repeats
+        may be both builds' timing, and the gate says only what it saw."""
+        pair = ChangePair(cfg, self.tree.binary, self.base.binary, tree_expr=self.exprs[0], base_expr=self.exprs[1])
+        if self.shrunk and not flaky:
+            said = "not shrunk: the run's first change is"
+            sent, step = e.sent, e.step
+        else:
+            self.run.out(f"  change in {machine}: {e.step.difference} (request {e.step.index}"
+                         f"{'; not seen again when Hypothesis ran its program twice' if flaky else ''}); "
+                         "shrinking on fresh servers")  # fmt: skip
+            sent, found, said = shrink(cfg, self.tree.binary, self.base.binary, e.sent, log_dir=self.logs,
+                                       out=self.run.out)  # fmt: skip
+            if found is None and flaky:
+                what = (f"{machine}: {e.step.describe()} (seen once; not in Hypothesis' second run of the program "
+                        "nor in a replay on fresh servers)")  # fmt: skip
+                self.run.section["unconfirmed"].append({"difference": what, "program": pair.program(e.sent)})
+                self.run.out(f"  unconfirmed difference, not attributed to the change (not failing): {what}")
+                return False
+            step = found or e.step
+            self.shrunk = True
+        message = step.describe() + f" [{len(sent)} of {len(e.sent)} requests; {said}]"
+        self.run.mismatch(ServerMismatch("change", message, pair.program(sent), e.kind), machine)
+        return True
+
+    def account(self, stats: ChangeStats, machine: str) -> None:
+        self.run.section["requests"] += stats.requests
+        self.run.section["same_answers"] += stats.same
+        for d in stats.drift:
+            if self.base_pinned:  # BASE is the tree the model mirrors: a disagreement is the model's or upstream's
+                self.run.fail("cache_n", "violation", f"BASE against the model: {d}", "", machine)
+            else:
+                self.run.section["drift"].append(d)
+                self.run.out(f"  upstream drift (BASE against the model {PINNED_COMMIT}; reported, not failing): {d}")
+
+
+def _memory_change(report: GateReport, run: ServerRun, tree: ServerBuild, base: ServerBuild, semantics: str,
+                   base_semantics: str, logs: str, out: Callable[[str], None]) -> None:  # fmt: skip
+    """The memory properties on ``TREE`` (as without ``--base``), and ``BASE``'s save peak beside it."""
+    try:
+        memory_and_faults(report, run.section, tree.label, semantics, tree.binary, logs, run.fail, out,
+                          other=("base", base.binary, base_semantics))  # fmt: skip
+    except ServerMismatch as e:
+        run.mismatch(e, "server-memory")
+    m = run.section.get("memory", {})
+    if "base" in m and tree.label in m and m[tree.label]["rss_peak_bytes"] > 0:
+        ratio = m["base"]["rss_peak_bytes"] / m[tree.label]["rss_peak_bytes"]
+        run.section["rss_ratio_base_over_tree"] = round(ratio, 2)
+        out(f"  the change's memory difference: a save's RSS peak BASE {m['base']['rss_peak_bytes']} B, TREE "
+            f"{m[tree.label]['rss_peak_bytes']} B (BASE/TREE = {ratio:.2f})")  # fmt: skip
+
+
