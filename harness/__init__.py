@@ -1,30 +1,52 @@
 """prompt-cache-harness: a reference model of llama-server's prompt cache, real targets, properties,
 fault injectors and the gate that runs them on every backend.
 
-The house, from the ground floor up. A module may import only from its own floor or below; the
-test ``tests/test_architecture.py`` reads every import and fails on a loop or an upward import.
+The house, from the ground floor up: :data:`FLOORS` below is the one table of its floors (the
+architecture test ``tests/test_architecture.py`` reads it, and checks that ``docs/map.md`` draws the
+same floors in the same order). A module may import only from its own floor or below; the test reads
+every import and fails on an upward import, an import of the project hidden inside a function, or a
+loop. Two rules of a floor's own:
 
-1. ``harness.errors`` (the error root and exit codes), ``harness.findings`` (the one registry of
-   known upstream findings), ``harness.interrupt`` (Ctrl-C: the first ends a run cleanly, the second
-   at once), ``harness.child`` (the one helper every child process runs through), ``fixtures``
-   (generated inputs: tiny GGUF models). They import nothing of the project above them.
-2. ``harness.model``: the reference model of llama-server's prompt cache, slots and checkpoints
-   pinned to llama.cpp 0c1e570, in ``master`` and ``shared`` (PR #27451) semantics.
-3. ``harness.targets``: one adapter module per real or synthetic target (``synthetic``,
-   ``libllama``, ``llama_server``, ``lcp_cache``). A target imports the model, never another
-   target, the properties, the faults or the gate.
-4. ``properties``: invariants, policy checks and the Hypothesis state machines over the targets.
-5. ``faults``: fault kinds, the one :class:`~faults.kinds.Outcome` vocabulary and the injectors.
-6. ``harness.backends``: one gate runner per backend, all listed in
-   :data:`harness.backends.BACKENDS` with one signature; a new engine is a target module plus a
-   backend module, which also says which fuzz-campaign machines it has.
-7. ``harness.campaign`` (fuzz campaigns: worker processes, example databases, the live view,
-   replay), ``harness.measure`` (measurements and the reporters that turn them into pages and
-   tables: the memory report, the bench) and ``harness.load`` (concurrent clients and soak runs
-   against a real server): work built on the gate's backends, on one floor.
-8. ``harness.commands``: one module per ``python -m harness`` subcommand.
-9. ``harness.cli`` and ``harness.__main__``: the entry point, importing its commands directly.
-10. ``harness.pytest_plugin`` (beside ``ci``): the pytest plugin for users' own tests (fixtures, the
-   ``prompt_cache_invariants`` marker, server options); it imports the floors it needs, nothing
-   imports it.
+- a target never imports another target (:data:`APART`: the modules of ``harness.targets`` import
+  nothing of one another);
+- the trees (``harness.trees``: llama.cpp checkouts and their builds) import only the ground floor,
+  the model's value types and other trees: the targets run what the trees build, never the reverse.
+
+This module holds the table and nothing else; nothing of the project imports it.
 """
+
+from __future__ import annotations
+
+__all__ = ["APART", "FLOORS", "Floor"]
+
+#: one floor: its name, the packages and modules on it (a dotted prefix each), what they are
+Floor = tuple[str, tuple[str, ...], str]
+
+#: the floors, bottom first; floor n of ``docs/map.md`` is ``FLOORS[n - 1]``
+FLOORS: tuple[Floor, ...] = (
+    (
+        "ground",
+        ("harness.errors", "harness.findings", "harness.interrupt", "harness.child", "harness.memlimit", "fixtures"),
+        "the error root and exit codes, the registry of known findings, Ctrl-C, the one child-process helper, "
+        "a child's memory limit, the generated inputs (gguf files)",
+    ),
+    ("model", ("harness.model",), "the reference model of llama-server's prompt cache, slots and checkpoints"),
+    ("trees", ("harness.trees",), "llama.cpp trees and their builds: a checkout to a llama-server binary"),
+    ("targets", ("harness.targets",), "one adapter per target: synthetic, libllama, lcp_cache, llama_server"),
+    ("properties", ("properties",), "the properties, policy checks and Hypothesis state machines"),
+    ("faults", ("faults",), "fault kinds, the one Outcome vocabulary, the injectors"),
+    ("trace", ("harness.trace",), "the libllama call tracer: the interposer, its replay and shrink"),
+    ("backends", ("harness.backends",), "one gate runner per backend, in harness.backends.BACKENDS"),
+    ("experiments", ("harness.experiments",), "the server experiments beside the gate: slot files, reuse"),
+    (
+        "work",
+        ("harness.campaign", "harness.load", "harness.report", "harness.bench", "harness.coverage"),
+        "work built on the backends: fuzz campaigns, load, the memory report, the bench, coverage",
+    ),
+    ("commands", ("harness.commands",), "one module per python -m harness subcommand"),
+    ("entry", ("harness.cli", "harness.__main__", "harness"), "the entry point; this table"),
+    ("plugin", ("harness.pytest_plugin", "ci"), "the pytest plugin and CI's helpers: on top, nothing imports them"),
+)
+
+#: packages whose modules never import one another
+APART: tuple[str, ...] = ("harness.targets",)

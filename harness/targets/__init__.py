@@ -3,11 +3,11 @@
 - ``synthetic.py``: the model on synthetic state (:func:`make_server`).
 - ``libllama.py``: the model on real libllama contexts through llama-cpp-python
   (:class:`LlamaProvider`, :func:`make_llama_server`), with restore equivalence checks.
-- ``llama_build.py``: builds ``llama-server`` from the pinned tree or any llama.cpp checkout, cached by
-  the tree's content; ``llama_server.py``: runs one (:class:`ServerProcess`).
+- ``llama_server.py``: runs one ``llama-server`` (:class:`ServerProcess`), built by :mod:`harness.trees.build`
+  from the pinned tree or any llama.cpp checkout.
 - ``lcp_cache.py``: llama-cpp-python's own ``LlamaRAMCache`` / ``LlamaDiskCache``.
 
-May import: ``harness.model``, ``harness.errors``, ``harness.findings``, ``harness.child``,
-``fixtures``. Never another target (``llama_server`` uses ``llama_build``: one target), the properties,
-the faults, the backends or the commands.
+May import the floors below (``harness.trees``, ``harness.model`` and the ground floor). Never another target
+(:data:`harness.APART`; ``tests/test_architecture.py`` checks it), the properties, the faults, the backends or
+the commands.
 """
