@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 
 from fixtures.gguf import model_path
-from harness.backends.llama_server.reuse import reuse_pair, shift_run
+from harness.experiments.reuse import reuse_pair, shift_run
 from harness.findings import FINDINGS
 from harness.load.outputs import Divergences, compare_output
 from harness.model.provider import MemoryKind, SyntheticProvider

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.llama_server.slot_files import (
+from harness.experiments.slot_files import (
     BAD_BODY_FINDING,
     SYMLINK_FINDING,
     ActionResult,
@@ -26,8 +26,8 @@ from harness.backends.llama_server.slot_files import (
     judge,
     run_slot_files,
 )
-from harness.backends.llama_server.slot_names import BENIGN, Name, classify, explicit_names, text_name
-from harness.backends.llama_server.slot_sandbox import SECRET, SYMLINKS, Sandbox
+from harness.experiments.slot_names import BENIGN, Name, classify, explicit_names, text_name
+from harness.experiments.slot_sandbox import SECRET, SYMLINKS, Sandbox
 from harness.findings import FINDINGS
 from harness.trees.build import build_server
 

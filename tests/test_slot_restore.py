@@ -9,8 +9,8 @@ import sys
 import pytest
 from hypothesis import Phase, settings
 
-from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
 from harness.errors import GgmlAbort, PropertyFailure
+from harness.experiments.slot_restore import enospc, run_differential, stale_draft
 from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerParams
 from harness.model.slot_files import HEADER, SlotFile, SlotFileStore, slot_erase, slot_restore, slot_save

@@ -1,7 +1,7 @@
 """``python -m harness slot-files``: hostile slot file names against a real llama-server, the sandbox watched.
 
-The run is :func:`harness.backends.llama_server.slot_files.run_slot_files`: every explicit name of
-:mod:`harness.backends.llama_server.slot_names`, then ``--examples`` generated ones, each sent to
+The run is :func:`harness.experiments.slot_files.run_slot_files`: every explicit name of
+:mod:`harness.experiments.slot_names`, then ``--examples`` generated ones, each sent to
 ``POST /slots/0?action=save``, ``restore`` and ``erase`` on a server whose ``--slot-save-path`` is a sandbox
 watched by snapshots and inotify. One row per name: its class, the three statuses, what it touched outside
 the save directory, its verdict. Registered findings (``slot-file-follows-symlink``, ``slot-action-bad-body-500``
@@ -13,7 +13,7 @@ restores, erases and completions per model of ``--models`` (all five by default;
 :mod:`harness.load.slot_programs`), each step against the model (statuses, token counts,
 ``timings.cache_n``) and, after every restore, a fresh evaluation (outputs); a difference a registered finding's
 exact condition explains is counted under it, any other fails with the shrunk program, the seed and the command
-line that replays it. Then the fixed programs of :mod:`harness.backends.llama_server.slot_restore` as the smoke case
+line that replays it. Then the fixed programs of :mod:`harness.experiments.slot_restore` as the smoke case
 (``--rounds``), a restore on a speculative slot and the full-disk case on a 64 KiB tmpfs (root only); JSON figures
 on stdout (and ``--json``). Exit 1 on a mismatch; the registered findings it shows are listed as known.
 
@@ -28,10 +28,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.backends.llama_server.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
-from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
 from harness.commands.common import add_semantics, models_of, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
+from harness.experiments.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
+from harness.experiments.slot_restore import enospc, run_differential, stale_draft
 from harness.findings import finding
 from harness.load.slot_programs import ARCHS, command_line, run_model
 from harness.trees.build import build_server

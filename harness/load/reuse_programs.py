@@ -1,11 +1,11 @@
 """Generated ``--cache-reuse`` and context-shift programs on a real ``llama-server`` against the model (issue #39,
 point 3): ``python -m harness reuse --examples N --seed S``.
 
-An example is a server with one slot of :data:`~harness.backends.llama_server.reuse.N_CTX` tokens, ``--cache-reuse
+An example is a server with one slot of :data:`~harness.experiments.reuse.N_CTX` tokens, ``--cache-reuse
 N`` (N drawn: 1-16) and ``--context-shift``, and the model (:func:`harness.targets.synthetic.make_server` on
 transformer memory: the libllama provider cannot shift) with the same flags, fed the server's generated tokens.
 On llama only: the synthetic provider cannot move a recurrent state's position (mamba, jamba, lfm2: the fixed
-:func:`~harness.backends.llama_server.reuse.reuse_pair` on mamba shows ``cache-reuse-recurrent-stale``), and gemma2's
+:func:`~harness.experiments.reuse.reuse_pair` on mamba shows ``cache-reuse-recurrent-stale``), and gemma2's
 server refuses ``--cache-reuse`` only at sizes where its two caches differ, which the iSWA model does not follow.
 
 A program: a first prompt, then up to :data:`MAX_FOLLOW` follow-ups, each the conversation the slot holds (its
@@ -44,8 +44,8 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fixtures.gguf import model_path
-from harness.backends.llama_server.reuse import N_CTX
 from harness.errors import GgmlAbort
+from harness.experiments.reuse import N_CTX
 from harness.interrupt import check
 from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
 from harness.model.server_context import ServerContext, ServerParams

@@ -3,7 +3,7 @@ point 3): ``python -m harness slot-files --differential --examples N --seed S``.
 
 An example is a program of up to :data:`MAX_STEPS` steps on one server (``-np 1``, ``--cache-ram 0``,
 ``--slot-save-path``) and the reference model on libllama contexts of the same model
-(:class:`~harness.backends.llama_server.slot_restore.SlotDifferential`): completions whose prompts take a part
+(:class:`~harness.experiments.slot_restore.SlotDifferential`): completions whose prompts take a part
 (in 24ths) of an earlier prompt or of a conversation the slot held (its prompt and the tokens generated) and
 add new tokens, and ``save``, ``restore`` and ``erase`` on three file names (the third never saved: a restore of
 it is a 400 that clears the slot). Checked at each step, and failing on any difference no registered finding
@@ -39,7 +39,7 @@ from typing import Any
 from hypothesis import strategies as st
 
 from fixtures.gguf import model_path
-from harness.backends.llama_server.slot_restore import SlotDifferential
+from harness.experiments.slot_restore import SlotDifferential
 from harness.interrupt import check
 from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
 from harness.model.server_context import ServerSlot

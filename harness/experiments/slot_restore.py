@@ -1,16 +1,16 @@
 """Slot files on a real ``llama-server`` against the model (issue #39, point 3): ``python -m harness slot-files
 --differential``.
 
-:class:`SlotDifferential` is :class:`.differential.Differential` (one server, -np 1, ``--cache-ram 0`` so that only
-the slot and its file move state; the reference model on libllama contexts of the same model) with
-``--slot-save-path`` and a :class:`~harness.model.slot_files.SlotFileStore` beside the model (also with
-``--cache-ram 8``): every save,
-restore and erase goes to both (the model's :func:`~harness.model.slot_files.slot_save` and kin). Per round of
-:func:`run_differential` on each model: a prompt A (answered), save, an unrelated prompt B, restore, then a prompt
-that diverges from A before its end (Q), erase, restore, and a prompt that extends the whole restored slot. After
-every restore the next completion's ``timings.cache_n`` is compared with the model's prediction and its output
-with a fresh evaluation (:func:`.differential.check_output`: a server with ``cache_prompt`` off; a near tie is the
-known ``greedy-flip-on-cache-path``). A control server that never saved gets A then Q: its ``cache_n`` minus the
+:class:`SlotDifferential` is the server backend's :class:`~harness.backends.llama_server.differential.Differential`
+(one server, -np 1, ``--cache-ram 0`` so that only the slot and its file move state; the reference model on libllama
+contexts of the same model) with ``--slot-save-path`` and a :class:`~harness.model.slot_files.SlotFileStore` beside
+the model (also with ``--cache-ram 8``): every save, restore and erase goes to both (the model's
+:func:`~harness.model.slot_files.slot_save` and kin). Per round of :func:`run_differential` on each model: a prompt A
+(answered), save, an unrelated prompt B, restore, then a prompt that diverges from A before its end (Q), erase,
+restore, and a prompt that extends the whole restored slot. After every restore the next completion's
+``timings.cache_n`` is compared with the model's prediction and its output with a fresh evaluation
+(:func:`~harness.backends.llama_server.differential.check_output`: a server with ``cache_prompt`` off; a near tie is
+the known ``greedy-flip-on-cache-path``). A control server that never saved gets A then Q: its ``cache_n`` minus the
 restored slot's is what the file lost (the checkpoints it does not hold: registered finding
 ``slot-restore-drops-checkpoints``), counted as ``tokens_reprocessed``.
 

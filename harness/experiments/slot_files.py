@@ -35,9 +35,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import seed as hypothesis_seed
 
 from fixtures.gguf import model_path
-from harness.backends.llama_server.slot_names import Name, explicit_names, generated_names
-from harness.backends.llama_server.slot_sandbox import SYMLINKS, Sandbox, diff
 from harness.errors import RequestFailed
+from harness.experiments.slot_names import Name, explicit_names, generated_names
+from harness.experiments.slot_sandbox import SYMLINKS, Sandbox, diff
 from harness.findings import finding
 from harness.interrupt import check
 from harness.targets.llama_server import ServerProcess

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from hypothesis import strategies as st
 
-from harness.backends.llama_server.slot_sandbox import SYMLINKS
+from harness.experiments.slot_sandbox import SYMLINKS
 
 __all__ = ["CLASSES", "PIECES", "Name", "classify", "explicit_names", "generated_names", "text_name"]
 
