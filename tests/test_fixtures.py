@@ -30,8 +30,8 @@ from fixtures import (
     VOCAB_SIZE,
     draft_path,
     model_path,
-    models,
 )
+from fixtures import gguf as gguf_fixture
 from harness.errors import ModelLoadError
 
 if TYPE_CHECKING:
@@ -250,7 +250,7 @@ def test_corrupt_model_that_cannot_be_regenerated_is_one_line(tmp_path: Path, mo
     def disk_full(spec: object, seed: int, path: Path) -> None:
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC), str(path))
 
-    monkeypatch.setattr(models, "write_model", disk_full)
+    monkeypatch.setattr(gguf_fixture, "write_model", disk_full)
     with pytest.raises(ModelLoadError) as e:
         model_path("llama", cache_dir=tmp_path)
     msg = str(e.value)
