@@ -1,4 +1,4 @@
-"""Fuzz campaigns (``python -m harness fuzz`` and ``python -m harness replay``), floor 6.
+"""Fuzz campaigns (``python -m harness fuzz`` and ``python -m harness replay``), on the floor "work" of harness.FLOORS.
 
 * :mod:`~harness.campaign.store`: the example database (a directory or a Redis server) and the
   failure records a campaign keeps in it beside Hypothesis' own examples.
