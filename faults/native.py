@@ -174,7 +174,7 @@ class RemoteShim:
     before the request whose allocation should fail and :meth:`disarm` it afterwards::
 
         shim = RemoteShim(tmp_path)
-        with ServerProcess(binary, model=model, env=shim.env()) as srv:
+        with ServerProcess(binary, Launch(model=model), env=shim.env()) as srv:
             shim.arm(srv.pid, 1)          # the next allocation of >= 512 KiB fails
             ...                           # a request that saves a slot to the cache
             fired = shim.disarm(srv.pid)  # how many allocations failed meanwhile

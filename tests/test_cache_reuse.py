@@ -24,7 +24,7 @@ from harness.model.provider import MemoryKind, SyntheticProvider
 from harness.model.reuse import Chunk, context_shift_bounds, reuse_chunks, shifted_tokens
 from harness.model.server_context import ServerParams
 from harness.model.shift import HOLE
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 from harness.targets.synthetic import make_server
 from harness.trees.build import build_server
 from properties.reuse_machine import REUSE_KINDS, kill_reuse, reuse_config, reuse_machine_class, run_reuse
@@ -122,7 +122,7 @@ def test_server_cache_reuse_against_the_model(binary: Path, tmp_path: Path) -> N
     ctl = reuse_pair(binary, model_path("llama"), "llama", n_cache_reuse=64, log_dir=tmp_path)
     assert ctl.chunks == [] and ctl.cache_n == ctl.model_cache_n == ctl.n_prefix, ctl.line()
     if not ctl.matches_fresh:
-        with ServerProcess(binary, model=model_path("llama"), n_parallel=1, ctx_size=256, threads=1) as fresh:
+        with ServerProcess(binary, Launch(model=model_path("llama"), n_parallel=1, ctx_size=256, threads=1)) as fresh:
             diff = compare_output(fresh, ctl.second, ctl.generated, "llama")
         assert diff is None or Divergences.batch_shape(diff, ctl.cache_n) is not None, ctl.line()
 

@@ -27,7 +27,7 @@ from harness.coverage import gcovr as cov
 from harness.coverage.functions import TARGETS, UNEXPLAINED, Target, reason_for
 from harness.coverage.live import COVERAGE_RUN_ENV, LineProbe
 from harness.errors import Unavailable, UsageError
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 from harness.trees.build import build_server, cmake_args
 from harness.trees.gcov import SOURCES, gcov_env, is_coverage
 
@@ -46,11 +46,14 @@ def binary() -> Path:
 @pytest.fixture(scope="module")
 def measured(binary: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[cov.CoverageRun, Any]]:
     run = cov.CoverageRun.create(tmp_path_factory.mktemp("coverage") / "run", binary)
-    with ServerProcess(binary, model=model_path("llama"), n_parallel=1, cache_ram=16, ctx_size=512,
-                       env=run.env("requests")) as srv:  # fmt: skip
+    with ServerProcess(
+        binary,
+        Launch(model=model_path("llama"), n_parallel=1, cache_ram=16, ctx_size=512),
+        env=run.env("requests"),
+    ) as srv:
         for prompt in (PROMPT_A, PROMPT_B, PROMPT_A):  # A saved to the RAM cache by B, then loaded back
             srv.completion(prompt, n_predict=2)
-    killed = ServerProcess(binary, model=model_path("llama"), env=run.env("requests"))
+    killed = ServerProcess(binary, Launch(model=model_path("llama")), env=run.env("requests"))
     with killed:
         assert killed.proc is not None
         killed.proc.kill()  # no clean exit: no counters
@@ -112,14 +115,19 @@ def test_a_campaign_counts_new_lines_as_progress(binary: Path, tmp_path: Path, m
     probe.every = 3600.0  # only forced readings are due
     state = CampaignState("db", Plan(("server",)), 1, "1 minutes", {}, lines=probe)
     assert not probe.read(1.0, force=True) and probe.lines == 0 and "lines - (no counters yet)" in status(state)
-    with ServerProcess(binary, model=model_path("llama"), n_parallel=1, ctx_size=512, env=run.env("fuzz")) as srv:
+    with ServerProcess(
+        binary, Launch(model=model_path("llama"), n_parallel=1, ctx_size=512), env=run.env("fuzz")
+    ) as srv:
         srv.completion(PROMPT_A, n_predict=2)  # no RAM cache: nothing saved or loaded
     assert probe.read(2.0, force=True)
     first = probe.lines
     assert 0 < first < probe.total and status(state).endswith(f"lines {first}/{probe.total} (+{first})")
     assert not probe.read(2.5, force=True)  # nothing new written: no reading
-    with ServerProcess(binary, model=model_path("llama"), n_parallel=1, cache_ram=16, ctx_size=512,
-                       env=run.env("fuzz")) as srv:  # fmt: skip
+    with ServerProcess(
+        binary,
+        Launch(model=model_path("llama"), n_parallel=1, cache_ram=16, ctx_size=512),
+        env=run.env("fuzz"),
+    ) as srv:
         for prompt in (PROMPT_A, PROMPT_B, PROMPT_A):  # A saved by B, then loaded back
             srv.completion(prompt, n_predict=2)
     assert not probe.read(3.0)  # new counters, but not due: a bounded rate

@@ -18,7 +18,7 @@ from harness.findings import finding
 from harness.load.outputs import compare_output
 from harness.load.stateless import SERVER_ARGS, mismatches, mixed_program, mixed_run, predict
 from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerContext, ServerParams
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 from harness.targets.synthetic import make_server
 from harness.trees.build import build_server
 from properties.invariants import Violation
@@ -104,8 +104,11 @@ def test_the_select_saves_mutant_is_killed_by_the_check() -> None:
 def test_the_pr_server_caches_what_the_model_predicts(pr_binary: Path, tmp_path: Path, idle: bool) -> None:
     program = mixed_program(0, 24)
     args = [*SERVER_ARGS, "--no-warmup", "-lv", "4", *(() if idle else ("--no-cache-idle-slots",))]
-    with ServerProcess(pr_binary, args, model=model_path("llama"), n_parallel=2, ctx_size=8192, cache_ram=64,
-                       log_path=tmp_path / "server.log") as srv:  # fmt: skip
+    with ServerProcess(
+        pr_binary,
+        Launch(model=model_path("llama"), n_parallel=2, ctx_size=8192, cache_ram=64, args=args),
+        log_path=tmp_path / "server.log",
+    ) as srv:  # fmt: skip
         res = mixed_run(srv, program)
     assert not res.errors
     want = predict(program, res.generated, params=ServerParams(n_slots=2, cache_ram=-1, cache_idle_slots=idle))
@@ -128,7 +131,10 @@ def test_an_embedding_entry_is_loaded_only_by_a_completion_that_starts_with_it(p
     others = [(1, *(3 + (j * k + 5) % 250 for j in range(40))) for k in (13, 17)]
     c = (*x, *(3 + (j * 19) % 250 for j in range(20)))
     args = [*SERVER_ARGS, "--no-warmup"]
-    with ServerProcess(pr_binary, args, model=model_path("llama"), n_parallel=2, ctx_size=4096, cache_ram=64) as srv:
+    with ServerProcess(
+        pr_binary,
+        Launch(model=model_path("llama"), n_parallel=2, ctx_size=4096, cache_ram=64, args=args),
+    ) as srv:
         for e in (x, *others):
             srv.request("POST", "/embeddings", {"content": list(e)})
         r = srv.completion(list(c), 4, ignore_eos=True, return_tokens=True)
@@ -140,7 +146,10 @@ def test_an_embedding_entry_is_loaded_only_by_a_completion_that_starts_with_it(p
     m.run_until_idle()
     assert m.prompt_cache is not None and m.prompt_cache.loads == 1
     assert r["timings"]["cache_n"] == m.slots[launched.slot].n_prompt_cached == len(x)
-    with ServerProcess(pr_binary, args, model=model_path("llama"), n_parallel=1, ctx_size=4096, cache_ram=0) as fresh:
+    with ServerProcess(
+        pr_binary,
+        Launch(model=model_path("llama"), n_parallel=1, ctx_size=4096, cache_ram=0, args=args),
+    ) as fresh:
         assert compare_output(fresh, c, r["tokens"], "llama") is None
 
 

@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 
 from harness.cli import main as cli_main
-from harness.targets.llama_server import ServerProcess, ServerStartError
+from harness.targets.llama_server import Launch, ServerProcess, ServerStartError, Timeouts
 from harness.trees import build as ls
 from harness.trees import pinned as llama_pinned
 from harness.trees.build import build_server
@@ -173,7 +173,7 @@ def test_bad_jobs_is_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
 
 @pytest.fixture
 def server(binary: Path, model: Path) -> Iterator[ServerProcess]:
-    with ServerProcess(binary, model=model, n_parallel=1, ctx_size=512, cache_ram=16, threads=1) as srv:
+    with ServerProcess(binary, Launch(model=model, n_parallel=1, ctx_size=512, cache_ram=16, threads=1)) as srv:
         yield srv
 
 
@@ -195,7 +195,7 @@ def test_prompt_cache_restores_after_slot_is_reused(binary: Path, model: Path) -
     """One slot, --cache-ram on: A is saved to the prompt cache when B takes the slot, then restored."""
     a = PROMPT
     b = "Pack my box with five dozen liquor jugs. " * 3
-    with ServerProcess(binary, model=model, n_parallel=1, ctx_size=512, cache_ram=16) as srv:
+    with ServerProcess(binary, Launch(model=model, n_parallel=1, ctx_size=512, cache_ram=16)) as srv:
         ra = srv.completion(a, n_predict=2, id_slot=0)
         rb = srv.completion(b, n_predict=2, id_slot=0)
         assert rb["timings"]["cache_n"] <= 1  # only BOS is shared with A
@@ -215,8 +215,15 @@ def test_checkpoints_saved_to_and_restored_from_prompt_cache(binary: Path, arch:
     a = PROMPT
     b = "Pack my box with five dozen liquor jugs. " * 3
     with ServerProcess(
-        binary, model=model_path(arch), n_parallel=1, ctx_size=512, cache_ram=16, ctx_checkpoints=4,
-        args=["--checkpoint-min-step", "16"],
+        binary,
+        Launch(
+            model=model_path(arch),
+            n_parallel=1,
+            ctx_size=512,
+            cache_ram=16,
+            ctx_checkpoints=4,
+            args=["--checkpoint-min-step", "16"],
+        ),
     ) as srv:  # fmt: skip
         ra = srv.completion(a, n_predict=4, id_slot=0)
         srv.completion(b, n_predict=4, id_slot=0)
@@ -236,8 +243,17 @@ def test_speculative_draft_with_prompt_cache(binary: Path, arch: str) -> None:
     a = PROMPT
     b = "Pack my box with five dozen liquor jugs. " * 3
     with ServerProcess(
-        binary, model=model_path(arch), draft=draft_path(), n_parallel=2, ctx_size=1024, cache_ram=16,
-        ctx_checkpoints=4, kv_unified=False, args=["--checkpoint-min-step", "16"],
+        binary,
+        Launch(
+            model=model_path(arch),
+            draft=draft_path(),
+            n_parallel=2,
+            ctx_size=1024,
+            cache_ram=16,
+            ctx_checkpoints=4,
+            kv_unified=False,
+            args=["--checkpoint-min-step", "16"],
+        ),
     ) as srv:  # fmt: skip
         ra = srv.completion(a, n_predict=16, id_slot=0, ignore_eos=True)
         srv.completion(b, n_predict=16, id_slot=0, ignore_eos=True)
@@ -249,7 +265,7 @@ def test_speculative_draft_with_prompt_cache(binary: Path, arch: str) -> None:
 
 
 def test_process_gone_after_exit(binary: Path, model: Path) -> None:
-    with ServerProcess(binary, model=model, ctx_size=256) as srv:
+    with ServerProcess(binary, Launch(model=model, ctx_size=256)) as srv:
         pid = srv.pid
         assert _alive(pid)
     assert _wait_gone(pid, timeout=0.5)
@@ -259,7 +275,7 @@ def test_process_gone_after_exit(binary: Path, model: Path) -> None:
 @pytest.mark.parametrize("exc", [RuntimeError, KeyboardInterrupt])
 def test_process_gone_when_body_raises(binary: Path, model: Path, exc: type[BaseException]) -> None:
     pid = None
-    with pytest.raises(exc), ServerProcess(binary, model=model, ctx_size=256) as srv:
+    with pytest.raises(exc), ServerProcess(binary, Launch(model=model, ctx_size=256)) as srv:
         pid = srv.pid
         raise exc("boom")
     assert pid is not None and _wait_gone(pid, timeout=0.5)
@@ -267,7 +283,7 @@ def test_process_gone_when_body_raises(binary: Path, model: Path, exc: type[Base
 
 def test_unresponsive_server_is_killed(binary: Path, model: Path) -> None:
     """SIGTERM is ignored by a stopped process: after ``stop_timeout`` it gets SIGKILL."""
-    with ServerProcess(binary, model=model, ctx_size=256, stop_timeout=0.5) as srv:
+    with ServerProcess(binary, Launch(model=model, ctx_size=256), timeouts=Timeouts(stop=0.5)) as srv:
         pid = srv.pid
         os.kill(pid, signal.SIGSTOP)
     assert srv.proc is not None and srv.proc.returncode == -signal.SIGKILL
@@ -277,8 +293,8 @@ def test_unresponsive_server_is_killed(binary: Path, model: Path) -> None:
 def test_atexit_stops_a_server_left_running(binary: Path, model: Path, tmp_path: Path) -> None:
     script = textwrap.dedent(
         f"""
-        from harness.targets.llama_server import ServerProcess
-        srv = ServerProcess({str(binary)!r}, model={str(model)!r}, ctx_size=256)
+        from harness.targets.llama_server import Launch, ServerProcess
+        srv = ServerProcess({str(binary)!r}, Launch(model={str(model)!r}, ctx_size=256))
         srv.start()
         print(srv.pid, flush=True)
         """
@@ -295,8 +311,8 @@ def test_server_dies_with_a_killed_parent(binary: Path, model: Path) -> None:
     script = textwrap.dedent(
         f"""
         import os, signal
-        from harness.targets.llama_server import ServerProcess
-        srv = ServerProcess({str(binary)!r}, model={str(model)!r}, ctx_size=256)
+        from harness.targets.llama_server import Launch, ServerProcess
+        srv = ServerProcess({str(binary)!r}, Launch(model={str(model)!r}, ctx_size=256))
         srv.start()
         print(srv.pid, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
@@ -311,18 +327,18 @@ def test_server_dies_with_a_killed_parent(binary: Path, model: Path) -> None:
 
 def test_start_fails_on_missing_binary(tmp_path: Path, model: Path) -> None:
     with pytest.raises(ServerStartError, match=r"binary .* is missing.*log: "):
-        ServerProcess(tmp_path / "llama-server", model=model).start()
+        ServerProcess(tmp_path / "llama-server", Launch(model=model)).start()
 
 
 def test_start_fails_on_missing_model(binary: Path, tmp_path: Path) -> None:
     with pytest.raises(ServerStartError, match=r"model .*nope.gguf does not exist"):
-        ServerProcess(binary, model=tmp_path / "nope.gguf").start()
+        ServerProcess(binary, Launch(model=tmp_path / "nope.gguf")).start()
 
 
 def test_start_fails_on_corrupt_model(binary: Path, tmp_path: Path) -> None:
     bad = tmp_path / "corrupt.gguf"
     bad.write_bytes(b"GGUF" + b"\x00" * 64)
-    srv = ServerProcess(binary, model=bad, log_path=tmp_path / "srv.log")
+    srv = ServerProcess(binary, Launch(model=bad), log_path=tmp_path / "srv.log")
     with pytest.raises(ServerStartError) as info:
         srv.start()
     msg = str(info.value)
@@ -337,12 +353,12 @@ def test_start_fails_on_port_in_use(binary: Path, model: Path) -> None:
         s.listen()
         port = s.getsockname()[1]
         with pytest.raises(ServerStartError, match=f"port 127.0.0.1:{port} is already in use"):
-            ServerProcess(binary, model=model, port=port).start()
+            ServerProcess(binary, Launch(model=model), port=port).start()
 
 
 def test_env_is_passed(binary: Path, model: Path, tmp_path: Path) -> None:
     # LLAMA_ARG_* environment variables are read by llama-server: the context size comes from env
-    with ServerProcess(binary, model=model, env={"LLAMA_ARG_CTX_SIZE": "256"}) as srv:
+    with ServerProcess(binary, Launch(model=model), env={"LLAMA_ARG_CTX_SIZE": "256"}) as srv:
         props = srv.request("GET", "/props")
     assert props["default_generation_settings"]["n_ctx"] == 256
 

@@ -32,7 +32,7 @@ from harness.load.outputs import (
 from harness.load.soak import LiveServer, check_sanitizer_reports
 from harness.load.soak_result import PhaseResult
 from harness.load.traced import ServerTrace
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 from harness.trace.replay import lib_dir_of, replay
 from harness.trees.build import build_server
 
@@ -68,9 +68,18 @@ def test_a_wrong_response_is_a_mismatch_with_the_timed_trace(pr_binary: Path, tm
     cfg = load_config("mamba", 2, False)
     reqs = scenario(7, 3, 2, 3, 1024, busy=False)  # a clean trace: no busy-slot-by-id can excuse a mismatch
     with fresh_server(cfg, pr_binary) as fresh:
-        server = ServerProcess(pr_binary, [*cfg.server_args(), "-lv", "4"], model=model_path("mamba"), n_parallel=2,
-                               ctx_size=2048, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=4,
-                               log_path=tmp_path / "s.log")  # fmt: skip
+        server = ServerProcess(
+            pr_binary,
+            Launch(
+                model=model_path("mamba"),
+                n_parallel=2,
+                ctx_size=2048,
+                cache_ram=cfg.cache_ram_mib,
+                ctx_checkpoints=4,
+                args=[*cfg.server_args(), "-lv", "4"],
+            ),
+            log_path=tmp_path / "s.log",
+        )  # fmt: skip
         with server:
             run = run_clients(server, reqs)
         log = (tmp_path / "s.log").read_text()
@@ -90,8 +99,11 @@ def test_a_wrong_response_is_a_mismatch_with_the_timed_trace(pr_binary: Path, tm
 def test_order_parser_reads_selections_saves_and_releases(pr_binary: Path, tmp_path: Path) -> None:
     log = tmp_path / "s.log"
     a = [3 + (i * 7) % 250 for i in range(120)]
-    with ServerProcess(pr_binary, ["-lv", "4", "--no-warmup"], model=model_path("llama"), n_parallel=2,
-                       ctx_size=1024, cache_ram=4, log_path=log) as srv:  # fmt: skip
+    with ServerProcess(
+        pr_binary,
+        Launch(model=model_path("llama"), n_parallel=2, ctx_size=1024, cache_ram=4, args=["-lv", "4", "--no-warmup"]),
+        log_path=log,
+    ) as srv:  # fmt: skip
         run = run_clients(srv, [Req(0, 0.0, tuple(a), 300), Req(1, 0.01, (*a[:60], 9, 9), 3, BUSY)])
     events = parse_log(log.read_text())
     kinds = [e.kind for e in events]
@@ -156,9 +168,19 @@ def test_a_wrong_answer_on_an_attention_model_fails_with_its_libllama_trace(pr_b
     trace = traces.path("llama-trace0")
     assert trace is not None
     with fresh_server(cfg, pr_binary) as fresh:
-        server = ServerProcess(pr_binary, [*cfg.server_args(), "-lv", "4"], model=model_path("llama"), n_parallel=2,
-                               ctx_size=2048, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=4,
-                               log_path=tmp_path / "s.log", env=traces.env(trace))  # fmt: skip
+        server = ServerProcess(
+            pr_binary,
+            Launch(
+                model=model_path("llama"),
+                n_parallel=2,
+                ctx_size=2048,
+                cache_ram=cfg.cache_ram_mib,
+                ctx_checkpoints=4,
+                args=[*cfg.server_args(), "-lv", "4"],
+            ),
+            log_path=tmp_path / "s.log",
+            env=traces.env(trace),
+        )  # fmt: skip
         with server:
             run = run_clients(server, reqs)
         log = (tmp_path / "s.log").read_text()
@@ -208,8 +230,11 @@ def test_a_request_overlapping_a_restart_is_part_of_the_crash(pr_binary: Path, t
     # a client reaching the new server while it loads its model gets HTTP 503 "Loading model": the soak
     # must count that with the crash under a fault, never as a request error with faults off
     n = iter(range(10))
-    live = LiveServer(lambda: ServerProcess(pr_binary, ["--no-warmup"], model=model_path("mamba"), n_parallel=1,
-                                       ctx_size=256, cache_ram=0, log_path=tmp_path / f"s{next(n)}.log"))  # fmt: skip
+    live = LiveServer(lambda: ServerProcess(
+        pr_binary,
+        Launch(model=model_path("mamba"), n_parallel=1, ctx_size=256, cache_ram=0, args=["--no-warmup"]),
+        log_path=tmp_path / f"s{next(n)}.log",
+    ))  # fmt: skip
     live.server.start()
     try:
         assert not live.in_crash(0)

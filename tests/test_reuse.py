@@ -31,7 +31,7 @@ from harness.backends.llama_server.differential import Differential, ServerMisma
 from harness.findings import finding
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import ServerConfig, ServerProcess
+from harness.targets.llama_server import Launch, ServerConfig, ServerProcess
 from harness.targets.synthetic import make_server
 from harness.trees.build import build_server
 from properties.invariants import Violation
@@ -383,7 +383,10 @@ def test_load_picks_unresumable_entry_on_the_real_server(server_bin: Path) -> No
 @pytest.mark.llama_server_builds
 def test_c_on_the_real_server(server_bin: Path) -> None:
     args = ["--no-warmup", "--no-kv-unified", "--no-cache-idle-slots"]
-    with ServerProcess(server_bin, args, model=model_path("llama"), n_parallel=2, ctx_size=512, cache_ram=64) as srv:
+    with ServerProcess(
+        server_bin,
+        Launch(model=model_path("llama"), n_parallel=2, ctx_size=512, cache_ram=64, args=args),
+    ) as srv:
         got = [
             srv.completion(list(p), 1, ignore_eos=True)["timings"]["cache_n"]
             for p in (A, (90, 91, 92, 93, 94, 95), (80, 81, 82, 83, 84, 85, 86), A + EXT)

@@ -13,7 +13,7 @@ import pytest
 
 from fixtures.gguf import SPECS, model_path
 from harness.load.outputs import Divergences, OutputDiff
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 from harness.trace.calls import Event, Memory, check_trace, read_trace, short_window, trace_env
 from harness.trace.lineage import SHORT_WINDOW, Explainer, slice_read
 from harness.trace.replay import lib_dir_of, replay, shrink_trace
@@ -53,9 +53,17 @@ def _answer(binary: Path, tokens: list[int], *, first: list[int] | None, trace: 
     """The fixture's scenario (fixtures/findings/swa_restore_window_short.py): ``first`` sent, then
     ``tokens`` with the prompt cache on (a checkpoint restored at pos_max == pos_next) or, without
     ``first``, a fresh answer."""
-    with ServerProcess(binary, ["--no-warmup", "-lv", "4", "-b", "512", "-ub", "512"], model=model_path("gemma2"),
-                       n_parallel=1, ctx_size=512, cache_ram=0,
-                       env=trace_env(trace) if trace is not None else None) as srv:  # fmt: skip
+    with ServerProcess(
+        binary,
+        Launch(
+            model=model_path("gemma2"),
+            n_parallel=1,
+            ctx_size=512,
+            cache_ram=0,
+            args=["--no-warmup", "-lv", "4", "-b", "512", "-ub", "512"],
+        ),
+        env=trace_env(trace) if trace is not None else None,
+    ) as srv:
         if first is not None:
             srv.completion(first, 1, ignore_eos=True)
         r = srv.completion(tokens, n, ignore_eos=True, return_tokens=True, cache_prompt=first is not None)
@@ -100,8 +108,18 @@ def test_a_run_without_checkpoints_has_no_short_window(tmp_path: Path) -> None:
     binary = build_server("pr")
     a = [3 + (i * 7) % 250 for i in range(22)]
     trace = tmp_path / "none.jsonl"
-    with ServerProcess(binary, ["--no-warmup", "-lv", "4", "-b", "512", "-ub", "512"], model=model_path("gemma2"),
-                       n_parallel=1, ctx_size=512, cache_ram=0, ctx_checkpoints=0, env=trace_env(trace)) as srv:
+    with ServerProcess(
+        binary,
+        Launch(
+            model=model_path("gemma2"),
+            n_parallel=1,
+            ctx_size=512,
+            cache_ram=0,
+            ctx_checkpoints=0,
+            args=["--no-warmup", "-lv", "4", "-b", "512", "-ub", "512"],
+        ),
+        env=trace_env(trace),
+    ) as srv:
         srv.completion(a, 1, ignore_eos=True)
         srv.completion(a[:17], 8, ignore_eos=True, return_tokens=True)  # fmt: skip
     assert not [x for x in check_trace(read_trace(trace).events, n_swa=N_SWA) if "window" in x[1]]

@@ -32,7 +32,7 @@ from typing import Any
 from harness.model.cache import get_common_prefix
 from harness.model.reuse import Chunk, reuse_chunks
 from harness.model.server_context import ServerParams
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 from harness.targets.synthetic import make_server
 
 __all__ = ["ReuseResult", "ShiftResult", "reuse_pair", "shift_run"]
@@ -49,7 +49,11 @@ def _tokens(r: Any) -> tuple[int, ...]:
 def _server(binary: str | os.PathLike[str], model: str | os.PathLike[str], args: list[str], log: Path | None
             ) -> ServerProcess:  # fmt: skip
     """One slot of N_CTX tokens, no RAM cache (the slot's own memory is what is reused), one thread."""
-    return ServerProcess(binary, args, model=model, n_parallel=1, ctx_size=N_CTX, cache_ram=0, threads=1, log_path=log)
+    return ServerProcess(
+        binary,
+        Launch(model=model, n_parallel=1, ctx_size=N_CTX, cache_ram=0, threads=1, args=args),
+        log_path=log,
+    )
 
 
 @dataclass

@@ -40,7 +40,7 @@ from harness.experiments.slot_names import Name, explicit_names, generated_names
 from harness.experiments.slot_sandbox import SYMLINKS, Sandbox, diff
 from harness.findings import finding
 from harness.interrupt import check
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 
 __all__ = ["ACTIONS", "KNOWN", "ActionResult", "NameResult", "SlotFilesReport", "run_slot_files"]
 
@@ -226,8 +226,14 @@ def run_slot_files(
     report = SlotFilesReport(str(binary))
     seen: set[bytes] = set()
     with Sandbox() as sb, ServerProcess(
-        binary, ["--slot-save-path", str(sb.save), "--no-warmup"], model=model_path("llama"), n_parallel=1,
-        ctx_size=256, cache_ram=0,
+        binary,
+        Launch(
+            model=model_path("llama"),
+            n_parallel=1,
+            ctx_size=256,
+            cache_ram=0,
+            args=["--slot-save-path", str(sb.save), "--no-warmup"],
+        ),
     ) as srv:  # fmt: skip
 
         def one(name: Name) -> None:

@@ -40,7 +40,7 @@ from harness.backends.llama_server.differential import Differential, check_outpu
 from harness.errors import RequestFailed, Unavailable
 from harness.interrupt import check
 from harness.model.slot_files import SlotFileStore, slot_erase, slot_restore, slot_save
-from harness.targets.llama_server import ServerConfig, ServerProcess
+from harness.targets.llama_server import Launch, ServerConfig, ServerProcess
 
 __all__ = ["ARCHS", "SlotDifferential", "enospc", "run_differential", "stale_draft"]
 
@@ -170,8 +170,10 @@ def run_differential(
     tokens, never consults); the figures per model and cache, and their sums."""
     figs = []
     for arch in archs:
-        with ServerProcess(binary, ["--no-warmup"], model=model_path(arch), n_parallel=1, ctx_size=2048,
-                           cache_ram=0) as fresh:  # fmt: skip
+        with ServerProcess(
+            binary,
+            Launch(model=model_path(arch), n_parallel=1, ctx_size=2048, cache_ram=0, args=["--no-warmup"]),
+        ) as fresh:  # fmt: skip
             for mib in cache_ram:
                 fig = Figures(arch, mib)
                 for r in range(rounds):
@@ -191,8 +193,15 @@ def stale_draft(binary: Path, arch: str = "llama") -> dict[str, Any]:
     a, b = _prompt(rng, 60), _prompt(rng, 30)
     out: dict[str, Any] = {"arch": arch}
     with tempfile.TemporaryDirectory() as save, ServerProcess(
-        binary, ["--slot-save-path", save + "/", "--no-warmup"], model=model_path(arch), draft=draft_path(),
-        n_parallel=1, ctx_size=512, cache_ram=0,
+        binary,
+        Launch(
+            model=model_path(arch),
+            draft=draft_path(),
+            n_parallel=1,
+            ctx_size=512,
+            cache_ram=0,
+            args=["--slot-save-path", save + "/", "--no-warmup"],
+        ),
     ) as srv:  # fmt: skip
         gen = srv.completion(a, 16, ignore_eos=True, return_tokens=True)["tokens"]
         srv.request("POST", "/slots/0?action=save", {"filename": FILE})
@@ -239,8 +248,16 @@ def enospc(binary: Path, arch: str = "llama") -> dict[str, Any]:
             page = 4096
             free = {"probe": _free(base), "fwrite-fails": 2 * page, "tail-lost": size // page * page}[label]
             (base / "filler").write_bytes(b"\0" * max(0, _free(base) - free))
-            with ServerProcess(binary, ["--slot-save-path", str(base) + "/", "--no-warmup"], model=model_path(arch),
-                               n_parallel=1, ctx_size=256, cache_ram=0) as srv:  # fmt: skip
+            with ServerProcess(
+                binary,
+                Launch(
+                    model=model_path(arch),
+                    n_parallel=1,
+                    ctx_size=256,
+                    cache_ram=0,
+                    args=["--slot-save-path", str(base) + "/", "--no-warmup"],
+                ),
+            ) as srv:  # fmt: skip
                 srv.completion(prompt, 4)
                 row: dict[str, Any] = {"case": label, "free": free}
                 try:

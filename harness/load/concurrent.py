@@ -55,7 +55,7 @@ from harness.load.overlap import RssWatch, bound_violations, embedding_config, e
 from harness.load.stateless import server_args
 from harness.load.traced import ServerTrace
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import ServerConfig, ServerProcess
+from harness.targets.llama_server import Launch, ServerConfig, ServerProcess, Timeouts
 
 __all__ = [
     "ConcurrentResult",
@@ -167,10 +167,19 @@ def run_trace(
     )  # fmt: skip
     embeds = any(r.id_slot == EMBED for r in reqs)  # embedding clients: the server answers them, bounds held
     server = ServerProcess(
-        binary, [*cfg.server_args(), *_extra_args(cfg, reqs), "-lv", "4"], model=model_path(cfg.arch),
-        n_parallel=cfg.n_parallel, ctx_size=cfg.n_ctx, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=cfg.ctx_checkpoints,
-        kv_unified=cfg.kv_unified, log_path=log_path, request_timeout=REQUEST_TIMEOUT_S,
+        binary,
+        Launch(
+            model=model_path(cfg.arch),
+            n_parallel=cfg.n_parallel,
+            ctx_size=cfg.n_ctx,
+            cache_ram=cfg.cache_ram_mib,
+            ctx_checkpoints=cfg.ctx_checkpoints,
+            kv_unified=cfg.kv_unified,
+            args=[*cfg.server_args(), *_extra_args(cfg, reqs), "-lv", "4"],
+        ),
+        log_path=log_path,
         env=traces.env(trace) if traces is not None else None,
+        timeouts=Timeouts(request=REQUEST_TIMEOUT_S),
     )  # fmt: skip
     with server:
         watch = RssWatch(server.pid) if embeds else None
@@ -301,9 +310,18 @@ def fresh_server(cfg: ServerConfig, binary: Path, log_path: str | None = None, e
                  ) -> ServerProcess:  # fmt: skip
     """A single-slot server without cache, for the outputs (started by the caller); ``extra``: the traced server's
     flags for embeddings (:func:`_extra_args`)."""
-    return ServerProcess(binary, [*cfg.server_args(), *extra], model=model_path(cfg.arch), n_parallel=1,
-                         ctx_size=cfg.n_ctx, cache_ram=0, ctx_checkpoints=cfg.ctx_checkpoints,
-                         log_path=log_path)  # fmt: skip
+    return ServerProcess(
+        binary,
+        Launch(
+            model=model_path(cfg.arch),
+            n_parallel=1,
+            ctx_size=cfg.n_ctx,
+            cache_ram=0,
+            ctx_checkpoints=cfg.ctx_checkpoints,
+            args=[*cfg.server_args(), *extra],
+        ),
+        log_path=log_path,
+    )  # fmt: skip
 
 
 def run_concurrent(

@@ -49,7 +49,7 @@ from harness.experiments.reuse import N_CTX
 from harness.interrupt import check
 from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
 from harness.model.server_context import ServerContext, ServerParams
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 from harness.targets.synthetic import make_server
 
 __all__ = ["ARCHS", "MUTANTS", "ReuseFigures", "command_line", "program_strategy", "replay", "run_model"]
@@ -184,8 +184,17 @@ def replay_text(arch: str, n_cache_reuse: int, lines: Sequence[str], mutant: str
 
 def _server(binary: Path, arch: str, n_cache_reuse: int | None) -> ServerProcess:
     args = [] if n_cache_reuse is None else ["--cache-reuse", str(n_cache_reuse), "--context-shift"]
-    return ServerProcess(binary, [*args, "--no-warmup"], model=model_path(arch), n_parallel=1, ctx_size=N_CTX,
-                         cache_ram=0, threads=1)  # fmt: skip
+    return ServerProcess(
+        binary,
+        Launch(
+            model=model_path(arch),
+            n_parallel=1,
+            ctx_size=N_CTX,
+            cache_ram=0,
+            threads=1,
+            args=[*args, "--no-warmup"],
+        ),
+    )  # fmt: skip
 
 
 class replay:

@@ -44,7 +44,7 @@ from harness.interrupt import check
 from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
 from harness.model.server_context import ServerSlot
 from harness.model.slot_files import SlotFileStore
-from harness.targets.llama_server import ServerConfig, ServerProcess
+from harness.targets.llama_server import Launch, ServerConfig, ServerProcess
 from properties.reuse import Ckpt, Source, resume_point
 
 __all__ = ["ARCHS", "MUTANTS", "ModelFigures", "command_line", "program_strategy", "replay", "replay_text", "run_model"]
@@ -244,8 +244,17 @@ class replay:
 
 def _fresh(arch: str, binary: Path) -> ServerProcess:
     cfg = _config(arch)
-    return ServerProcess(binary, cfg.server_args(), model=model_path(arch), n_parallel=1, ctx_size=cfg.n_ctx,
-                         cache_ram=0, ctx_checkpoints=cfg.ctx_checkpoints)  # fmt: skip
+    return ServerProcess(
+        binary,
+        Launch(
+            model=model_path(arch),
+            n_parallel=1,
+            ctx_size=cfg.n_ctx,
+            cache_ram=0,
+            ctx_checkpoints=cfg.ctx_checkpoints,
+            args=cfg.server_args(),
+        ),
+    )
 
 
 def _slot_differential(arch: str, binary: Path, mutant: str | None) -> SlotDifferential:

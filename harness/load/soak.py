@@ -59,7 +59,7 @@ from harness.load.soak_result import CACHE_RAM_MIB, PhaseResult, SoakSettings
 from harness.load.stateless import server_args, stateless_clients
 from harness.load.traced import ServerTrace
 from harness.memlimit import MemoryCgroup
-from harness.targets.llama_server import RequestFailed, ServerProcess, log_sanitizer_reports
+from harness.targets.llama_server import Launch, RequestFailed, ServerProcess, log_sanitizer_reports
 from harness.trees.stage import asan_runtime
 
 __all__ = ["CACHE_RAM_MIB", "FAULT_MIN_SIZE", "LiveServer", "PhaseResult", "SoakSettings", "soak", "soak_phase"]
@@ -107,17 +107,16 @@ def soak_phase(
         trace = traces.path(name) if traces is not None else None
         trace_files.append(trace)
         base = shim.env() if shim else None
-        return ServerProcess(
-            binary, [*_SERVER_ARGS, *extra], model=model_path(arch), n_parallel=st.n_parallel, ctx_size=2048,
-            cache_ram=st.cache_ram_mib, ctx_checkpoints=4,
-            env=traces.env(trace, base) if traces is not None else base, log_path=f"{log_dir}/{name}.log",
-            preexec=None if cg is None else cg.preexec,
-        )  # fmt: skip
+        launch = Launch(model=model_path(arch), n_parallel=st.n_parallel, ctx_size=2048, cache_ram=st.cache_ram_mib,
+                        ctx_checkpoints=4, args=[*_SERVER_ARGS, *extra])  # fmt: skip
+        return ServerProcess(binary, launch, env=traces.env(trace, base) if traces is not None else base,
+                             log_path=f"{log_dir}/{name}.log", preexec=None if cg is None else cg.preexec)  # fmt: skip
 
     try:  # the group goes with the phase, whatever fails before the phase's own clean-up is in place
         live = LiveServer(make, cg)
-        fresh = ServerProcess(binary, [*_SERVER_ARGS[:-2], *extra], model=model_path(arch), n_parallel=1, ctx_size=2048,
-                              cache_ram=0, ctx_checkpoints=4, log_path=f"{log_dir}/soak-{arch}-fresh.log")  # fmt: skip
+        fresh = ServerProcess(binary, Launch(model=model_path(arch), n_parallel=1, ctx_size=2048, cache_ram=0,
+                                             ctx_checkpoints=4, args=[*_SERVER_ARGS[:-2], *extra]),
+                              log_path=f"{log_dir}/soak-{arch}-fresh.log")  # fmt: skip
     except BaseException:
         if cg is not None:
             cg.remove()

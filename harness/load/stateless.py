@@ -35,7 +35,7 @@ from harness.load.outputs import compare_output
 from harness.model.semantics import Semantics
 from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerParams
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess
+from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess
 from harness.targets.synthetic import make_server
 from properties.stateless import check_stateless_not_cached
 
@@ -354,14 +354,15 @@ def stateless_differential(
     out = StatelessDiff(cfg.name)
     args = [*cfg.server_args(), *server_args(cfg.arch)]
     params = replace(cfg.params(), n_batch=cfg.n_ubatch)  # embeddings on: n_batch = n_ubatch (server.cpp:150-154)
-    kw: dict[str, Any] = {"model": model_path(cfg.arch), "ctx_size": cfg.n_ctx, "ctx_checkpoints": cfg.ctx_checkpoints}
+    base = Launch(model=model_path(cfg.arch), ctx_size=cfg.n_ctx, ctx_checkpoints=cfg.ctx_checkpoints, args=args)
     fresh_log = None if log_dir is None else f"{log_dir}/{cfg.name}-stateless-fresh.log"
-    with ServerProcess(binary, args, n_parallel=1, cache_ram=0, log_path=fresh_log, **kw) as fresh:
+    with ServerProcess(binary, replace(base, n_parallel=1, cache_ram=0), log_path=fresh_log) as fresh:
         for i in range(runs):
             program = mixed_program(seed * 1000 + i, n, reranks(cfg.arch))
             log = None if log_dir is None else f"{log_dir}/{cfg.name}-stateless{i}.log"
-            with ServerProcess(binary, [*args, "-lv", "4"], n_parallel=cfg.n_parallel, cache_ram=cfg.cache_ram_mib,
-                               kv_unified=cfg.kv_unified, log_path=log, **kw) as srv:  # fmt: skip
+            launch = replace(base, n_parallel=cfg.n_parallel, cache_ram=cfg.cache_ram_mib, kv_unified=cfg.kv_unified,
+                             args=[*args, "-lv", "4"])  # fmt: skip
+            with ServerProcess(binary, launch, log_path=log) as srv:
                 res = mixed_run(srv, program)
             want = predict(program, res.generated, semantics, params=params, arch=cfg.arch, n_ctx=cfg.n_ctx)
             held = res.stateless_entries(program)

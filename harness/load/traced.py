@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import UsageError
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess
 from harness.trace.calls import DEFAULT_MAX_BYTES, static_note, trace_env
 from harness.trace.replay import lib_dir_of
 
@@ -136,8 +136,10 @@ def workload(seed: int, clients: int = 3, per_client: int = 4, lengths: Sequence
 def fresh_answers(binary: Path, model: Path, work: Work, *, ctx_size: int = 2048, extra_args: Sequence[str] = ()
                   ) -> dict[tuple[tuple[int, ...], int], list[int]]:  # fmt: skip
     """Each request's answer from a fresh single-slot server without cache, one request at a time."""
-    with ServerProcess(binary, [*SERVER_ARGS, *extra_args], model=model, n_parallel=1, ctx_size=ctx_size,
-                       cache_ram=0) as srv:  # fmt: skip
+    with ServerProcess(
+        binary,
+        Launch(model=model, n_parallel=1, ctx_size=ctx_size, cache_ram=0, args=[*SERVER_ARGS, *extra_args]),
+    ) as srv:  # fmt: skip
         return {
             (t, n): list(srv.completion(list(t), n, ignore_eos=True, return_tokens=True, cache_prompt=False)["tokens"])
             for reqs in work
@@ -183,8 +185,17 @@ def record_concurrent(
     run = TracedRun(trace, binary, lib_dir_of(binary))
     errors: list[BaseException] = []
     lock = threading.Lock()
-    with ServerProcess(binary, [*SERVER_ARGS, *extra_args], model=model, n_parallel=n_parallel, ctx_size=ctx_size,
-                       cache_ram=cache_ram, env=env) as srv:  # fmt: skip
+    with ServerProcess(
+        binary,
+        Launch(
+            model=model,
+            n_parallel=n_parallel,
+            ctx_size=ctx_size,
+            cache_ram=cache_ram,
+            args=[*SERVER_ARGS, *extra_args],
+        ),
+        env=env,
+    ) as srv:  # fmt: skip
         run.log = srv.log_path
 
         def client(reqs: list[tuple[tuple[int, ...], int]]) -> None:

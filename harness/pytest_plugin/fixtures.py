@@ -8,7 +8,8 @@
     the path of a generated tiny GGUF model (``llama mamba jamba lfm2 gemma2``, ``mamba-big``, or
     ``draft``), generated and cached on first use.
 ``llama_server(**kw)``
-    a started :class:`~harness.targets.llama_server.ServerProcess` (``kw`` as its constructor's;
+    a started :class:`~harness.targets.llama_server.ServerProcess` (``kw``: the fields of its
+    :class:`~harness.targets.llama_server.Launch`, its timeouts and its own keywords;
     ``model`` defaults to the tiny llama), stopped at the end of the test whatever happens; the
     binary comes from the options (see :mod:`harness.pytest_plugin.options`), and the test is
     skipped when none was asked for and none is cached.
@@ -28,6 +29,7 @@ from __future__ import annotations
 import os
 import sys
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import fields
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +43,7 @@ from harness.errors import UsageError
 from harness.model.server_context import ServerContext
 from harness.pytest_plugin.marker import watch
 from harness.pytest_plugin.options import server_binary
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import Launch, ServerProcess, Timeouts
 from harness.targets.synthetic import make_server
 
 __all__ = [
@@ -83,15 +85,23 @@ def llama_server_binary(pytestconfig: pytest.Config) -> Path:
     return server_binary(pytestconfig, log=lambda line: print(line, file=sys.stderr))
 
 
+_LAUNCH_FIELDS = frozenset(f.name for f in fields(Launch))
+_TIMEOUT_KEYWORDS = {"startup_timeout": "startup", "stop_timeout": "stop", "request_timeout": "request"}
+
+
 @pytest.fixture
 def llama_server(llama_server_binary: Path, tmp_path: Path) -> Iterator[Callable[..., ServerProcess]]:
-    """A factory of started ``llama-server`` processes, every one stopped when the test ends."""
+    """A factory of started ``llama-server`` processes, every one stopped when the test ends: its keywords are
+    :class:`~harness.targets.llama_server.Launch`'s fields, the timeouts (``startup_timeout``, ``stop_timeout``,
+    ``request_timeout``) and :class:`~harness.targets.llama_server.ServerProcess`'s own keywords."""
     started: list[ServerProcess] = []
 
     def start(**kw: Any) -> ServerProcess:
-        kw.setdefault("model", model_path("llama"))
+        flags = {k: kw.pop(k) for k in list(kw) if k in _LAUNCH_FIELDS}
+        flags.setdefault("model", model_path("llama"))
+        timeouts = {_TIMEOUT_KEYWORDS[k]: kw.pop(k) for k in list(kw) if k in _TIMEOUT_KEYWORDS}
         kw.setdefault("log_path", tmp_path / f"llama-server-{len(started)}.log")
-        srv = ServerProcess(llama_server_binary, **kw)
+        srv = ServerProcess(llama_server_binary, Launch(**flags), timeouts=Timeouts(**timeouts), **kw)
         started.append(srv)  # before start(): a server that fails to come up is stopped too
         srv.start()
         return srv

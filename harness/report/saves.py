@@ -69,7 +69,7 @@ from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, Syn
 from harness.model.semantics import get_semantics
 from harness.model.server_context import ServerContext, ServerParams
 from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
-from harness.targets.llama_server import ServerConfig, ServerProcess, proc_status
+from harness.targets.llama_server import Launch, ServerConfig, ServerProcess, proc_status
 
 __all__ = [
     "BASE",
@@ -730,13 +730,15 @@ def server_update_cost(
     log = None if log_dir is None else Path(log_dir) / f"update-{semantics}-{arch}.log"
     srv = ServerProcess(
         binary,
-        ["-b", "256", "-ub", "64", "--no-warmup"],
-        model=model_path(arch),
-        draft=draft_path(),
-        n_parallel=1,
-        ctx_size=2048,
-        cache_ram=0,
-        ctx_checkpoints=4,
+        Launch(
+            model=model_path(arch),
+            draft=draft_path(),
+            n_parallel=1,
+            ctx_size=2048,
+            cache_ram=0,
+            ctx_checkpoints=4,
+            args=["-b", "256", "-ub", "64", "--no-warmup"],
+        ),
         log_path=log,
     )
     with srv:

@@ -47,10 +47,12 @@ from harness.trees.stage import sanitizer_first
 
 __all__ = [
     "SANITIZER_MARKERS",
+    "Launch",
     "RequestFailed",
     "ServerConfig",
     "ServerProcess",
     "ServerStartError",
+    "Timeouts",
     "completion_fields",
     "log_sanitizer_reports",
     "proc_status",
@@ -155,84 +157,109 @@ def _port_in_use(host: str, port: int) -> bool:
         return s.connect_ex((host, port)) == 0
 
 
+@dataclass(frozen=True)
+class Launch:
+    """What a ``llama-server`` is started with: its model and the flags of this llama.cpp version that shape its
+    slots and cache (``None``: the server's default), then ``args`` as given.
+
+    ``-m`` ``model``, ``-md`` ``draft`` + ``--spec-type`` (``draft-simple`` unless ``spec_type`` names one),
+    ``-np`` ``n_parallel``, ``-c`` ``ctx_size``, ``--cache-ram`` ``cache_ram`` (MiB), ``--ctx-checkpoints``,
+    ``--threads``, ``--kv-unified``/``--no-kv-unified``."""
+
+    model: str | os.PathLike[str] | None = None
+    draft: str | os.PathLike[str] | None = None
+    spec_type: str | None = None
+    n_parallel: int | None = None
+    ctx_size: int | None = None
+    cache_ram: int | None = None
+    ctx_checkpoints: int | None = None
+    threads: int | None = 1
+    kv_unified: bool | None = None
+    args: Sequence[str] = ()
+
+    def argv(self) -> list[str]:
+        """The server's arguments after ``--host`` and ``--port``."""
+        extra: list[str] = []
+        if self.model is not None:
+            extra += ["-m", os.fspath(self.model)]
+        if self.draft is not None:
+            # a draft GGUF without speculative metadata is loaded but unused unless a type is named
+            extra += ["-md", os.fspath(self.draft), "--spec-type", self.spec_type or "draft-simple"]
+        elif self.spec_type is not None:
+            extra += ["--spec-type", self.spec_type]
+        if self.n_parallel is not None:
+            extra += ["-np", str(self.n_parallel)]
+        if self.ctx_size is not None:
+            extra += ["-c", str(self.ctx_size)]
+        if self.cache_ram is not None:
+            extra += ["--cache-ram", str(self.cache_ram)]
+        if self.ctx_checkpoints is not None:
+            extra += ["--ctx-checkpoints", str(self.ctx_checkpoints)]
+        if self.threads is not None:
+            extra += ["--threads", str(self.threads)]
+        if self.kv_unified is not None:
+            extra += ["--kv-unified" if self.kv_unified else "--no-kv-unified"]
+        return [*extra, *self.args]
+
+
+@dataclass(frozen=True)
+class Timeouts:
+    """How long a server may take, in seconds: to answer ``/health`` after its start, to exit after SIGTERM
+    (then SIGKILL), to answer one request."""
+
+    startup: float = 120.0
+    stop: float = 10.0
+    request: float = 300.0
+
+
 class ServerProcess:
     """A running ``llama-server``; use it as a context manager.
 
-    ``args`` go to the server as given (``-m model.gguf -np 2 --cache-ram 64 ...``); the keyword
-    shortcuts append the matching flags of this llama.cpp version (``-m``, ``-md`` + ``--spec-type``
-    (``draft-simple`` unless given), ``-np``, ``-c``, ``--cache-ram`` (MiB), ``--ctx-checkpoints``,
-    ``--threads``, ``--kv-unified``/``--no-kv-unified``)::
+    ``launch`` is what it is started with (:class:`Launch`: the model, the flags of this llama.cpp version,
+    ``args`` as given)::
 
-        with ServerProcess(model=model_path("llama"), n_parallel=2, cache_ram=16, ctx_size=512) as srv:
+        with ServerProcess(launch=Launch(model=model_path("llama"), n_parallel=2, cache_ram=16, ctx_size=512)) as srv:
             r = srv.completion("Hello", n_predict=4)
             r["timings"]["cache_n"]
 
     ``binary=None`` builds (or reuses) the ``flavour`` build. ``env`` is merged into the
     environment (e.g. ``{"LD_PRELOAD": shim}``). The server's stdout and stderr go to
-    ``log_path`` (a fresh temporary file unless given). ``preexec`` runs in the server's process
-    between ``fork`` and ``exec`` (entering a memory cgroup: :mod:`harness.memlimit`).
+    ``log_path`` (a fresh temporary file unless given). ``timeouts``: :class:`Timeouts`. ``preexec`` runs in
+    the server's process between ``fork`` and ``exec`` (entering a memory cgroup: :mod:`harness.memlimit`).
     """
 
     def __init__(
         self,
         binary: str | os.PathLike[str] | None = None,
-        args: Sequence[str] = (),
+        launch: Launch | None = None,
         *,
         flavour: str = "pr",
-        model: str | os.PathLike[str] | None = None,
-        draft: str | os.PathLike[str] | None = None,
-        spec_type: str | None = None,
-        n_parallel: int | None = None,
-        ctx_size: int | None = None,
-        cache_ram: int | None = None,
-        ctx_checkpoints: int | None = None,
-        threads: int | None = 1,
-        kv_unified: bool | None = None,
         host: str = "127.0.0.1",
         port: int | None = None,
         env: Mapping[str, str] | None = None,
         log_path: str | os.PathLike[str] | None = None,
-        startup_timeout: float = 120.0,
-        stop_timeout: float = 10.0,
-        request_timeout: float = 300.0,
+        timeouts: Timeouts | None = None,
         preexec: Callable[[], None] | None = None,
     ) -> None:
+        launch = launch or Launch()
+        timeouts = timeouts or Timeouts()
         self._binary = Path(binary) if binary is not None else None
         self._flavour = flavour
+        self.launch = launch
         self.host = host
         self.port = port
         self.env = dict(env or {})
-        self.startup_timeout = startup_timeout
-        self.stop_timeout = stop_timeout
-        self.request_timeout = request_timeout
+        self.startup_timeout = timeouts.startup
+        self.stop_timeout = timeouts.stop
+        self.request_timeout = timeouts.request
         self.preexec = preexec
         self.log_path = Path(log_path) if log_path is not None else None
         self.proc: subprocess.Popen[bytes] | None = None
         self._stopped = False
         self._log_fh: IO[bytes] | None = None
-        extra: list[str] = []
-        if model is not None:
-            extra += ["-m", os.fspath(model)]
-        if draft is not None:
-            # a draft GGUF without speculative metadata is loaded but unused unless a type is named
-            extra += ["-md", os.fspath(draft), "--spec-type", spec_type or "draft-simple"]
-        elif spec_type is not None:
-            extra += ["--spec-type", spec_type]
-        if n_parallel is not None:
-            extra += ["-np", str(n_parallel)]
-        if ctx_size is not None:
-            extra += ["-c", str(ctx_size)]
-        if cache_ram is not None:
-            extra += ["--cache-ram", str(cache_ram)]
-        if ctx_checkpoints is not None:
-            extra += ["--ctx-checkpoints", str(ctx_checkpoints)]
-        if threads is not None:
-            extra += ["--threads", str(threads)]
-        if kv_unified is not None:
-            extra += ["--kv-unified" if kv_unified else "--no-kv-unified"]
-        self.args = [*extra, *args]
-        self._model = Path(model) if model is not None else None
-        self._draft = Path(draft) if draft is not None else None
+        self.args = launch.argv()
+        self._model = Path(launch.model) if launch.model is not None else None
+        self._draft = Path(launch.draft) if launch.draft is not None else None
 
     # -- properties -------------------------------------------------------------------------
 

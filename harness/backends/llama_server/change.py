@@ -31,7 +31,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from fixtures.gguf import draft_path, model_path
 from harness.backends.llama_server.differential import Differential, Program, ServerMismatch, prompt_from, request_rule
-from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
+from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
 
 __all__ = ["EVENTS", "Answer", "ChangeFound", "ChangePair", "ChangeStats", "Step", "change_machine", "shrink"]
 
@@ -167,10 +167,20 @@ class ChangePair:
 
     def _server(self, binary: Path, log_dir: str | None, side: str) -> ServerProcess:
         c = self.cfg
-        return ServerProcess(binary, c.server_args(), model=model_path(c.arch), draft=draft_path() if c.draft else None,
-                             n_parallel=c.n_parallel, ctx_size=c.n_ctx, cache_ram=c.cache_ram_mib,
-                             ctx_checkpoints=c.ctx_checkpoints, kv_unified=c.kv_unified,
-                             log_path=None if log_dir is None else unique_log(log_dir, f"{c.name}-{side}"))  # fmt: skip
+        return ServerProcess(
+            binary,
+            Launch(
+                model=model_path(c.arch),
+                draft=draft_path() if c.draft else None,
+                n_parallel=c.n_parallel,
+                ctx_size=c.n_ctx,
+                cache_ram=c.cache_ram_mib,
+                ctx_checkpoints=c.ctx_checkpoints,
+                kv_unified=c.kv_unified,
+                args=c.server_args(),
+            ),
+            log_path=None if log_dir is None else unique_log(log_dir, f"{c.name}-{side}"),
+        )
 
     def __enter__(self) -> ChangePair:
         try:

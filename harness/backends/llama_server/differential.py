@@ -38,7 +38,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from fixtures.gguf import draft_path, model_path
 from harness.errors import PropertyFailure
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
+from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
 from properties.reuse import ReuseTracer
 
 __all__ = [
@@ -121,14 +121,16 @@ class Differential:
         self.model_file = model_path(self.cfg.arch)
         self.server = ServerProcess(
             self.binary,
-            self.cfg.server_args(),
-            model=self.model_file,
-            draft=draft_path() if self.cfg.draft else None,
-            n_parallel=self.cfg.n_parallel,
-            ctx_size=self.cfg.n_ctx,
-            cache_ram=self.cfg.cache_ram_mib,
-            ctx_checkpoints=self.cfg.ctx_checkpoints,
-            kv_unified=self.cfg.kv_unified,
+            Launch(
+                model=self.model_file,
+                draft=draft_path() if self.cfg.draft else None,
+                n_parallel=self.cfg.n_parallel,
+                ctx_size=self.cfg.n_ctx,
+                cache_ram=self.cfg.cache_ram_mib,
+                ctx_checkpoints=self.cfg.ctx_checkpoints,
+                kv_unified=self.cfg.kv_unified,
+                args=self.cfg.server_args(),
+            ),
             log_path=None if self.log_dir is None else unique_log(self.log_dir, self.cfg.name),
             env=self.env,
         )
@@ -335,12 +337,14 @@ def server_machine(
             self.d.__enter__()
             self.fresh = ServerProcess(
                 binary,
-                cfg.server_args(),
-                model=model_path(cfg.arch),
-                n_parallel=1,
-                ctx_size=cfg.n_ctx,
-                cache_ram=0,
-                ctx_checkpoints=cfg.ctx_checkpoints,
+                Launch(
+                    model=model_path(cfg.arch),
+                    n_parallel=1,
+                    ctx_size=cfg.n_ctx,
+                    cache_ram=0,
+                    ctx_checkpoints=cfg.ctx_checkpoints,
+                    args=cfg.server_args(),
+                ),
                 log_path=None if log_dir is None else unique_log(log_dir, f"{cfg.name}-fresh"),
             )
             self.fresh.start()

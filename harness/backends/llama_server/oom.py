@@ -40,7 +40,7 @@ from typing import Any
 from fixtures.gguf import BIG_SPECS, checkpoint_model_name, model_path
 from harness.errors import RequestFailed, UsageError
 from harness.memlimit import MemoryCgroup, address_space, cgroup_support, limit_address_space
-from harness.targets.llama_server import ServerProcess, proc_status
+from harness.targets.llama_server import Launch, ServerProcess, Timeouts, proc_status
 
 __all__ = ["MODES", "OomRun", "OomSettings", "expected", "gate_check", "run_oom"]
 
@@ -190,10 +190,20 @@ def run_oom(
     args = ["-cms", "4", "-b", "64", "-ub", str(st.n_ubatch), "--no-warmup", "-lv", "4"]
     with _group(st, f"{slug}-{st.mode}") as cg:
         srv = ServerProcess(
-            binary, args, model=model, n_parallel=1, ctx_size=1024, cache_ram=cache_ram_mib,
-            ctx_checkpoints=st.checkpoints, threads=1, log_path=log, request_timeout=st.request_timeout,
+            binary,
+            Launch(
+                model=model,
+                n_parallel=1,
+                ctx_size=1024,
+                cache_ram=cache_ram_mib,
+                ctx_checkpoints=st.checkpoints,
+                threads=1,
+                args=args,
+            ),
+            log_path=log,
             preexec=None if cg is None else cg.preexec,
-        )  # fmt: skip
+            timeouts=Timeouts(request=st.request_timeout),
+        )
         with srv:
             saved, releases = _build_up(srv, st, run, progress)
             _limit(srv, cg, st, run, s_est)

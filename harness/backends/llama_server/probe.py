@@ -16,7 +16,7 @@ from typing import Any
 
 from fixtures.gguf import model_path
 from harness.errors import RequestFailed, UsageError
-from harness.targets.llama_server import ServerProcess, set_completion_fields
+from harness.targets.llama_server import Launch, ServerProcess, set_completion_fields
 
 __all__ = ["HIGH_BYTES", "NEEDED_FIELDS", "ServerVersion", "agree_forms", "probe"]
 
@@ -94,8 +94,10 @@ def probe(binary: Path, *, log: Callable[[str], None] = lambda _m: None) -> Serv
     fields: dict[str, Any] = {}
     base = {"ignore_eos": True, "return_tokens": True, "n_probs": 2}
     set_completion_fields(path, {})
-    with ServerProcess(path, ["--no-warmup"], model=model_path("llama"), n_parallel=1, ctx_size=256,
-                       cache_ram=0) as srv:  # fmt: skip
+    with ServerProcess(
+        path,
+        Launch(model=model_path("llama"), n_parallel=1, ctx_size=256, cache_ram=0, args=["--no-warmup"]),
+    ) as srv:  # fmt: skip
         try:
             props = srv.request("GET", "/props")
         except RequestFailed as e:

@@ -8,7 +8,6 @@ each difference shrunk on fresh servers, then the memory properties of both). Wh
 docstring (:mod:`harness.backends.llama_server`).
 """
 
-
 from __future__ import annotations
 
 import os
@@ -386,5 +385,3 @@ def _memory_change(report: GateReport, run: ServerRun, tree: ServerBuild, base: 
         run.section["rss_ratio_base_over_tree"] = round(ratio, 2)
         out(f"  the change's memory difference: a save's RSS peak BASE {m['base']['rss_peak_bytes']} B, TREE "
             f"{m[tree.label]['rss_peak_bytes']} B (BASE/TREE = {ratio:.2f})")  # fmt: skip
-
-
