@@ -84,11 +84,12 @@ KNOWN_BY_NAME = {f.id: f for f in KNOWN_LCP_FINDINGS}
 
 
 class LcpViolation(PropertyFailure):
-    """A property failed; ``finding`` names the known finding it shows, or ``None`` when undiagnosed."""
+    """A property of llama-cpp-python's cache failed: ``name`` is the property, ``finding`` the known finding it
+    shows (the backend counts it and runs again without it), or ``None`` when undiagnosed: a failure, whose
+    shrunk program replays it against the cache; fix the cache (or register the finding it shows)."""
 
-    def __init__(self, prop: str, message: str, finding: str | None = None) -> None:
-        super().__init__(prop, message, f"{prop}: {message}" + (f" [{finding}]" if finding else ""))
-        self.prop = prop
+    def __init__(self, name: str, message: str, finding: str | None = None) -> None:
+        super().__init__(name, message, f"{name}: {message}" + (f" [{finding}]" if finding else ""))
         self.finding = finding
 
 

@@ -117,8 +117,8 @@ class _GateRun:
                         self.found(v.finding, v.message, f"machine {cls.__name__}")
                         self.tolerate.add(v.finding)
                         continue
-                    self.fail(v.prop, v.message, cls.__name__, program, teardown_errors(v))
-                    self.out(f"  FAIL {v.prop}: {v.message}\n{program}\n  replay: {self.replay}")
+                    self.fail(v.name, v.message, cls.__name__, program, teardown_errors(v))
+                    self.out(f"  FAIL {v.name}: {v.message}\n{program}\n  replay: {self.replay}")
                     return
                 except Exception as e:
                     program = "\n".join(getattr(e, "__notes__", []))
