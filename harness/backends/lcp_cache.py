@@ -29,7 +29,7 @@ from faults.kinds import Outcome
 from faults.lcp import run_rlimit, sweep_pymem
 from faults.pymem import pymem_unavailable
 from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, MachineSpec, Out, Plan
-from harness.findings import finding
+from harness.findings import KnownRow, finding
 from harness.targets.lcp_cache import CACHES, CacheAdapter, ModelEnv
 from properties.lcp_machine import (
     KNOWN_BY_NAME,
@@ -45,7 +45,7 @@ from properties.machine import MachineConfig
 from properties.run import run_seeded
 from properties.teardown import teardown_errors
 
-__all__ = ["DEFAULT_EXAMPLES", "MACHINE_ARCHS", "LcpCacheBackend", "run_lcp_gate"]
+__all__ = ["DEFAULT_EXAMPLES", "MACHINE_ARCHS", "LcpCacheBackend", "LcpSection", "run_lcp_gate"]
 
 MACHINE_ARCHS = ("llama", "mamba")
 DEFAULT_EXAMPLES = 40
@@ -230,26 +230,38 @@ def run_lcp_gate(
     return res
 
 
+@dataclass(frozen=True)
+class LcpSection:
+    """The llama-cpp-python cache backend's part of the gate's JSON (``llama_cpp_cache``), from the result of
+    :func:`run_lcp_gate`: the cache, the properties checked, the findings with their evidence."""
+
+    res: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        res = self.res
+        return {
+            "llama_cpp_cache": {
+                "cache": res["cache"],
+                "checks": res["checks"],
+                "properties": res["properties"],
+                "findings": [
+                    {k: f[k] for k in ("name", "property", "reproducer", "title", "evidence")} for f in res["findings"]
+                ],
+                "out_of_scope": res["out_of_scope"],
+                "seconds": res["seconds"],
+            }
+        }
+
+
 def _run_lcp(report: GateReport, variant: str, cache: str, seed: int, max_examples: int | None, out: Out) -> None:
     """llama-cpp-python's own prompt caches (LlamaRAMCache / LlamaDiskCache) under the generic properties."""
     out(f"gate: backend=llama-cpp-python-cache cache={cache} seed={seed} commit={report.commit}")
     res = run_lcp_gate(cache, seed=seed, max_examples=max_examples, out=lambda line: out("  " + line))
-    report.extra["llama_cpp_cache"] = {
-        "cache": res["cache"],
-        "checks": res["checks"],
-        "properties": res["properties"],
-        "findings": [
-            {k: f[k] for k in ("name", "property", "reproducer", "title", "evidence")} for f in res["findings"]
-        ],
-        "out_of_scope": res["out_of_scope"],
-        "seconds": res["seconds"],
-    }
+    report.sections["llama_cpp_cache"] = LcpSection(res)
     for f in res["findings"]:
-        report.known.append(
-            finding(f["name"]).entry(
-                f"llama-cpp-python {cache} cache", "reproduced", property=f["property"], message=f["evidence"]
-            )
-        )
+        row = KnownRow(finding(f["name"]), f"llama-cpp-python {cache} cache", "reproduced")
+        row.property, row.message = f["property"], f["evidence"]
+        report.known.append(row)
     for f in res["failures"]:
         failure = Failure(
             f["property"], "violation", f["message"], f.get("program", ""), f["replay"], f.get("machine", "lcp"), 0,

@@ -28,7 +28,7 @@ from typing import cast
 from hypothesis import settings
 
 from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec, Out, Plan, model_spec
-from harness.findings import FINDINGS, finding
+from harness.findings import FINDINGS, KnownRow, finding
 from properties.families import FAMILY_MUTANTS, family_configs, mutant_configs
 from properties.families import resolve as resolve_any
 from properties.machine import MachineConfig, machine_class
@@ -109,10 +109,12 @@ class SyntheticBackend(Backend):
             tokens = c.pop("")
             n_req, first = sum(c.values()), next(iter(c))
             report.known.append(
-                finding(fid).entry(first, "counted", requests=n_req, tokens_recomputed=tokens, machines=len(c))
+                KnownRow(finding(fid), first, "counted", requests=n_req, tokens_recomputed=tokens, machines=len(c))
             )
         for fid, c in excused.items():  # the slot-file and stateless machines' registered findings, excused
-            report.known.append(finding(fid).entry(next(iter(c)), "counted", times=sum(c.values()), machines=len(c)))
+            report.known.append(
+                KnownRow(finding(fid), next(iter(c)), "counted", times=sum(c.values()), machines=len(c))
+            )
         if self.known:
             run_known(report, opts.semantics, cfg_settings, opts.seed, replay, SHRINKS[opts.profile])
 
@@ -146,10 +148,11 @@ def run_known(
         r = run_machine(kcfg, cfg_settings, seed, replay, shrinks=shrinks)
         f = finding(fid)
         if r.failure is None:
-            report.known.append(f.entry(kcfg.class_name, "not-reproduced"))
+            report.known.append(KnownRow(f, kcfg.class_name, "not-reproduced"))
         elif r.failure.property in expects:
             report.known.append(
-                f.entry(
+                KnownRow(
+                    f,
                     kcfg.class_name,
                     "reproduced",
                     property=r.failure.property,
@@ -162,5 +165,5 @@ def run_known(
             # a failure the known-finding run did not expect is a new failure of the gate
             report.machines.append(r)
             report.known.append(
-                f.entry(kcfg.class_name, "unexpected", property=r.failure.property, message=r.failure.message)
+                KnownRow(f, kcfg.class_name, "unexpected", property=r.failure.property, message=r.failure.message)
             )

@@ -32,7 +32,7 @@ from harness.backends.llama_server.slot_files import ACTIONS, NameResult, SlotFi
 from harness.backends.llama_server.slot_restore import enospc, run_differential, stale_draft
 from harness.commands.common import add_semantics, models_of, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
-from harness.findings import finding
+from harness.findings import KnownRow, finding
 from harness.load.slot_programs import ARCHS, command_line, run_model
 from harness.targets.llama_build import build_server
 
@@ -146,7 +146,9 @@ def _differential(binary: Path, args: argparse.Namespace) -> int:
             known.append("slot-save-silent-truncation")
         if c["restore"] == "server died":
             known.append("slot-restore-truncated-file-abort")
-    out["known_findings"] = [finding(i).entry("llama-server slot files", "reproduced") for i in dict.fromkeys(known)]
+    out["known_findings"] = [
+        KnownRow(finding(i), "llama-server slot files", "reproduced").to_json() for i in dict.fromkeys(known)
+    ]
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     _summary(out)

@@ -4,8 +4,8 @@ A :class:`Finding` names the property it violates, the backend that sees it, whe
 is at fault (file:line at 0c1e570 unless said otherwise) and, where one exists, the standalone
 reproducer under ``fixtures/findings/`` that exits 1 while the bug is present. Each backend decides
 *whether* a run shows a finding (matched by the violated property and the state that makes it, never
-by a broad tolerance); this table says *what* each one is, once. :meth:`Finding.entry` renders the
-``known_findings`` row of the gate's JSON. The contract machine's findings also say where upstream is
+by a broad tolerance); this table says *what* each one is, once. :class:`KnownRow` is a run's row of one
+(``known_findings`` in the gate's JSON). The contract machine's findings also say where upstream is
 at fault (``upstream``) and the state that shows them (:class:`ContractCondition`).
 
 The rows live by backend in this package's modules (``synthetic``, ``libllama``, ``server``,
@@ -17,11 +17,11 @@ from __future__ import annotations
 
 from harness.findings.lcp_caches import LCP_CACHES
 from harness.findings.libllama import LIBLLAMA
-from harness.findings.record import ContractCondition, Finding
+from harness.findings.record import ContractCondition, Finding, KnownRow
 from harness.findings.server import SERVER
 from harness.findings.synthetic import SYNTHETIC
 
-__all__ = ["BATCH_SHAPE_FLIP_GAP", "FINDINGS", "ContractCondition", "Finding", "finding"]
+__all__ = ["BATCH_SHAPE_FLIP_GAP", "FINDINGS", "ContractCondition", "Finding", "KnownRow", "finding"]
 
 #: Per model, the widest gap a greedy choice can flip across by batch shape alone (issue #41): at the first
 #: token a server's answer differs from a fresh single-slot server's, the fresh server's logprob of its best

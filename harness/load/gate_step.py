@@ -10,8 +10,8 @@ every model: a divergence fails unless a located finding's exact condition expla
 trace (``faults/trace.c``): the trace of a server whose output failed is kept and printed with the
 lines that replay and shrink it (``python -m harness trace replay|shrink``), beside the timed requests.
 Adds about half a minute to the server gate. The
-figures go to ``report.extra["server"]["concurrent"]``; the known findings ``busy-slot-by-id``
-(with the trace that showed it), ``busy-slot-by-id-livelock`` (a request hung: costs the request
+figures go to the server section's ``concurrent`` (``report.sections["server"]``); the known findings
+``busy-slot-by-id`` (with the trace that showed it), ``busy-slot-by-id-livelock`` (a request hung: costs the request
 timeout, 15 s) and ``concurrent-output-divergence`` are reported, not failed.
 """
 
@@ -25,7 +25,8 @@ from pathlib import Path
 
 from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out
 from harness.backends.llama_server.differential import sanitizer_reports
-from harness.findings import finding
+from harness.backends.llama_server.section import ServerSection
+from harness.findings import KnownRow, finding
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
 from harness.load.traced import ServerTrace
 from properties.machine import MachineConfig
@@ -48,7 +49,8 @@ def _replay(opts: GateOptions, semantics: str) -> str:
 
 def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> None:
     """Run the short concurrent differential on the binary the server backend just tested."""
-    section = report.extra.get("server")
+    server = report.sections.get("server")
+    section = server.figures if isinstance(server, ServerSection) else None
     if not section or not section.get("binary"):
         return  # the server backend did not get as far as a binary: nothing to run
     binary = Path(section["binary"])
@@ -104,12 +106,12 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
     section["concurrent"]["traced"] = traces.enabled
     machine = f"llama-server {section.get('flavour', binary)}, concurrent clients"
     busy = finding("busy-slot-by-id")
-    extra = {"program": total.busy_program} if total.busy_program else {}
     status = "reproduced" if total.busy_slot_by_id else "not-reproduced"
-    report.known.append(busy.entry(machine, status, count=total.busy_slot_by_id, **extra))
+    program = total.busy_program or None  # the trace that showed it, when it showed
+    report.known.append(KnownRow(busy, machine, status, count=total.busy_slot_by_id, program=program))
     live = finding("busy-slot-by-id-livelock")
     status = "reproduced" if total.busy_livelocks else "not-reproduced"
-    report.known.append(live.entry(machine, status, count=total.busy_livelocks))
+    report.known.append(KnownRow(live, machine, status, count=total.busy_livelocks))
     conc = finding("concurrent-output-divergence")
     status = "reproduced" if total.concurrent_divergences else "not-reproduced"
-    report.known.append(conc.entry(machine, status, count=total.concurrent_divergences))
+    report.known.append(KnownRow(conc, machine, status, count=total.concurrent_divergences))

@@ -10,6 +10,7 @@ showed once.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
@@ -22,11 +23,12 @@ from harness.backends.llama_server.differential import (
     ServerMismatch,
     sanitizer_reports,
 )
+from harness.findings import KnownRow, finding
 from harness.targets.llama_build import PINNED_COMMIT, ServerBuild, pinned_status
 from harness.targets.llama_probe import agree_forms, probe
 from properties.machine import MachineConfig
 
-__all__ = ["ServerRun", "describe", "hypothesis_settings", "unflaked"]
+__all__ = ["ServerRun", "ServerSection", "describe", "hypothesis_settings", "unflaked"]
 
 
 def hypothesis_settings(profile: str, max_examples: int | None) -> settings:
@@ -59,6 +61,17 @@ def unflaked(e: FlakyFailure, cls: type[ServerMismatch]) -> ServerMismatch | Non
     return None
 
 
+@dataclass
+class ServerSection:
+    """The server backend's part of the gate's JSON (``server``): its figures, filled as the run goes (the build,
+    the requests and mismatches counted, the memory and fault figures, the concurrent step's ``concurrent``)."""
+
+    figures: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"server": self.figures}
+
+
 class ServerRun:
     """One server-backend run's report section, its output and how it files a failure."""
 
@@ -86,7 +99,7 @@ class ServerRun:
             "cache_loads": 0,
             "sanitizer_reports": 0,
         }
-        report.extra["server"] = self.section
+        report.sections["server"] = ServerSection(self.section)
 
     def fail(self, prop: str, kind: str, message: str, program: str, machine: str) -> None:
         message += self.note
@@ -131,17 +144,16 @@ class ServerRun:
 
     def known_near_ties(self) -> None:
         self.report.known.append(
-            {
-                "id": "greedy-flip-on-cache-path",
-                "title": "a prompt served partly from a slot, the cache or a checkpoint is evaluated in other batch "
+            KnownRow(
+                finding("greedy-flip-on-cache-path"),
+                f"llama-server {self.build.label}",
+                "reproduced" if self.section["near_tie_flips"] else "not-reproduced",
+                count=self.section["near_tie_flips"],
+                title="a prompt served partly from a slot, the cache or a checkpoint is evaluated in other batch "
                 "shapes and cell layouts than from scratch; where the two best tokens are within "
                 f"{NEAR_TIE_LOGPROB} logprob the greedy choice can differ from a fresh server's "
                 "(the same root cause as kv-layout-dependent-logits)",
-                "machine": f"llama-server {self.build.label}",
-                "reproducer": "fixtures/findings/kv_layout_logits.py",
-                "status": "reproduced" if self.section["near_tie_flips"] else "not-reproduced",
-                "count": self.section["near_tie_flips"],
-            }
+            )
         )
 
 

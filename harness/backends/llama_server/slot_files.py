@@ -38,7 +38,7 @@ from fixtures.models import model_path
 from harness.backends.llama_server.slot_names import Name, explicit_names, generated_names
 from harness.backends.llama_server.slot_sandbox import SYMLINKS, Sandbox, diff
 from harness.errors import RequestFailed
-from harness.findings import finding
+from harness.findings import KnownRow, finding
 from harness.interrupt import check
 from harness.targets.llama_server import ServerProcess
 
@@ -106,7 +106,7 @@ class SlotFilesReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "command": "slot-files", "binary": self.binary, "names": len(self.rows), "counts": self.counts(),
-            "known_findings": [finding(i).entry("llama-server slot files", "reproduced", count=n)
+            "known_findings": [KnownRow(finding(i), "llama-server slot files", "reproduced", count=n).to_json()
                                for i, n in sorted(self.known().items())],
             "failures": len(self.failures), "rows": [r.to_json() for r in self.rows],
         }  # fmt: skip
