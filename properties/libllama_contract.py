@@ -88,7 +88,7 @@ from hypothesis.stateful import (
 
 from fixtures.models import ARCHS, model_path
 from harness.errors import PropertyFailure
-from harness.findings import FINDINGS, Finding
+from harness.findings import FINDINGS, KV_LAYOUT_DEPENDENT_LOGITS, Finding
 from harness.targets.libllama import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
 from properties.run import run_seeded
 
@@ -111,7 +111,7 @@ N_BATCH = 32
 N_UBATCH = 8
 MAX_POS = 48  # claimed positions stay below this: well past gemma2's window of 16
 FILLER = 1  # the token of the reference's scratch cells
-LAYOUT_FINDING = "kv-layout-dependent-logits"
+LAYOUT_FINDING = KV_LAYOUT_DEPENDENT_LOGITS.id
 
 # ---- the claimed history -------------------------------------------------------------------------
 

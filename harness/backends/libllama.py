@@ -50,7 +50,16 @@ from harness.backends.base import (
     model_spec,
 )
 from harness.errors import PropertyFailure
-from harness.findings import FINDINGS, KnownRow, finding
+from harness.findings import (
+    DECODE_BAD_ALLOC_TERMINATES,
+    DRAFT_KV_EXHAUSTION_REAL_STATE,
+    FINDINGS,
+    GRAPH_COMPUTE_SEGV,
+    KV_LAYOUT_DEPENDENT_LOGITS,
+    STATE_IO_ALLOC_OUTSIDE_TRY,
+    KnownRow,
+    finding,
+)
 from harness.targets.libllama import PENDING_CP_FINDING, SWA_WINDOW_FINDING, load_model
 from harness.targets.llama_api import libllama_of, loaded_libllama
 from properties.libllama_scenarios import FullContextResult, draft_recovery_run, full_context_run, memray_figures
@@ -73,11 +82,11 @@ def classify_native(op: str, group: dict[str, Any]) -> str | None:
     allocs = [a for a in group.get("alloc_sites", []) if a]
     in_io = all(a.split(":", 1)[-1].startswith("llama_context::state_seq_") for a in allocs)
     if op != "decode" and outcome == Outcome.ABORTED and "state_seq_" in site and in_io:
-        return "state-io-alloc-outside-try"
+        return STATE_IO_ALLOC_OUTSIDE_TRY.id
     if op == "decode" and outcome == Outcome.ABORTED:
-        return "decode-bad-alloc-terminates"
+        return DECODE_BAD_ALLOC_TERMINATES.id
     if op == "decode" and outcome == Outcome.KILLED and site.startswith("ggml_graph_compute"):
-        return "graph-compute-segv"
+        return GRAPH_COMPUTE_SEGV.id
     return None
 
 
@@ -282,7 +291,7 @@ def _run_llama(
     _run_draft_recovery(report, variant, archs, rows, out)
     _run_llama_native(report, variant, archs, rows, out)
     n_layout = sum(r["layout_diffs"] for r in rows)
-    known = KnownRow(finding("kv-layout-dependent-logits"), "llama backend",
+    known = KnownRow(KV_LAYOUT_DEPENDENT_LOGITS, "llama backend",
                      "reproduced" if n_layout else "not-reproduced", count=n_layout)  # fmt: skip
     if layout_examples:
         known.property, known.message = "restore_equivalence", layout_examples[0]
@@ -343,7 +352,7 @@ def _run_draft_recovery(
         )
     report.known.append(
         KnownRow(
-            finding("draft-kv-exhaustion (real state)"),
+            DRAFT_KV_EXHAUSTION_REAL_STATE,
             "llama backend, draft of 256 cells shared by two slots",
             "reproduced" if failed_upstream else "not-reproduced",
             count=failed_upstream,

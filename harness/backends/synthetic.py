@@ -28,7 +28,15 @@ from typing import cast
 from hypothesis import settings
 
 from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec, Out, Plan, model_spec
-from harness.findings import FINDINGS, KnownRow, finding
+from harness.findings import (
+    BUSY_SLOT_BY_ID,
+    DRAFT_KV_EXHAUSTION,
+    FINDINGS,
+    STALE_CHECKPOINT_AFTER_MISS,
+    SWA_CHECKPOINT_ORDER,
+    KnownRow,
+    finding,
+)
 from properties.families import FAMILY_MUTANTS, family_configs, mutant_configs
 from properties.families import resolve as resolve_any
 from properties.machine import MachineConfig, machine_class
@@ -41,19 +49,19 @@ __all__ = ["KNOWN_MACHINES", "SyntheticBackend"]
 
 # finding id -> (the machine that reaches it, the properties it is allowed to fail)
 KNOWN_MACHINES: dict[str, tuple[Callable[[str], MachineConfig], frozenset[str]]] = {
-    "busy-slot-by-id": (
-        lambda v: MachineConfig(v, "hybrid", known=frozenset({"busy-slot-by-id"})),
+    BUSY_SLOT_BY_ID.id: (
+        lambda v: MachineConfig(v, "hybrid", known=frozenset({BUSY_SLOT_BY_ID.id})),
         frozenset({"busy_slot_untouched"}),
     ),
-    "draft-kv-exhaustion": (
+    DRAFT_KV_EXHAUSTION.id: (
         lambda v: MachineConfig(v, "hybrid", draft=True, known=frozenset({"small-draft-ctx"})),
         frozenset({"load_transfer", "draft_in_step"}),
     ),
-    "swa-checkpoint-order": (
+    SWA_CHECKPOINT_ORDER.id: (
         lambda v: MachineConfig(v, "iswa", known=frozenset({"strict-swa-order"})),
         frozenset({"checkpoint_lists"}),
     ),
-    "stale-checkpoint-after-miss": (
+    STALE_CHECKPOINT_AFTER_MISS.id: (
         lambda v: MachineConfig(v, "hybrid", known=frozenset({"strict-stale-checkpoint", "no-bos"})),
         frozenset({"restore_bytes", "draft_in_step"}),
     ),

@@ -48,7 +48,6 @@ class Finding:
     condition: ContractCondition | None = None  # the contract machine's: the state that shows it
 
 
-
 @dataclass
 class KnownRow:
     """One row of a run's known findings (the gate's ``known_findings``): which finding, where it was looked for

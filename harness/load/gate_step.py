@@ -26,7 +26,7 @@ from pathlib import Path
 from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out
 from harness.backends.llama_server.differential import sanitizer_reports
 from harness.backends.llama_server.section import ServerSection
-from harness.findings import KnownRow, finding
+from harness.findings import BUSY_SLOT_BY_ID, BUSY_SLOT_BY_ID_LIVELOCK, CONCURRENT_OUTPUT_DIVERGENCE, KnownRow
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
 from harness.load.traced import ServerTrace
 from properties.machine import MachineConfig
@@ -105,13 +105,13 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
     section["concurrent"]["traces_kept"] = [str(p) for p in traces.kept]
     section["concurrent"]["traced"] = traces.enabled
     machine = f"llama-server {section.get('flavour', binary)}, concurrent clients"
-    busy = finding("busy-slot-by-id")
+    busy = BUSY_SLOT_BY_ID
     status = "reproduced" if total.busy_slot_by_id else "not-reproduced"
     program = total.busy_program or None  # the trace that showed it, when it showed
     report.known.append(KnownRow(busy, machine, status, count=total.busy_slot_by_id, program=program))
-    live = finding("busy-slot-by-id-livelock")
+    live = BUSY_SLOT_BY_ID_LIVELOCK
     status = "reproduced" if total.busy_livelocks else "not-reproduced"
     report.known.append(KnownRow(live, machine, status, count=total.busy_livelocks))
-    conc = finding("concurrent-output-divergence")
+    conc = CONCURRENT_OUTPUT_DIVERGENCE
     status = "reproduced" if total.concurrent_divergences else "not-reproduced"
     report.known.append(KnownRow(conc, machine, status, count=total.concurrent_divergences))

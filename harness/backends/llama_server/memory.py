@@ -24,7 +24,7 @@ from faults.sites import Observation, modules_beside
 from harness.backends.llama_server.differential import Differential, ServerConfig, ServerMismatch
 from harness.backends.llama_server.oom import gate_check
 from harness.errors import BadAlloc
-from harness.findings import KnownRow, finding
+from harness.findings import CHECKPOINT_ALLOC_TERMINATES, KnownRow
 from harness.model.sites import upstream
 from harness.targets.llama_build import cached_binary
 from harness.targets.llama_server import RequestFailed, proc_status
@@ -349,7 +349,7 @@ def fault_trials(
             )
     report.known.append(
         KnownRow(
-            finding("checkpoint-alloc-terminates"),
+            CHECKPOINT_ALLOC_TERMINATES,
             f"llama-server {label}, native faults",
             "reproduced" if out_of_scope else "not-reproduced",
             count=len(out_of_scope),

@@ -23,7 +23,7 @@ from harness.backends.llama_server.differential import (
     ServerMismatch,
     sanitizer_reports,
 )
-from harness.findings import KnownRow, finding
+from harness.findings import GREEDY_FLIP_ON_CACHE_PATH, KnownRow
 from harness.targets.llama_build import PINNED_COMMIT, ServerBuild, pinned_status
 from harness.targets.llama_probe import agree_forms, probe
 from properties.machine import MachineConfig
@@ -145,7 +145,7 @@ class ServerRun:
     def known_near_ties(self) -> None:
         self.report.known.append(
             KnownRow(
-                finding("greedy-flip-on-cache-path"),
+                GREEDY_FLIP_ON_CACHE_PATH,
                 f"llama-server {self.build.label}",
                 "reproduced" if self.section["near_tie_flips"] else "not-reproduced",
                 count=self.section["near_tie_flips"],

@@ -38,15 +38,15 @@ from fixtures.models import model_path
 from harness.backends.llama_server.slot_names import Name, explicit_names, generated_names
 from harness.backends.llama_server.slot_sandbox import SYMLINKS, Sandbox, diff
 from harness.errors import RequestFailed
-from harness.findings import KnownRow, finding
+from harness.findings import SLOT_ACTION_BAD_BODY_500, SLOT_FILE_FOLLOWS_SYMLINK, KnownRow, finding
 from harness.interrupt import check
 from harness.targets.llama_server import ServerProcess
 
 __all__ = ["ACTIONS", "KNOWN", "ActionResult", "NameResult", "SlotFilesReport", "run_slot_files"]
 
 ACTIONS = ("save", "restore", "erase")
-SYMLINK_FINDING = "slot-file-follows-symlink"
-BAD_BODY_FINDING = "slot-action-bad-body-500"
+SYMLINK_FINDING = SLOT_FILE_FOLLOWS_SYMLINK.id
+BAD_BODY_FINDING = SLOT_ACTION_BAD_BODY_500.id
 KNOWN = frozenset({SYMLINK_FINDING, BAD_BODY_FINDING})
 
 #: a hook called after a request's answer and before its effects are read (the tests plant a bug with it)
