@@ -81,6 +81,7 @@ class _GateRun:
                 "property": f.property,
                 "reproducer": f.reproducer,
                 "title": f.title,
+                "detail": f.detail,
                 "evidence": evidence,
                 "where": where,
                 "also": [],
@@ -230,6 +231,9 @@ def run_lcp_gate(
     return res
 
 
+_FINDING_KEYS = ("name", "property", "reproducer", "title", "detail", "evidence")  # a finding's row in the section
+
+
 @dataclass(frozen=True)
 class LcpSection:
     """The llama-cpp-python cache backend's part of the gate's JSON (``llama_cpp_cache``), from the result of
@@ -244,9 +248,7 @@ class LcpSection:
                 "cache": res["cache"],
                 "checks": res["checks"],
                 "properties": res["properties"],
-                "findings": [
-                    {k: f[k] for k in ("name", "property", "reproducer", "title", "evidence")} for f in res["findings"]
-                ],
+                "findings": [{k: f[k] for k in _FINDING_KEYS} for f in res["findings"]],
                 "out_of_scope": res["out_of_scope"],
                 "seconds": res["seconds"],
             }

@@ -36,7 +36,10 @@ class ContractCondition:
 
 @dataclass(frozen=True)
 class Finding:
-    """A suspected upstream bug: ``id`` is its name everywhere (JSON, reproducer, replay lines)."""
+    """A suspected upstream bug: ``id`` is its name everywhere (JSON, reproducer, replay lines).
+
+    ``title`` is one line a person reads at a glance (tables, the gate's JSON); ``detail`` is the long
+    explanation: the mechanism, where upstream is at fault, what was measured."""
 
     id: str
     backend: str  # "synthetic" | "llama" | "server" | "llama-cpp-python-cache" | "contract" (harness contract)
@@ -46,15 +49,14 @@ class Finding:
     scope: tuple[str, ...] = ()  # where it applies, when narrower than the backend (e.g. the cache kind)
     upstream: str | None = None  # where upstream's code is at fault, file:line at 0c1e570, when not in the title
     condition: ContractCondition | None = None  # the contract machine's: the state that shows it
+    detail: str = ""  # the long explanation (the title is one line)
 
 
 @dataclass
 class KnownRow:
     """One row of a run's known findings (the gate's ``known_findings``): which finding, where it was looked for
     (``machine``), what came of it (``status``: ``reproduced``, ``not-reproduced``, ``counted`` or
-    ``unexpected``) and the figures of that run; a figure left None is not in the JSON.
-
-    ``title`` overrides the finding's title where a run words it with its own bound (the near ties' logprob)."""
+    ``unexpected``) and the figures of that run; a figure left None is not in the JSON."""
 
     finding: Finding
     machine: str
@@ -68,16 +70,15 @@ class KnownRow:
     message: str | None = None
     program: str | None = None  # the program that shows it
     steps: int | None = None  # ... its number of steps
-    title: str | None = None
 
     @builtins.property  # the field ``property`` shadows the builtin in this class's body
     def id(self) -> str:
         return self.finding.id
 
     def to_json(self) -> dict[str, Any]:
-        """id, title, machine, reproducer (if any), status, then each figure that is set, in the order above."""
-        title = self.title or self.finding.title
-        row: dict[str, Any] = {"id": self.finding.id, "title": title, "machine": self.machine}
+        """id, title, detail, machine, reproducer (if any), status, then each figure that is set, in the order above."""
+        f = self.finding
+        row: dict[str, Any] = {"id": f.id, "title": f.title, "detail": f.detail, "machine": self.machine}
         if self.finding.reproducer is not None:
             row["reproducer"] = self.finding.reproducer
         row["status"] = self.status

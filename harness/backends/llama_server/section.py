@@ -18,7 +18,6 @@ from hypothesis.errors import FlakyFailure
 
 from harness.backends.base import Failure, GateReport, MachineResult, Out
 from harness.backends.llama_server.differential import (
-    NEAR_TIE_LOGPROB,
     SERVER_PROFILES,
     ServerMismatch,
     sanitizer_reports,
@@ -149,10 +148,6 @@ class ServerRun:
                 f"llama-server {self.build.label}",
                 "reproduced" if self.section["near_tie_flips"] else "not-reproduced",
                 count=self.section["near_tie_flips"],
-                title="a prompt served partly from a slot, the cache or a checkpoint is evaluated in other batch "
-                "shapes and cell layouts than from scratch; where the two best tokens are within "
-                f"{NEAR_TIE_LOGPROB} logprob the greedy choice can differ from a fresh server's "
-                "(the same root cause as kv-layout-dependent-logits)",
             )
         )
 
