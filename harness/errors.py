@@ -27,10 +27,23 @@ The tree, from the root down:
 * :class:`BuildError` (4).
 * :class:`NoMemoryLimit` (5): a run that needs a real memory limit (``python -m harness oom``) on a
   machine where neither cgroup version's memory controller can be written.
-* :class:`PropertyFailure` (1): the base of every property failure (``Violation`` of the
-  model's invariants, the llama-cpp-python cache's and the server differential's); it is also an
-  ``AssertionError`` so Hypothesis shrinks it like any failed assertion. ``name`` is the property.
-  :class:`TargetCrash` (3) is the property failure "the target died".
+* :class:`PropertyFailure` (1): the one base of every exception that means "a property failed"; it is
+  also an ``AssertionError`` so Hypothesis shrinks it like any failed assertion. ``name`` is the
+  property (the one attribute for it: a key of ``INVARIANTS`` or a backend's own property), ``message``
+  what was seen. Each subclass is raised by one checker, and its failure prints the program that
+  replays it; a failure that is a suspected upstream bug becomes a registered finding
+  (:mod:`harness.findings`), anything else is a bug to fix where the program shows it:
+
+  - :class:`TargetCrash` (3): the target died (an exception escaped the modelled server).
+  - ``properties.invariants.Violation``: a property of the model's machines (synthetic, libllama).
+  - ``properties.lcp_machine.LcpViolation``: a property of llama-cpp-python's caches; ``finding``
+    names the registered finding it shows, if any.
+  - ``properties.libllama_contract.ContractViolation``: libllama's contract, not a known finding.
+  - ``harness.backends.llama_server.differential.ServerMismatch``: a llama-server against the model
+    (``program``, ``kind``: ``violation`` or ``crash``); its subclass ``change.ChangeFound``: a tree
+    answered unlike its base (``--base``).
+  - ``harness.load.generated.GeneratedFailure``: a generated request program against a real server
+    (``program``: pasteable Python that replays it).
 * :class:`UpstreamException` (3): a C++ failure the model reproduces, raised inside the model
   where upstream raises or aborts: :class:`BadAlloc` (``std::bad_alloc``, raised only by the
   allocation seam of :mod:`harness.model.memory`) and :class:`GgmlAbort` (``GGML_ABORT`` /
@@ -159,7 +172,11 @@ class NoMemoryLimit(Unavailable):
 
 
 class PropertyFailure(HarnessError, AssertionError):
-    """A property does not hold: ``name`` is the property, ``message`` what was seen."""
+    """A property does not hold: ``name`` is the property, ``message`` what was seen.
+
+    What to do: run the printed replay line (or paste the shrunk program into ``python`` from the repository
+    root) to see it fail again, then fix what it shows, or register it in :mod:`harness.findings` when it is a
+    suspected upstream bug the gate should report without failing."""
 
     exit_code = EXIT_FAILED
 
@@ -170,7 +187,10 @@ class PropertyFailure(HarnessError, AssertionError):
 
 
 class TargetCrash(PropertyFailure):
-    """The target would have died (an exception escaped the modelled server): ``name`` is the property."""
+    """The target would have died (an exception escaped the modelled server): ``name`` is the property.
+
+    The message names the exception; the shrunk program reproduces it. Upstream has no handler there, so the
+    fix is in the code the program reaches (or, for upstream's own crash, a registered finding)."""
 
     exit_code = EXIT_CRASH
 

@@ -94,7 +94,12 @@ INVARIANTS: dict[str, str] = {
 
 
 class Violation(PropertyFailure):
-    """An invariant does not hold: ``name`` is its key in :data:`INVARIANTS`."""
+    """A property of the model's machines does not hold: ``name`` is its key in :data:`INVARIANTS`.
+
+    The model or the state under it broke the property: read the shrunk program the failure prints, replay it
+    with its replay line, and fix the code it names (or, for a suspected upstream bug, register it in
+    :mod:`harness.findings` and give the machine the condition that shows it). A crash of the modelled server
+    is :class:`~harness.errors.TargetCrash` instead."""
 
 
 def _fail(name: str, message: str) -> None:

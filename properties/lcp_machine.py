@@ -45,7 +45,16 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from harness.errors import PropertyFailure
-from harness.findings import FINDINGS, Finding
+from harness.findings import (
+    DISK_LOOKUP_REMOVES_ENTRY,
+    FAULT_LEAVES_OVER_CAPACITY,
+    FINDINGS,
+    LOOKUP_UNUSABLE_FOR_RECURRENT,
+    OVERSIZE_FLUSHES_CACHE,
+    RAM_SIZE_IGNORES_SCORES,
+    REINSERT_FAULT_LOSES_ENTRY,
+    Finding,
+)
 from harness.targets.lcp_cache import (
     ALPHABET,
     BOS,
@@ -84,11 +93,12 @@ KNOWN_BY_NAME = {f.id: f for f in KNOWN_LCP_FINDINGS}
 
 
 class LcpViolation(PropertyFailure):
-    """A property failed; ``finding`` names the known finding it shows, or ``None`` when undiagnosed."""
+    """A property of llama-cpp-python's cache failed: ``name`` is the property, ``finding`` the known finding it
+    shows (the backend counts it and runs again without it), or ``None`` when undiagnosed: a failure, whose
+    shrunk program replays it against the cache; fix the cache (or register the finding it shows)."""
 
-    def __init__(self, prop: str, message: str, finding: str | None = None) -> None:
-        super().__init__(prop, message, f"{prop}: {message}" + (f" [{finding}]" if finding else ""))
-        self.prop = prop
+    def __init__(self, name: str, message: str, finding: str | None = None) -> None:
+        super().__init__(name, message, f"{name}: {message}" + (f" [{finding}]" if finding else ""))
         self.finding = finding
 
 
@@ -108,10 +118,10 @@ def diagnose_fault(
     if after == expected and not over_capacity:
         return "inserted", None
     if key in before and after == [k for k in before if k != key]:
-        return "lost", "reinsert_fault_loses_entry"
+        return "lost", REINSERT_FAULT_LOSES_ENTRY.id
     full = [k for k in before if k != key] + [key]
     if after and after[-1] == key and after == full[len(full) - len(after) :] and over_capacity:
-        return "over-capacity", "fault_leaves_over_capacity"
+        return "over-capacity", FAULT_LEAVES_OVER_CAPACITY.id
     return "inconsistent", None
 
 
@@ -164,7 +174,7 @@ class LcpCacheMachine(RuleBasedStateMachine):
         """Keys (oldest first) after a successful insert per the reference; None: undecidable (disk)."""
         ref = OrderedDict(self.ref)
         if self.base + size > self.capacity:
-            if "oversize_flushes_cache" in self.tolerate:
+            if OVERSIZE_FLUSHES_CACHE.id in self.tolerate:
                 return []
             if self.kind == "disk":
                 return list(ref)  # refused, nothing lost
@@ -191,12 +201,12 @@ class LcpCacheMachine(RuleBasedStateMachine):
             own = sum(int(s.llama_state_size) for s in self.cache.cache_state.values())
             if own != size or any(len(s.llama_state) != s.llama_state_size for s in self.cache.cache_state.values()):
                 raise LcpViolation("accounting", f"cache_size {size} != sum of llama_state_size {own}")
-            if held > size and "ram_size_ignores_scores" not in self.tolerate:
+            if held > size and RAM_SIZE_IGNORES_SCORES.id not in self.tolerate:
                 raise LcpViolation(
                     "accounting",
                     f"{len(self.ref)} entries hold {held} bytes (llama_state {own} + scores and input_ids "
                     f"{held - own}) but cache_size is {size}",
-                    "ram_size_ignores_scores",
+                    RAM_SIZE_IGNORES_SCORES.id,
                 )
         elif held > size:
             raise LcpViolation("accounting", f"stored values pickle to {held} bytes but cache_size is {size}")
@@ -229,7 +239,7 @@ class LcpCacheMachine(RuleBasedStateMachine):
             self.check("oversize")
             got = self.keys()
             if got != expected:
-                finding = "oversize_flushes_cache" if not got and before else None
+                finding = OVERSIZE_FLUSHES_CACHE.id if not got and before else None
                 raise LcpViolation(
                     "oversize",
                     f"an entry of {size} bytes > capacity {self.capacity - self.base}: {len(before)} cached entries "
@@ -272,7 +282,7 @@ class LcpCacheMachine(RuleBasedStateMachine):
         got = None if state is None else state_key(state)
         if got is not None and got not in usable:
             raise LcpViolation("lookup", f"lookup {query} returned {got}, which is not a stored key")
-        strict = "lookup_unusable_for_recurrent" not in self.tolerate
+        strict = LOOKUP_UNUSABLE_FOR_RECURRENT.id not in self.tolerate
         if strict:
             ok = (got is None and best == 0) or (got is not None and best > 0 and usable[got] == best)
         else:  # upstream's rule: the longest common prefix, a miss only when nothing shares a token
@@ -284,7 +294,7 @@ class LcpCacheMachine(RuleBasedStateMachine):
                 and (got is None) == (longest == 0)
                 and (got is None or lcp(got, query) == longest)
             ):
-                finding = "lookup_unusable_for_recurrent"
+                finding = LOOKUP_UNUSABLE_FOR_RECURRENT.id
             raise LcpViolation(
                 "lookup",
                 f"lookup {query} among {keys} returned {got} (reusable {usable.get(got, 0) if got else 0}); "
@@ -299,11 +309,11 @@ class LcpCacheMachine(RuleBasedStateMachine):
             after = self.keys()
             self.check("lookup")
             if got not in after:
-                if "disk_lookup_removes_entry" not in self.tolerate:
+                if DISK_LOOKUP_REMOVES_ENTRY.id not in self.tolerate:
                     raise LcpViolation(
                         "lookup",
                         f"lookup {query} returned {got} and the entry is no longer cached ({len(after)} left)",
-                        "disk_lookup_removes_entry" if self.kind == "disk" else None,
+                        DISK_LOOKUP_REMOVES_ENTRY.id if self.kind == "disk" else None,
                     )
                 self.ref.pop(got)
             elif self.kind == "ram":

@@ -108,7 +108,7 @@ def test_an_unlisted_native_outcome_fails_the_gate(monkeypatch: pytest.MonkeyPat
     f = report.failures[0]
     assert f.property == "native_fault" and "wrong" in f.message
     assert f.replay == "python -m harness native --case llama.get.1"
-    assert Counter(k["status"] for k in report.known) == Counter({"not-reproduced": 3})
+    assert Counter(k.status for k in report.known) == Counter({"not-reproduced": 3})
 
 
 @pytest.mark.parametrize("script", ["state_io_alloc_outside_try.py", "graph_compute_segv.py"])

@@ -86,7 +86,7 @@ def test_a_cache_that_never_evicts_breaks_capacity(env: ModelEnv) -> None:
                 self.cache_state[tuple(key)] = value
 
     v = run_mutant(env, lambda c: NeverEvicts(capacity_bytes=c))
-    assert v is not None and v.prop == "capacity" and v.finding is None
+    assert v is not None and v.name == "capacity" and v.finding is None
 
 
 def test_a_cache_that_undercounts_breaks_accounting(env: ModelEnv) -> None:
@@ -98,12 +98,12 @@ def test_a_cache_that_undercounts_breaks_accounting(env: ModelEnv) -> None:
             return sum(s.llama_state_size for s in self.cache_state.values()) // 2
 
     v = run_mutant(env, lambda c: HalfSize(capacity_bytes=c))
-    assert v is not None and v.prop == "accounting"
+    assert v is not None and v.name == "accounting"
 
 
 def test_upstream_accounting_is_the_known_finding(env: ModelEnv) -> None:
     v = run_mutant(env, ram, tolerate=ALL_KNOWN - {"ram_size_ignores_scores"}, n=10)
-    assert v is not None and v.prop == "accounting" and v.finding == "ram_size_ignores_scores"
+    assert v is not None and v.name == "accounting" and v.finding == "ram_size_ignores_scores"
 
 
 def test_a_cache_that_evicts_the_most_recent_breaks_eviction(env: ModelEnv) -> None:
@@ -118,7 +118,7 @@ def test_a_cache_that_evicts_the_most_recent_breaks_eviction(env: ModelEnv) -> N
             self.cache_state[key] = value
 
     v = run_mutant(env, lambda c: EvictsMRU(capacity_bytes=c))
-    assert v is not None and v.prop == "eviction"
+    assert v is not None and v.name == "eviction"
 
 
 def test_a_cache_without_lru_on_lookup_breaks_eviction(env: ModelEnv) -> None:
@@ -132,7 +132,7 @@ def test_a_cache_without_lru_on_lookup_breaks_eviction(env: ModelEnv) -> None:
             return self.cache_state[k]
 
     v = run_mutant(env, lambda c: Fifo(capacity_bytes=c))
-    assert v is not None and v.prop == "eviction"
+    assert v is not None and v.name == "eviction"
 
 
 def test_a_cache_that_returns_the_shortest_prefix_breaks_lookup(env: ModelEnv) -> None:
@@ -148,7 +148,7 @@ def test_a_cache_that_returns_the_shortest_prefix_breaks_lookup(env: ModelEnv) -
             return None if best is None else best[1]
 
     v = run_mutant(env, lambda c: Shortest(capacity_bytes=c))
-    assert v is not None and v.prop == "lookup" and v.finding is None
+    assert v is not None and v.name == "lookup" and v.finding is None
 
 
 def test_a_cache_that_stores_another_prompts_kv_breaks_restore(env: ModelEnv) -> None:
@@ -164,7 +164,7 @@ def test_a_cache_that_stores_another_prompts_kv_breaks_restore(env: ModelEnv) ->
             super().__setitem__(key, bad)
 
     v = run_mutant(env, lambda c: Stale(capacity_bytes=c), faults=False)
-    assert v is not None and v.prop == "restore"
+    assert v is not None and v.name == "restore"
 
 
 def test_refusing_an_oversize_entry_is_accepted_and_evicting_for_it_is_not(env: ModelEnv) -> None:
@@ -191,7 +191,7 @@ def test_refusing_an_oversize_entry_is_accepted_and_evicting_for_it_is_not(env: 
     strict = ALL_KNOWN - {"oversize_flushes_cache"}
     assert run_mutant(env, lambda c: Refuses(capacity_bytes=c), tolerate=strict) is None
     v = run_mutant(env, lambda c: RefusesLate(capacity_bytes=c), tolerate=strict, n=300)
-    assert v is not None and v.prop == "oversize"  # with one entry cached it looks like upstream's flush
+    assert v is not None and v.name == "oversize"  # with one entry cached it looks like upstream's flush
     v = run_mutant(env, ram, tolerate=strict)
     assert v is not None and v.finding == "oversize_flushes_cache"
 
@@ -211,7 +211,7 @@ def test_a_half_insert_on_failure_breaks_fault_atomicity(env: ModelEnv) -> None:
                 self.cache_state.popitem(last=False)
 
     v = run_mutant(env, lambda c: HalfInsert(capacity_bytes=c))
-    assert v is not None and v.prop == "fault_atomic" and v.finding is None
+    assert v is not None and v.name == "fault_atomic" and v.finding is None
 
 
 def test_an_atomic_insert_passes_fault_atomicity_strictly(env: ModelEnv) -> None:

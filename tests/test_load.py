@@ -16,6 +16,7 @@ import pytest
 
 from fixtures.gguf import model_path
 from harness.backends.base import GateOptions, GateReport
+from harness.backends.llama_server.section import ServerSection
 from harness.load.clients import BUSY, Req, run_clients
 from harness.load.concurrent import attach_trace, concurrent_configs, fresh_server, judge, load_config, scenario
 from harness.load.gate_step import server_concurrent_step
@@ -48,17 +49,18 @@ def pr_binary() -> Path:
 
 def test_gate_step_follows_the_servers_order_and_finds_no_mismatch(pr_binary: Path) -> None:
     report = GateReport("shared", "server", "ci", 0, "test")
-    report.extra["server"] = {"binary": str(pr_binary), "semantics": "shared", "flavour": "pr"}
+    section = ServerSection({"binary": str(pr_binary), "semantics": "shared", "flavour": "pr"})
+    report.sections["server"] = section
     lines: list[str] = []
     server_concurrent_step(report, GateOptions(seed=3), lines.append)
-    fig = report.extra["server"]["concurrent"]
+    fig = section.figures["concurrent"]
     assert fig["requests"] == 2 * sum(min(4, c.n_parallel + 1) * 4 for c in concurrent_configs(short=True))
     assert fig["interleavings"] > 0  # the traces overlapped (busy slots are named when /slots shows one)
     assert fig["mismatches"] == 0 and fig["unmodellable"] is None, lines
     assert not [m.failure for m in report.machines if m.failure], lines
-    ids = {k["id"]: k for k in report.known}
+    ids = {k.id: k for k in report.known}
     assert set(ids) == {"busy-slot-by-id", "busy-slot-by-id-livelock", "concurrent-output-divergence"}
-    assert ids["busy-slot-by-id"]["count"] == fig["busy_slot_by_id"]
+    assert ids["busy-slot-by-id"].count == fig["busy_slot_by_id"]
     assert fig["traced"] is True and fig["traces_kept"] == []  # every server traced; a passing run keeps none
 
 

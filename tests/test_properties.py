@@ -310,11 +310,11 @@ def test_gate_is_deterministic_for_a_seed() -> None:
 def test_known_findings_are_reported_not_failing() -> None:
     report = run_gate("shared", max_examples=200, machines=[], out=lambda _: None)
     assert report.passed
-    ids = {k["id"]: k for k in report.known}
+    ids = {k.id: k for k in report.known}
     assert set(ids) == set(KNOWN_MACHINES)
     busy = ids["busy-slot-by-id"]
-    assert busy["status"] == "reproduced" and busy["property"] == "busy_slot_untouched"
-    assert "id_slot=" in busy["program"]
+    assert busy.status == "reproduced" and busy.property == "busy_slot_untouched"
+    assert busy.program is not None and "id_slot=" in busy.program
 
 
 def test_ci_machines_cover_draft_kv_unified_and_every_kind() -> None:

@@ -4,7 +4,8 @@ A backend is a :class:`Backend` subclass in its own module of :mod:`harness.back
 :data:`harness.backends.BACKENDS`. The gate calls every selected backend the same way,
 ``backend.run(report, options, out)``: the backend appends its :class:`MachineResult` rows (a
 failing row carries a :class:`Failure` with its program and replay line), its ``known_findings``
-rows and its own JSON section (``report.extra[...]``).
+rows (:class:`~harness.findings.KnownRow`) and its own JSON section (a :class:`Section` in
+``report.sections``, keyed by its JSON key).
 
 ``Backend.flags`` names the backend-specific options it reads; ``python -m harness gate`` rejects
 an option no selected backend reads, naming the backend that would.
@@ -24,16 +25,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 from hypothesis.stateful import RuleBasedStateMachine
 
+from harness.findings import KnownRow
 from properties.invariants import INVARIANTS
 from properties.machine import MachineConfig, machine_class
 from properties.run import Failure, MachineResult, program_of
 
 __all__ = [
     "Backend",
+    "Ended",
     "Failure",
     "GateOptions",
     "GateReport",
@@ -41,6 +44,7 @@ __all__ = [
     "MachineSpec",
     "Out",
     "Plan",
+    "Section",
     "model_spec",
 ]
 
@@ -69,6 +73,24 @@ class GateOptions:
     base: str | None = None  # server backend: the tree (or git revision of ``source``) the change starts from
 
 
+class Section(Protocol):
+    """A backend's own part of the gate's JSON: ``to_json`` gives the top-level keys it adds, after the common
+    ones (each backend's is a small dataclass in its module: the server's, libllama's, llama-cpp-python's)."""
+
+    def to_json(self) -> dict[str, Any]: ...
+
+
+@dataclass(frozen=True)
+class Ended:
+    """The section of a run an error or Ctrl-C ended early (``ended``): what ended it and the exit code."""
+
+    error: str
+    exit_code: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ended": {"error": self.error, "exit_code": self.exit_code}}
+
+
 @dataclass
 class GateReport:
     variant: str  # the semantics; the JSON keeps the key "variant" and adds "semantics"
@@ -77,8 +99,8 @@ class GateReport:
     seed: int
     commit: str
     machines: list[MachineResult] = field(default_factory=list)
-    known: list[dict[str, Any]] = field(default_factory=list)
-    extra: dict[str, Any] = field(default_factory=dict)  # per-backend sections: "llama", "server", ...
+    known: list[KnownRow] = field(default_factory=list)
+    sections: dict[str, Section] = field(default_factory=dict)  # per-backend sections: "llama", "server", ...
 
     @property
     def failures(self) -> list[Failure]:
@@ -124,12 +146,12 @@ class GateReport:
                 }
                 for f in self.failures
             ],
-            "known_findings": self.known,
+            "known_findings": [k.to_json() for k in self.known],
             "transient_peak": {
                 "saves": len(peaks),
                 "worst_excess_over_bound": 0 if worst is None else max(0, worst[0] - worst[1]),
             },
-            **self.extra,
+            **{k: v for s in self.sections.values() for k, v in s.to_json().items()},
         }
 
 

@@ -29,7 +29,7 @@ from faults.kinds import Outcome
 from faults.lcp_cache import run_rlimit, sweep_pymem
 from faults.pymem import pymem_unavailable
 from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, MachineSpec, Out, Plan
-from harness.findings import finding
+from harness.findings import KnownRow, finding
 from harness.targets.lcp_cache import CACHES, CacheAdapter, ModelEnv
 from properties.lcp_machine import (
     KNOWN_BY_NAME,
@@ -45,7 +45,7 @@ from properties.machine import MachineConfig
 from properties.run import run_seeded
 from properties.teardown import teardown_errors
 
-__all__ = ["DEFAULT_EXAMPLES", "MACHINE_ARCHS", "LcpCacheBackend", "run_lcp_gate"]
+__all__ = ["DEFAULT_EXAMPLES", "MACHINE_ARCHS", "LcpCacheBackend", "LcpSection", "run_lcp_gate"]
 
 MACHINE_ARCHS = ("llama", "mamba")
 DEFAULT_EXAMPLES = 40
@@ -81,6 +81,7 @@ class _GateRun:
                 "property": f.property,
                 "reproducer": f.reproducer,
                 "title": f.title,
+                "detail": f.detail,
                 "evidence": evidence,
                 "where": where,
                 "also": [],
@@ -117,8 +118,8 @@ class _GateRun:
                         self.found(v.finding, v.message, f"machine {cls.__name__}")
                         self.tolerate.add(v.finding)
                         continue
-                    self.fail(v.prop, v.message, cls.__name__, program, teardown_errors(v))
-                    self.out(f"  FAIL {v.prop}: {v.message}\n{program}\n  replay: {self.replay}")
+                    self.fail(v.name, v.message, cls.__name__, program, teardown_errors(v))
+                    self.out(f"  FAIL {v.name}: {v.message}\n{program}\n  replay: {self.replay}")
                     return
                 except Exception as e:
                     program = "\n".join(getattr(e, "__notes__", []))
@@ -230,26 +231,39 @@ def run_lcp_gate(
     return res
 
 
+_FINDING_KEYS = ("name", "property", "reproducer", "title", "detail", "evidence")  # a finding's row in the section
+
+
+@dataclass(frozen=True)
+class LcpSection:
+    """The llama-cpp-python cache backend's part of the gate's JSON (``llama_cpp_cache``), from the result of
+    :func:`run_lcp_gate`: the cache, the properties checked, the findings with their evidence."""
+
+    res: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        res = self.res
+        return {
+            "llama_cpp_cache": {
+                "cache": res["cache"],
+                "checks": res["checks"],
+                "properties": res["properties"],
+                "findings": [{k: f[k] for k in _FINDING_KEYS} for f in res["findings"]],
+                "out_of_scope": res["out_of_scope"],
+                "seconds": res["seconds"],
+            }
+        }
+
+
 def _run_lcp(report: GateReport, variant: str, cache: str, seed: int, max_examples: int | None, out: Out) -> None:
     """llama-cpp-python's own prompt caches (LlamaRAMCache / LlamaDiskCache) under the generic properties."""
     out(f"gate: backend=llama-cpp-python-cache cache={cache} seed={seed} commit={report.commit}")
     res = run_lcp_gate(cache, seed=seed, max_examples=max_examples, out=lambda line: out("  " + line))
-    report.extra["llama_cpp_cache"] = {
-        "cache": res["cache"],
-        "checks": res["checks"],
-        "properties": res["properties"],
-        "findings": [
-            {k: f[k] for k in ("name", "property", "reproducer", "title", "evidence")} for f in res["findings"]
-        ],
-        "out_of_scope": res["out_of_scope"],
-        "seconds": res["seconds"],
-    }
+    report.sections["llama_cpp_cache"] = LcpSection(res)
     for f in res["findings"]:
-        report.known.append(
-            finding(f["name"]).entry(
-                f"llama-cpp-python {cache} cache", "reproduced", property=f["property"], message=f["evidence"]
-            )
-        )
+        row = KnownRow(finding(f["name"]), f"llama-cpp-python {cache} cache", "reproduced")
+        row.property, row.message = f["property"], f["evidence"]
+        report.known.append(row)
     for f in res["failures"]:
         failure = Failure(
             f["property"], "violation", f["message"], f.get("program", ""), f["replay"], f.get("machine", "lcp"), 0,

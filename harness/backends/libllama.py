@@ -30,6 +30,7 @@ import shlex
 import time
 from collections import Counter
 from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import settings
@@ -49,14 +50,23 @@ from harness.backends.base import (
     model_spec,
 )
 from harness.errors import PropertyFailure
-from harness.findings import FINDINGS, finding
+from harness.findings import (
+    DECODE_BAD_ALLOC_TERMINATES,
+    DRAFT_KV_EXHAUSTION_REAL_STATE,
+    FINDINGS,
+    GRAPH_COMPUTE_SEGV,
+    KV_LAYOUT_DEPENDENT_LOGITS,
+    STATE_IO_ALLOC_OUTSIDE_TRY,
+    KnownRow,
+    finding,
+)
 from harness.targets.libllama import PENDING_CP_FINDING, SWA_WINDOW_FINDING, load_model
 from harness.trees.api import libllama_of, loaded_libllama
 from properties.libllama_scenarios import FullContextResult, draft_recovery_run, full_context_run, memray_figures
 from properties.machine import MachineConfig, machine_class
 from properties.run import make_settings, run_machine
 
-__all__ = ["LLAMA_PROFILES", "LlamaBackend", "classify_native", "llama_machines"]
+__all__ = ["LLAMA_PROFILES", "LlamaBackend", "LlamaLib", "LlamaSection", "classify_native", "llama_machines"]
 
 NATIVE_FINDINGS = [f for f in FINDINGS.values() if f.backend == "llama" and f.property == "native_fault"]
 
@@ -72,11 +82,11 @@ def classify_native(op: str, group: dict[str, Any]) -> str | None:
     allocs = [a for a in group.get("alloc_sites", []) if a]
     in_io = all(a.split(":", 1)[-1].startswith("llama_context::state_seq_") for a in allocs)
     if op != "decode" and outcome == Outcome.ABORTED and "state_seq_" in site and in_io:
-        return "state-io-alloc-outside-try"
+        return STATE_IO_ALLOC_OUTSIDE_TRY.id
     if op == "decode" and outcome == Outcome.ABORTED:
-        return "decode-bad-alloc-terminates"
+        return DECODE_BAD_ALLOC_TERMINATES.id
     if op == "decode" and outcome == Outcome.KILLED and site.startswith("ggml_graph_compute"):
-        return "graph-compute-segv"
+        return GRAPH_COMPUTE_SEGV.id
     return None
 
 
@@ -141,6 +151,27 @@ def model_rows(
     return rows
 
 
+@dataclass(frozen=True)
+class LlamaSection:
+    """The llama backend's part of the gate's JSON (``llama``): one row per model (:func:`model_rows`), with
+    its memray figures, draft recovery and native faults added as the run goes."""
+
+    rows: list[dict[str, Any]]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"llama": self.rows}
+
+
+@dataclass(frozen=True)
+class LlamaLib:
+    """``llama_lib``: the libllama this run loaded (None: none was loaded)."""
+
+    path: str | None
+
+    def to_json(self) -> dict[str, Any]:
+        return {"llama_lib": self.path}
+
+
 def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
 
@@ -156,7 +187,7 @@ class LlamaBackend(Backend):
             replay += f" --source {shlex.quote(str(opts.source))}"
         _run_llama(report, opts.semantics, opts.profile, opts.seed, opts.db, opts.max_examples, opts.archs, replay, out)
         loaded = loaded_libllama()
-        report.extra.setdefault("llama_lib", str(loaded) if loaded else None)
+        report.sections.setdefault("llama_lib", LlamaLib(str(loaded) if loaded else None))
         if loaded is not None:
             out(f"  libllama this run loaded: {loaded}")
 
@@ -246,7 +277,8 @@ def _run_llama(
             report.machines.append(
                 MachineResult(MachineConfig(variant, arch=arch), fc.seconds, f, Counter(), Counter(), [])
             )
-    report.extra["llama"] = rows = model_rows(archs, stats, full)
+    rows = model_rows(archs, stats, full)
+    report.sections["llama"] = LlamaSection(rows)
     for arch, row in zip(archs, rows, strict=True):
         mem = memray_figures(arch)
         row["memory"] = mem.to_json()
@@ -259,19 +291,18 @@ def _run_llama(
     _run_draft_recovery(report, variant, archs, rows, out)
     _run_llama_native(report, variant, archs, rows, out)
     n_layout = sum(r["layout_diffs"] for r in rows)
-    entry = finding("kv-layout-dependent-logits").entry(
-        "llama backend", "reproduced" if n_layout else "not-reproduced", count=n_layout
-    )
+    known = KnownRow(KV_LAYOUT_DEPENDENT_LOGITS, "llama backend",
+                     "reproduced" if n_layout else "not-reproduced", count=n_layout)  # fmt: skip
     if layout_examples:
-        entry.update(property="restore_equivalence", message=layout_examples[0])
-    report.known.append(entry)
+        known.property, known.message = "restore_equivalence", layout_examples[0]
+    report.known.append(known)
     # restore differences the provider attributes to a known finding by the state that makes it
     for fid in (PENDING_CP_FINDING, SWA_WINDOW_FINDING):
         n = sum(r["finding_diffs"].get(fid, 0) for r in rows)
-        entry = finding(fid).entry("llama backend", "reproduced" if n else "not-reproduced", count=n)
+        known = KnownRow(finding(fid), "llama backend", "reproduced" if n else "not-reproduced", count=n)
         if fid in finding_examples:
-            entry.update(property="restore_equivalence", message=finding_examples[fid])
-        report.known.append(entry)
+            known.property, known.message = "restore_equivalence", finding_examples[fid]
+        report.known.append(known)
 
 
 def _run_draft_recovery(
@@ -320,7 +351,8 @@ def _run_draft_recovery(
             f"{secs:4.1f}s"
         )
     report.known.append(
-        finding("draft-kv-exhaustion (real state)").entry(
+        KnownRow(
+            DRAFT_KV_EXHAUSTION_REAL_STATE,
             "llama backend, draft of 256 cells shared by two slots",
             "reproduced" if failed_upstream else "not-reproduced",
             count=failed_upstream,
@@ -385,10 +417,9 @@ def _run_llama_native(
         )
     for fnd in NATIVE_FINDINGS:
         cases = seen[fnd.id]
-        entry = fnd.entry("llama backend, native faults", "reproduced" if cases else "not-reproduced", count=len(cases))
+        native_row = KnownRow(fnd, "llama backend, native faults", "reproduced" if cases else "not-reproduced",
+                              count=len(cases))  # fmt: skip
         if cases:
-            entry.update(
-                property="native_fault",
-                message="first case " + cases[0] + f" (replay: python -m harness native --case {cases[0]})",
-            )
-        report.known.append(entry)
+            native_row.property = "native_fault"
+            native_row.message = "first case " + cases[0] + f" (replay: python -m harness native --case {cases[0]})"
+        report.known.append(native_row)

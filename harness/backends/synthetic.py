@@ -28,7 +28,15 @@ from typing import cast
 from hypothesis import settings
 
 from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec, Out, Plan, model_spec
-from harness.findings import FINDINGS, finding
+from harness.findings import (
+    BUSY_SLOT_BY_ID,
+    DRAFT_KV_EXHAUSTION,
+    FINDINGS,
+    STALE_CHECKPOINT_AFTER_MISS,
+    SWA_CHECKPOINT_ORDER,
+    KnownRow,
+    finding,
+)
 from properties.families import FAMILY_MUTANTS, family_configs, mutant_configs
 from properties.families import resolve as resolve_any
 from properties.machine import MachineConfig, machine_class
@@ -41,19 +49,19 @@ __all__ = ["KNOWN_MACHINES", "SyntheticBackend"]
 
 # finding id -> (the machine that reaches it, the properties it is allowed to fail)
 KNOWN_MACHINES: dict[str, tuple[Callable[[str], MachineConfig], frozenset[str]]] = {
-    "busy-slot-by-id": (
-        lambda v: MachineConfig(v, "hybrid", known=frozenset({"busy-slot-by-id"})),
+    BUSY_SLOT_BY_ID.id: (
+        lambda v: MachineConfig(v, "hybrid", known=frozenset({BUSY_SLOT_BY_ID.id})),
         frozenset({"busy_slot_untouched"}),
     ),
-    "draft-kv-exhaustion": (
+    DRAFT_KV_EXHAUSTION.id: (
         lambda v: MachineConfig(v, "hybrid", draft=True, known=frozenset({"small-draft-ctx"})),
         frozenset({"load_transfer", "draft_in_step"}),
     ),
-    "swa-checkpoint-order": (
+    SWA_CHECKPOINT_ORDER.id: (
         lambda v: MachineConfig(v, "iswa", known=frozenset({"strict-swa-order"})),
         frozenset({"checkpoint_lists"}),
     ),
-    "stale-checkpoint-after-miss": (
+    STALE_CHECKPOINT_AFTER_MISS.id: (
         lambda v: MachineConfig(v, "hybrid", known=frozenset({"strict-stale-checkpoint", "no-bos"})),
         frozenset({"restore_bytes", "draft_in_step"}),
     ),
@@ -109,10 +117,12 @@ class SyntheticBackend(Backend):
             tokens = c.pop("")
             n_req, first = sum(c.values()), next(iter(c))
             report.known.append(
-                finding(fid).entry(first, "counted", requests=n_req, tokens_recomputed=tokens, machines=len(c))
+                KnownRow(finding(fid), first, "counted", requests=n_req, tokens_recomputed=tokens, machines=len(c))
             )
         for fid, c in excused.items():  # the slot-file and stateless machines' registered findings, excused
-            report.known.append(finding(fid).entry(next(iter(c)), "counted", times=sum(c.values()), machines=len(c)))
+            report.known.append(
+                KnownRow(finding(fid), next(iter(c)), "counted", times=sum(c.values()), machines=len(c))
+            )
         if self.known:
             run_known(report, opts.semantics, cfg_settings, opts.seed, replay, SHRINKS[opts.profile])
 
@@ -146,10 +156,11 @@ def run_known(
         r = run_machine(kcfg, cfg_settings, seed, replay, shrinks=shrinks)
         f = finding(fid)
         if r.failure is None:
-            report.known.append(f.entry(kcfg.class_name, "not-reproduced"))
+            report.known.append(KnownRow(f, kcfg.class_name, "not-reproduced"))
         elif r.failure.property in expects:
             report.known.append(
-                f.entry(
+                KnownRow(
+                    f,
                     kcfg.class_name,
                     "reproduced",
                     property=r.failure.property,
@@ -162,5 +173,5 @@ def run_known(
             # a failure the known-finding run did not expect is a new failure of the gate
             report.machines.append(r)
             report.known.append(
-                f.entry(kcfg.class_name, "unexpected", property=r.failure.property, message=r.failure.message)
+                KnownRow(f, kcfg.class_name, "unexpected", property=r.failure.property, message=r.failure.message)
             )

@@ -26,7 +26,7 @@ from pathlib import Path
 
 from fixtures.gguf import ARCHS
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
-from harness.backends.base import Backend, GateOptions, GateReport
+from harness.backends.base import Backend, Ended, GateOptions, GateReport
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HarnessError, UsageError
 from harness.load.gate_step import server_concurrent_step
 from properties.run import PROFILES, commit
@@ -91,14 +91,13 @@ def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
     if report.known:
         out("known findings (reported, not failing the gate):")
         for k in report.known:
-            out(f"  {k['id']}: {k['status']}" + (f" ({k['property']}: {k['message']})" if "property" in k else ""))
-            if "requests" in k:  # counted (the reuse property's): how often, and what it cost
-                n, t = k["requests"], k["tokens_recomputed"]
-                out(f"    {n} requests, {t} tokens recomputed, {k['machines']} machines")
-            elif "times" in k:  # a machine family's excused finding (slot files, stateless tasks): how often
-                out(f"    {k['times']} times, {k['machines']} machines")
-            if k.get("program"):
-                out("    " + k["program"].replace("\n", "\n    "))
+            out(f"  {k.id}: {k.status}" + (f" ({k.property}: {k.message})" if k.property is not None else ""))
+            if k.requests is not None:  # counted (the reuse property's): how often, and what it cost
+                out(f"    {k.requests} requests, {k.tokens_recomputed} tokens recomputed, {k.machines} machines")
+            elif k.times is not None:  # a machine family's excused finding (slot files, stateless tasks): how often
+                out(f"    {k.times} times, {k.machines} machines")
+            if k.program:
+                out("    " + k.program.replace("\n", "\n    "))
     for f in report.failures:
         out("")
         out(f"FAILED {f.property} ({f.kind}) in {f.machine}: {f.message}")
@@ -269,7 +268,7 @@ def run(args: argparse.Namespace) -> int:
             if not isinstance(ended, (HarnessError, KeyboardInterrupt)):
                 what = f"harness defect: {type(ended).__name__}: {ended}"
             code = EXIT_INTERRUPTED if isinstance(ended, KeyboardInterrupt) else getattr(ended, "exit_code", 1)
-            report.extra["ended"] = {"error": what, "exit_code": code}
+            report.sections["ended"] = Ended(what, code)
             if report.failures:
                 _print_report(report, print)
         if args.json:

@@ -32,7 +32,15 @@ from harness.commands.common import add_semantics, models_of, semantics_of
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.experiments.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
 from harness.experiments.slot_restore import enospc, run_differential, stale_draft
-from harness.findings import finding
+from harness.findings import (
+    SLOT_RESTORE_DROPS_CHECKPOINTS,
+    SLOT_RESTORE_STALE_DRAFT,
+    SLOT_RESTORE_TRUNCATED_FILE_ABORT,
+    SLOT_SAVE_PARTIAL_FILE,
+    SLOT_SAVE_SILENT_TRUNCATION,
+    KnownRow,
+    finding,
+)
 from harness.load.slot_programs import ARCHS, command_line, run_model
 from harness.trees.build import build_server
 
@@ -135,18 +143,20 @@ def _differential(binary: Path, args: argparse.Namespace) -> int:
     out["generated"] = {"examples": args.examples, "seed": args.seed, "models": generated}
     out["stale_draft"] = stale_draft(binary)
     out["enospc"] = enospc(binary)
-    known = ["slot-restore-drops-checkpoints"] if out["total"]["tokens_reprocessed"] else []
+    known = [SLOT_RESTORE_DROPS_CHECKPOINTS.id] if out["total"]["tokens_reprocessed"] else []
     known += [fid for row in generated for fid in row["findings"]]  # type: ignore[attr-defined]
     if out["stale_draft"]["after_other_prompt"]["status"] == 500:
-        known.append("slot-restore-stale-draft")
+        known.append(SLOT_RESTORE_STALE_DRAFT.id)
     for c in out["enospc"]["cases"]:
         if c["save_status"] == 500 and c["file_bytes"]:
-            known.append("slot-save-partial-file")
+            known.append(SLOT_SAVE_PARTIAL_FILE.id)
         if c["save_status"] == 200 and c["file_bytes"] != c["n_written"]:
-            known.append("slot-save-silent-truncation")
+            known.append(SLOT_SAVE_SILENT_TRUNCATION.id)
         if c["restore"] == "server died":
-            known.append("slot-restore-truncated-file-abort")
-    out["known_findings"] = [finding(i).entry("llama-server slot files", "reproduced") for i in dict.fromkeys(known)]
+            known.append(SLOT_RESTORE_TRUNCATED_FILE_ABORT.id)
+    out["known_findings"] = [
+        KnownRow(finding(i), "llama-server slot files", "reproduced").to_json() for i in dict.fromkeys(known)
+    ]
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1) + "\n")
     _summary(out)

@@ -38,15 +38,15 @@ from fixtures.gguf import model_path
 from harness.errors import RequestFailed
 from harness.experiments.slot_names import Name, explicit_names, generated_names
 from harness.experiments.slot_sandbox import SYMLINKS, Sandbox, diff
-from harness.findings import finding
+from harness.findings import SLOT_ACTION_BAD_BODY_500, SLOT_FILE_FOLLOWS_SYMLINK, KnownRow, finding
 from harness.interrupt import check
 from harness.targets.llama_server import Launch, ServerProcess
 
 __all__ = ["ACTIONS", "KNOWN", "ActionResult", "NameResult", "SlotFilesReport", "run_slot_files"]
 
 ACTIONS = ("save", "restore", "erase")
-SYMLINK_FINDING = "slot-file-follows-symlink"
-BAD_BODY_FINDING = "slot-action-bad-body-500"
+SYMLINK_FINDING = SLOT_FILE_FOLLOWS_SYMLINK.id
+BAD_BODY_FINDING = SLOT_ACTION_BAD_BODY_500.id
 KNOWN = frozenset({SYMLINK_FINDING, BAD_BODY_FINDING})
 
 #: a hook called after a request's answer and before its effects are read (the tests plant a bug with it)
@@ -106,7 +106,7 @@ class SlotFilesReport:
     def to_json(self) -> dict[str, Any]:
         return {
             "command": "slot-files", "binary": self.binary, "names": len(self.rows), "counts": self.counts(),
-            "known_findings": [finding(i).entry("llama-server slot files", "reproduced", count=n)
+            "known_findings": [KnownRow(finding(i), "llama-server slot files", "reproduced", count=n).to_json()
                                for i, n in sorted(self.known().items())],
             "failures": len(self.failures), "rows": [r.to_json() for r in self.rows],
         }  # fmt: skip

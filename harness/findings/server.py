@@ -4,14 +4,33 @@ from __future__ import annotations
 
 from harness.findings.record import Finding
 
-__all__ = ["SERVER"]
+__all__ = [
+    "CACHE_REUSE_RECURRENT_STALE",
+    "CHECKPOINT_ALLOC_TERMINATES",
+    "CONCURRENT_OUTPUT_DIVERGENCE",
+    "DECODE_EXCEPTION_KEEPS_SLOT_TOKENS",
+    "FAULT_BATCH_ASSERT",
+    "GREEDY_FLIP_ON_CACHE_PATH",
+    "IDLE_STATELESS_SLOT_CACHED",
+    "LFM2_POOLED_COMPLETION_SEGV",
+    "SERVER",
+    "SLOT_ACTION_BAD_BODY_500",
+    "SLOT_FILE_FOLLOWS_SYMLINK",
+    "SLOT_RESTORE_DROPS_CHECKPOINTS",
+    "SLOT_RESTORE_STALE_DRAFT",
+    "SLOT_RESTORE_TRUNCATED_FILE_ABORT",
+    "SLOT_SAVE_PARTIAL_FILE",
+    "SLOT_SAVE_SILENT_TRUNCATION",
+]
 
-SERVER = [
-    # ---- a real llama-server (server backend) ----
-    Finding(
-        "greedy-flip-on-cache-path",
-        "server",
-        "output_equivalence",
+# ---- a real llama-server (server backend) ----
+GREEDY_FLIP_ON_CACHE_PATH = Finding(
+    "greedy-flip-on-cache-path",
+    "server",
+    "output_equivalence",
+    "a near-tie greedy choice flips on the cache path (batch shape, not the cache's state)",
+    "fixtures/findings/kv_layout_logits.py",
+    detail=(
         "a prompt served partly from a slot, the cache or a checkpoint is evaluated in other batch "
         "shapes and cell layouts than from scratch; where the two best tokens are within "
         "0.02 logprob the greedy choice can differ from a fresh server's "
@@ -21,13 +40,17 @@ SERVER = [
         "fresh evaluation of the same tokens the served logits move by up to 0.086 (the top-10 margins by up to "
         "0.041) with flash attention on (auto), by at most 2.9e-6 with -fa off, cache loads included: the batch-"
         "shape nondeterminism of CPU flash attention (ggml-cpu/ops.cpp:9547-9569), as concurrent-output-"
-        "divergence, not the cache's state; under load a flip within BATCH_SHAPE_FLIP_GAP with cache_n > 0",
-        "fixtures/findings/kv_layout_logits.py",
+        "divergence, not the cache's state; under load a flip within BATCH_SHAPE_FLIP_GAP with cache_n > 0"
     ),
-    Finding(
-        "concurrent-output-divergence",
-        "server",
-        "output",
+)
+
+CONCURRENT_OUTPUT_DIVERGENCE = Finding(
+    "concurrent-output-divergence",
+    "server",
+    "output",
+    "concurrent requests sometimes get answers a sequential run never gives (batch shape)",
+    "fixtures/findings/concurrent_output_divergence.py",
+    detail=(
         "under concurrent requests llama-server (-np 2, with or without the prompt cache, unified or per-slot KV) "
         "sometimes answers a prompt unlike a sequential evaluation of it on models with attention layers; pure "
         "recurrent (mamba) never showed it. Traced and replayed (python -m harness trace; 66 rounds of the "
@@ -46,40 +69,57 @@ SERVER = [
         "BATCH_SHAPE_FLIP_GAP of its model with cache_n = 0 (harness.load.outputs.Divergences). A real "
         "divergence shrunk by python -m harness trace shrink (191 calls to 3) is fixtures/findings/batch_shape_flip.py "
         "on plain llama-cpp-python: one sequence whose last prompt row is decoded in a ubatch of its own (63 + 1) "
-        "answers the fresh second best with flash attention on, the fresh answer with it off",
-        "fixtures/findings/concurrent_output_divergence.py",
+        "answers the fresh second best with flash attention on, the fresh answer with it off"
     ),
-    Finding(
-        "fault-batch-assert",
-        "server",
-        "native_fault",
+)
+
+FAULT_BATCH_ASSERT = Finding(
+    "fault-batch-assert",
+    "server",
+    "native_fault",
+    "a failed host allocation under load once hit GGML_ASSERT in update_slots",
+    "fixtures/findings/fault_half_built_batch_assert.py",
+    detail=(
         "under sustained load a failed host allocation (native shim, >= 16 KiB) once aborted llama-server with "
         "GGML_ASSERT(batch.slot_batched || batch.size() == 0) right after pre_decode() in update_slots "
-        "(server-context.cpp:2826 of the PR build): a batch holding tokens for no slot; 1 of 66 fault trials",
-        "fixtures/findings/fault_half_built_batch_assert.py",
+        "(server-context.cpp:2826 of the PR build): a batch holding tokens for no slot; 1 of 66 fault trials"
     ),
-    Finding(
-        "decode-exception-keeps-slot-tokens",
-        "server",
-        "output",
+)
+
+DECODE_EXCEPTION_KEEPS_SLOT_TOKENS = Finding(
+    "decode-exception-keeps-slot-tokens",
+    "server",
+    "output",
+    "a slot keeps the tokens of a batch whose decode threw: wrong output, no error",
+    "fixtures/findings/decode_exception_keeps_slot_tokens.py",
+    detail=(
         "when decode() throws (a std::bad_alloc out of llama_decode), update_slots' catch calls abort_all_slots, "
         "which releases every processing slot without prompt_clear(): the slot keeps the failed batch's tokens "
         "although its memory never got them, the next request sharing the prefix reuses them (cache_n counts "
         "them) and the slot is saved to the prompt cache as that prompt: wrong output, no error "
-        "(server-context.cpp:2870-2875, 2735-2742; decode()'s own error path clears the slots, :3693-3700)",
-        "fixtures/findings/decode_exception_keeps_slot_tokens.py",
+        "(server-context.cpp:2870-2875, 2735-2742; decode()'s own error path clears the slots, :3693-3700)"
     ),
-    Finding(
-        "checkpoint-alloc-terminates",
-        "server",
-        "native_fault",
+)
+
+CHECKPOINT_ALLOC_TERMINATES = Finding(
+    "checkpoint-alloc-terminates",
+    "server",
+    "native_fault",
+    "a bad_alloc while creating a context checkpoint terminates llama-server",
+    detail=(
         "a std::bad_alloc while creating a context checkpoint (common_prompt_checkpoint::update_tgt, "
-        "outside any try in update_slots) terminates llama-server, with or without PR #27451 (out of its scope)",
+        "outside any try in update_slots) terminates llama-server, with or without PR #27451 (out of its scope)"
     ),
-    Finding(
-        "slot-file-follows-symlink",
-        "server",
-        "slot_file_confined",
+)
+
+SLOT_FILE_FOLLOWS_SYMLINK = Finding(
+    "slot-file-follows-symlink",
+    "server",
+    "slot_file_confined",
+    "slot save/restore follows a symlink in the save directory",
+    "fixtures/findings/slot_file_symlink_escape.py",
+    upstream="tools/server/server-context.cpp:5279, 5315; src/llama-mmap.cpp:220",
+    detail=(
         "POST /slots/{id}?action=save|restore opens --slot-save-path + filename with fopen, which follows a "
         "symlink in the save directory: a name fs_validate_filename accepts (one component, no '..') writes the "
         "slot file through the link to any path the server's user can write (truncating it; a dangling link "
@@ -88,118 +128,170 @@ SERVER = [
         "src/llama-mmap.cpp:195, 220 -> ggml/src/ggml.c:627, no O_NOFOLLOW, no realpath check). Needs someone who can "
         "create a symlink in the save directory (the HTTP API cannot: names are one component and only regular "
         "files are written); Linux's fs.protected_symlinks stops it only in a sticky world-writable directory "
-        "for a link owned by another user",
-        "fixtures/findings/slot_file_symlink_escape.py",
-        upstream="tools/server/server-context.cpp:5279, 5315; src/llama-mmap.cpp:220",
+        "for a link owned by another user"
     ),
-    Finding(
-        "slot-action-bad-body-500",
-        "server",
-        "bad_name_4xx",
+)
+
+SLOT_ACTION_BAD_BODY_500 = Finding(
+    "slot-action-bad-body-500",
+    "server",
+    "bad_name_4xx",
+    "a malformed slot action body is answered 500 instead of 400",
+    "fixtures/findings/slot_action_bad_body_500.py",
+    upstream="tools/server/server.cpp:64-67; tools/server/server-context.cpp:5273-5274, 5309-5310",
+    detail=(
         "POST /slots/{id}?action=save|restore answers a client's malformed body with 500 server_error instead of "
         '400: json::parse and .at("filename") (server-context.cpp:5273-5274, 5309-5310) throw nlohmann '
         "exceptions, which are no std::invalid_argument, so ex_wrapper maps them to ERROR_TYPE_SERVER "
         "(server.cpp:64-67): a filename with a lone surrogate escape or bytes that are not UTF-8 (overlong '/' "
-        "and '.'), a raw control byte, no filename, a filename that is not a string, a body that is not JSON",
-        "fixtures/findings/slot_action_bad_body_500.py",
-        upstream="tools/server/server.cpp:64-67; tools/server/server-context.cpp:5273-5274, 5309-5310",
+        "and '.'), a raw control byte, no filename, a filename that is not a string, a body that is not JSON"
     ),
-    Finding(
-        "idle-stateless-slot-cached",
-        "server",
-        "stateless_not_cached",
+)
+
+IDLE_STATELESS_SLOT_CACHED = Finding(
+    "idle-stateless-slot-cached",
+    "server",
+    "stateless_not_cached",
+    "an idle embedding or rerank slot is saved to the prompt cache as a completion's",
+    "fixtures/findings/idle_stateless_slot_cached.py",
+    upstream="tools/server/server-context.cpp:2419-2432 (the slot's task_prev, :223, :350, is not consulted)",
+    detail=(
         "the idle-slot loop run after launching any task (server-context.cpp:2419-2432, --cache-idle-slots, on by "
         "default) saves every idle slot to the RAM prompt cache whatever its last task was: the state an embedding "
         "or rerank task left (never reused: is_stateless_task, :3196-3198) fills the cache up to --cache-ram; a "
         "completion taking such a slot by LRU saves it too (:1616-1628). Measured on the fixtures' llama, 2 slots: "
         "100 /embeddings calls alone leave 99 entries (2.567 MiB, 26 KiB per 101-token call); none with "
-        "--no-cache-idle-slots",
-        "fixtures/findings/idle_stateless_slot_cached.py",
-        upstream="tools/server/server-context.cpp:2419-2432 (the slot's task_prev, :223, :350, is not consulted)",
+        "--no-cache-idle-slots"
     ),
-    Finding(
-        "lfm2-pooled-completion-segv",
-        "server",
-        "crash",
+)
+
+LFM2_POOLED_COMPLETION_SEGV = Finding(
+    "lfm2-pooled-completion-segv",
+    "server",
+    "crash",
+    "an LFM2 server with pooling dies (SIGSEGV) on any completion",
+    "fixtures/findings/lfm2_pooled_completion_segv.py",
+    upstream="src/models/lfm2.cpp:287; tools/server/server-context.cpp:2844",
+    detail=(
         "an LFM2 server started with --rerank or --embeddings --pooling last|cls dies (SIGSEGV in "
         "ggml_gallocr_alloc_graph <- ggml_backend_sched_alloc_graph <- llama_context::process_ubatch) on any "
         "completion, which it does not refuse (server-context.cpp:2844 switches embeddings off for the batch); "
         "pooling mean/none and the other fixtures models answer. LFM2's graph alone depends on cparams.embeddings "
-        "(src/models/lfm2.cpp:287)",
-        "fixtures/findings/lfm2_pooled_completion_segv.py",
-        upstream="src/models/lfm2.cpp:287; tools/server/server-context.cpp:2844",
+        "(src/models/lfm2.cpp:287)"
     ),
-    Finding(
-        "slot-save-partial-file",
-        "server",
-        "no_partial_file",
+)
+
+SLOT_SAVE_PARTIAL_FILE = Finding(
+    "slot-save-partial-file",
+    "server",
+    "no_partial_file",
+    "a slot save that fails mid-file leaves the partial file under its name",
+    "fixtures/findings/slot_save_enospc.py",
+    upstream="src/llama-context.cpp:3377-3395, 4354-4363; tools/server/server-context.cpp:2555-2561",
+    detail=(
         "POST /slots/{id}?action=save that fails mid-file (ENOSPC, a write error) answers 500 'Unable to save slot' "
         "and leaves the bytes it wrote under the file's name (llama_file::write_raw throws, "
         "src/llama-mmap.cpp:363-366; "
         "llama_state_seq_save_file returns 0, src/llama-context.cpp:4354-4363; nothing unlinks the file): on a "
-        "64 KiB tmpfs with 8 KiB free a 17,548-byte save leaves 8,192 bytes, and restoring it aborts the server",
-        "fixtures/findings/slot_save_enospc.py",
-        upstream="src/llama-context.cpp:3377-3395, 4354-4363; tools/server/server-context.cpp:2555-2561",
+        "64 KiB tmpfs with 8 KiB free a 17,548-byte save leaves 8,192 bytes, and restoring it aborts the server"
     ),
-    Finding(
-        "slot-save-silent-truncation",
-        "server",
-        "no_partial_file",
+)
+
+SLOT_SAVE_SILENT_TRUNCATION = Finding(
+    "slot-save-silent-truncation",
+    "server",
+    "no_partial_file",
+    "a slot save on a full disk can answer 200 for a truncated file",
+    "fixtures/findings/slot_save_enospc.py",
+    upstream="src/llama-mmap.cpp:377-383; src/llama-context.cpp:3391",
+    detail=(
         "POST /slots/{id}?action=save answers 200 with n_written the full size when the disk fills inside the last "
         "stdio buffer: fwrite only buffers it and llama_file's destructor closes the FILE without checking fclose "
-        "(src/llama-mmap.cpp:358-366, 377-383), so the error is lost: 17,548 bytes reported, 16,384 on disk",
-        "fixtures/findings/slot_save_enospc.py",
-        upstream="src/llama-mmap.cpp:377-383; src/llama-context.cpp:3391",
+        "(src/llama-mmap.cpp:358-366, 377-383), so the error is lost: 17,548 bytes reported, 16,384 on disk"
     ),
-    Finding(
-        "slot-restore-truncated-file-abort",
-        "server",
-        "crash",
+)
+
+SLOT_RESTORE_TRUNCATED_FILE_ABORT = Finding(
+    "slot-restore-truncated-file-abort",
+    "server",
+    "crash",
+    "restoring a truncated slot file aborts llama-server",
+    "fixtures/findings/slot_save_enospc.py",
+    upstream="src/llama-mmap.cpp:270-280; src/llama-context.cpp:3365-3371",
+    detail=(
         "POST /slots/{id}?action=restore of a slot file cut inside its state aborts llama-server: read_raw_unsafe "
         "clamps a read at the end of file and returns without an error (src/llama-mmap.cpp:270-280), the reader counts "
         "the bytes it asked for, and GGML_ASSERT(nread <= state_size) (src/llama-context.cpp:3370) fails (SIGABRT); "
         "the tensors were already set from the unread buffer. Any short file in --slot-save-path does it, e.g. one "
-        "a failed save left (slot-save-partial-file, slot-save-silent-truncation)",
-        "fixtures/findings/slot_save_enospc.py",
-        upstream="src/llama-mmap.cpp:270-280; src/llama-context.cpp:3365-3371",
+        "a failed save left (slot-save-partial-file, slot-save-silent-truncation)"
     ),
-    Finding(
-        "slot-restore-drops-checkpoints",
-        "server",
-        "reuse",
+)
+
+SLOT_RESTORE_DROPS_CHECKPOINTS = Finding(
+    "slot-restore-drops-checkpoints",
+    "server",
+    "reuse",
+    "a slot file holds no checkpoint: a restored slot recomputes what they held",
+    "fixtures/findings/slot_restore_drops_checkpoints.py",
+    upstream="tools/server/server-context.cpp:2555-2557, 2618-2619",
+    detail=(
         "A slot file holds the tokens and the target's sequence state only: no context checkpoint (and no draft "
         "state) is written (llama_state_seq_save_file, server-context.cpp:2555) and restore clears the slot's "
         "checkpoints (slot->prompt.clear(), :2618; server-task.h:571-574), so a restored hybrid or recurrent slot "
         "reprocesses the whole prompt on the next request that diverges before its end: jamba and mamba, a 100-token "
         "prompt, the next diverging at 80: cache_n 0 after a restore, 32 on a slot that kept its checkpoints (with "
         "--cache-ram 8 too: the RAM cache holds the prompt with its checkpoints, but the restored slot matches 80 of "
-        "88 tokens, f_keep >= 0.5, and the cache is never consulted)",
-        "fixtures/findings/slot_restore_drops_checkpoints.py",
-        upstream="tools/server/server-context.cpp:2555-2557, 2618-2619",
+        "88 tokens, f_keep >= 0.5, and the cache is never consulted)"
     ),
-    Finding(
-        "slot-restore-stale-draft",
-        "server",
-        "http_error",
+)
+
+SLOT_RESTORE_STALE_DRAFT = Finding(
+    "slot-restore-stale-draft",
+    "server",
+    "http_error",
+    "a slot restore leaves the draft context with the previous prompt",
+    "fixtures/findings/slot_restore_stale_draft.py",
+    upstream="tools/server/server-context.cpp:2555-2557, 2596-2619",
+    detail=(
         "With a draft model, POST /slots/{id}?action=restore loads the target context only (server-context.cpp:2555, "
         "2600-2603: the draft state is neither saved nor restored), so the draft sequence keeps the slot's previous "
         "prompt; the next completion fails with HTTP 500 'decode() failed: failed to process speculative batch' (the "
         "draft batch starts at the restored position, the draft memory ends at the old prompt: inconsistent "
-        "sequence positions). After an erase the restore works, with an empty draft state",
-        "fixtures/findings/slot_restore_stale_draft.py",
-        upstream="tools/server/server-context.cpp:2555-2557, 2596-2619",
+        "sequence positions). After an erase the restore works, with an empty draft state"
     ),
-    Finding(
-        "cache-reuse-recurrent-stale",
-        "server",
-        "reuse_equivalence",
+)
+
+CACHE_REUSE_RECURRENT_STALE = Finding(
+    "cache-reuse-recurrent-stale",
+    "server",
+    "reuse_equivalence",
+    "--cache-reuse on recurrent memory resumes from the old conversation's state",
+    "fixtures/findings/cache_reuse_recurrent_stale.py",
+    upstream="src/llama-memory-recurrent.cpp:716-719, 161-240, 318-346; tools/server/server-context.cpp:3210-3258",
+    detail=(
         "--cache-reuse on a recurrent or hybrid model: llama_memory_can_shift answers true for recurrent memory "
         "(llama-memory-recurrent.cpp:716-719; hybrid :133-136), so the chunk loop (server-context.cpp:3219-3258) "
         "runs; its seq_rm(head_p, head_c) of a range short of the state's tail removes nothing and succeeds "
         "(recurrent-seq-rm-range-silent) and seq_add moves only the state's position, so when the last chunk "
         "reaches the old end the slot resumes from the recurrent state of the old, undeleted conversation: "
-        "cache_n counts the deleted tokens as gone, the answer is the old conversation's, no error",
-        "fixtures/findings/cache_reuse_recurrent_stale.py",
-        upstream="src/llama-memory-recurrent.cpp:716-719, 161-240, 318-346; tools/server/server-context.cpp:3210-3258",
+        "cache_n counts the deleted tokens as gone, the answer is the old conversation's, no error"
     ),
+)
+
+SERVER = [
+    GREEDY_FLIP_ON_CACHE_PATH,
+    CONCURRENT_OUTPUT_DIVERGENCE,
+    FAULT_BATCH_ASSERT,
+    DECODE_EXCEPTION_KEEPS_SLOT_TOKENS,
+    CHECKPOINT_ALLOC_TERMINATES,
+    SLOT_FILE_FOLLOWS_SYMLINK,
+    SLOT_ACTION_BAD_BODY_500,
+    IDLE_STATELESS_SLOT_CACHED,
+    LFM2_POOLED_COMPLETION_SEGV,
+    SLOT_SAVE_PARTIAL_FILE,
+    SLOT_SAVE_SILENT_TRUNCATION,
+    SLOT_RESTORE_TRUNCATED_FILE_ABORT,
+    SLOT_RESTORE_DROPS_CHECKPOINTS,
+    SLOT_RESTORE_STALE_DRAFT,
+    CACHE_REUSE_RECURRENT_STALE,
 ]

@@ -47,6 +47,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from fixtures.gguf import model_path
+from harness.findings import CONCURRENT_OUTPUT_DIVERGENCE, GREEDY_FLIP_ON_CACHE_PATH
 from harness.load.clients import BUSY, EMBED, Req, Sent, replay_program, run_clients
 from harness.load.order import parse_log
 from harness.load.order_replay import Check, ConcurrentResult, Unmodellable, replay_order
@@ -287,9 +288,9 @@ def _judge_responses(cfg: ServerConfig, checks: Sequence[Check], fresh: ServerPr
         if located is not None:  # the server's libllama trace shows its condition behind the first wrong token
             res.located[located] = res.located.get(located, 0) + 1
             sources.add(c.sent.req.tokens, c.sent.generated)
-        elif known == "greedy-flip-on-cache-path":
+        elif known == GREEDY_FLIP_ON_CACHE_PATH.id:
             res.near_tie_flips += 1
-        elif known == "concurrent-output-divergence":
+        elif known == CONCURRENT_OUTPUT_DIVERGENCE.id:
             res.concurrent_divergences += 1
         elif c.busy_hit or sources.explains(c.sent.req.tokens, c.sent.cache_n):
             # changed by busy-slot-by-id, or reused the state of a response it changed

@@ -10,8 +10,8 @@ every model: a divergence fails unless a located finding's exact condition expla
 trace (``harness/trace/trace.c``): the trace of a server whose output failed is kept and printed with the
 lines that replay and shrink it (``python -m harness trace replay|shrink``), beside the timed requests.
 Adds about half a minute to the server gate. The
-figures go to ``report.extra["server"]["concurrent"]``; the known findings ``busy-slot-by-id``
-(with the trace that showed it), ``busy-slot-by-id-livelock`` (a request hung: costs the request
+figures go to the server section's ``concurrent`` (``report.sections["server"]``); the known findings
+``busy-slot-by-id`` (with the trace that showed it), ``busy-slot-by-id-livelock`` (a request hung: costs the request
 timeout, 15 s) and ``concurrent-output-divergence`` are reported, not failed.
 """
 
@@ -24,7 +24,8 @@ from collections import Counter
 from pathlib import Path
 
 from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out
-from harness.findings import finding
+from harness.backends.llama_server.section import ServerSection
+from harness.findings import BUSY_SLOT_BY_ID, BUSY_SLOT_BY_ID_LIVELOCK, CONCURRENT_OUTPUT_DIVERGENCE, KnownRow
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import sanitizer_reports
@@ -48,7 +49,8 @@ def _replay(opts: GateOptions, semantics: str) -> str:
 
 def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> None:
     """Run the short concurrent differential on the binary the server backend just tested."""
-    section = report.extra.get("server")
+    server = report.sections.get("server")
+    section = server.figures if isinstance(server, ServerSection) else None
     if not section or not section.get("binary"):
         return  # the server backend did not get as far as a binary: nothing to run
     binary = Path(section["binary"])
@@ -103,13 +105,13 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
     section["concurrent"]["traces_kept"] = [str(p) for p in traces.kept]
     section["concurrent"]["traced"] = traces.enabled
     machine = f"llama-server {section.get('flavour', binary)}, concurrent clients"
-    busy = finding("busy-slot-by-id")
-    extra = {"program": total.busy_program} if total.busy_program else {}
+    busy = BUSY_SLOT_BY_ID
     status = "reproduced" if total.busy_slot_by_id else "not-reproduced"
-    report.known.append(busy.entry(machine, status, count=total.busy_slot_by_id, **extra))
-    live = finding("busy-slot-by-id-livelock")
+    program = total.busy_program or None  # the trace that showed it, when it showed
+    report.known.append(KnownRow(busy, machine, status, count=total.busy_slot_by_id, program=program))
+    live = BUSY_SLOT_BY_ID_LIVELOCK
     status = "reproduced" if total.busy_livelocks else "not-reproduced"
-    report.known.append(live.entry(machine, status, count=total.busy_livelocks))
-    conc = finding("concurrent-output-divergence")
+    report.known.append(KnownRow(live, machine, status, count=total.busy_livelocks))
+    conc = CONCURRENT_OUTPUT_DIVERGENCE
     status = "reproduced" if total.concurrent_divergences else "not-reproduced"
-    report.known.append(conc.entry(machine, status, count=total.concurrent_divergences))
+    report.known.append(KnownRow(conc, machine, status, count=total.concurrent_divergences))

@@ -24,6 +24,7 @@ from hypothesis import HealthCheck, Phase, given, seed, settings
 from hypothesis import strategies as st
 from hypothesis.internal.conjecture import engine as _engine
 
+from harness.errors import PropertyFailure
 from harness.load.outputs import Divergences, compare_output
 from harness.targets.llama_server import ServerProcess
 from properties.run import SHRINKS
@@ -46,13 +47,14 @@ class GeneratedFigures:
         return d
 
 
-class GeneratedFailure(Exception):
-    """A generated program the server and the model (or a fresh evaluation) disagree on: ``name`` the check,
-    ``program`` the concrete program as pasteable Python that replays it."""
+class GeneratedFailure(PropertyFailure):
+    """A generated program the server and the model (or a fresh evaluation) disagree on: ``name`` the property,
+    ``program`` the concrete program as pasteable Python that replays it (paste it into ``python`` from the
+    repository root, fix what it shows, paste it again)."""
 
     def __init__(self, name: str, message: str, program: str) -> None:
-        super().__init__(f"{name}: {message}")
-        self.name, self.message, self.program = name, message, program
+        super().__init__(name, message, f"{name}: {message}")
+        self.program = program
 
 
 @dataclass

@@ -14,7 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from fixtures.gguf import BYTE_TOKEN_OFFSET, SPECS
-from harness.findings import BATCH_SHAPE_FLIP_GAP
+from harness.findings import BATCH_SHAPE_FLIP_GAP, CONCURRENT_OUTPUT_DIVERGENCE, GREEDY_FLIP_ON_CACHE_PATH
 from harness.targets.llama_server import ServerProcess
 from harness.trace.calls import read_trace
 from harness.trace.lineage import DECODE_THREW, SHORT_WINDOW, Explainer
@@ -108,7 +108,7 @@ class Divergences:
         """The batch-shape finding that explains ``diff`` (see above), or None when its gap is too wide."""
         if not diff.batch_shape_flip:
             return None
-        return "greedy-flip-on-cache-path" if cache_n > 0 else "concurrent-output-divergence"
+        return GREEDY_FLIP_ON_CACHE_PATH.id if cache_n > 0 else CONCURRENT_OUTPUT_DIVERGENCE.id
 
     def explains(self, tokens: Sequence[int], cache_n: int) -> bool:
         """The prompt reused ``cache_n`` tokens of a response a known finding changed, or of a failed decode."""

@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 
 from fixtures.gguf import model_path
 from harness.experiments.slot_restore import SlotDifferential
+from harness.findings import SLOT_RESTORE_DROPS_CHECKPOINTS
 from harness.interrupt import check
 from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
 from harness.model.server_context import ServerSlot
@@ -52,7 +53,7 @@ __all__ = ["ARCHS", "MUTANTS", "ModelFigures", "command_line", "program_strategy
 ARCHS = ("llama", "gemma2", "jamba", "mamba", "lfm2")
 NAMES = ("a.bin", "b.bin", "never.bin")
 MAX_STEPS = 10
-DROPS = "slot-restore-drops-checkpoints"
+DROPS = SLOT_RESTORE_DROPS_CHECKPOINTS.id
 
 # abstract steps: ("req", source, keep, n_new, seed, n_predict) | ("save", name) | ("restore", name) | ("erase",)
 _REQ = st.tuples(st.just("req"), st.integers(0, 7), st.integers(0, 24), st.sampled_from([1, 8, 40, 100]),

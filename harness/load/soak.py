@@ -50,6 +50,7 @@ from faults.native import RemoteShim
 from faults.sites import modules_beside
 from fixtures.gguf import model_path
 from harness.errors import ServerStartError, UsageError
+from harness.findings import CONCURRENT_OUTPUT_DIVERGENCE, GREEDY_FLIP_ON_CACHE_PATH
 from harness.interrupt import check, interrupted
 from harness.load.clients import soak_prompt
 from harness.load.live import LiveServer, oom_killed, rss_bytes
@@ -194,9 +195,9 @@ def _check_outputs(fresh: ServerProcess, res: PhaseResult, trace_files: Sequence
             else:
                 res.decode_failure_divergences += 1
             known.add(toks, gen)
-        elif flip == "greedy-flip-on-cache-path":
+        elif flip == GREEDY_FLIP_ON_CACHE_PATH.id:
             res.near_tie_flips += 1
-        elif flip == "concurrent-output-divergence":
+        elif flip == CONCURRENT_OUTPUT_DIVERGENCE.id:
             res.concurrent_divergences += 1
         elif known.explains(toks, cache_n):  # reused a failed decode's tokens, or a response it changed
             res.decode_failure_divergences += 1

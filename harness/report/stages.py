@@ -339,7 +339,8 @@ def build_report(opts: Options, progress: Callable[[str], None] = print) -> dict
 
     def findings() -> None:
         report["findings"] = [
-            {"id": f.id, "backend": f.backend, "property": f.property, "title": f.title, "reproducer": f.reproducer}
+            {"id": f.id, "backend": f.backend, "property": f.property, "title": f.title, "detail": f.detail,
+             "reproducer": f.reproducer}
             for f in FINDINGS.values()
         ]
 

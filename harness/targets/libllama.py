@@ -57,7 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import ModelLoadError
-from harness.findings import finding
+from harness.findings import CACHE_LOAD_INTO_PENDING_CHILD_COPY, SWA_RESTORE_WINDOW_SHORT
 from harness.model.memory import Host
 from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, SeqRmType
 from harness.model.semantics import Semantics, get_semantics
@@ -194,11 +194,11 @@ UNIFIED_LAYOUT_TOLERANCE = 0.01
 
 # A restore into a sequence while a cross-stream seq_cp into it waits for the next decode is overwritten
 # by that copy (fixtures/findings/cache_load_into_pending_child_copy.py)
-PENDING_CP_FINDING = finding("cache-load-into-pending-child-copy").id
+PENDING_CP_FINDING = CACHE_LOAD_INTO_PENDING_CHILD_COPY.id
 
 # An SWA checkpoint restored and then rolled back below its pos_max lacks the oldest cells of the
 # re-evaluated token's window (fixtures/findings/swa_restore_window_short.py)
-SWA_WINDOW_FINDING = finding("swa-restore-window-short").id
+SWA_WINDOW_FINDING = SWA_RESTORE_WINDOW_SHORT.id
 
 # component ids, as in the synthetic provider
 _KV, _SWA, _RS = "kv", "swa", "rs"

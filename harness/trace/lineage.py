@@ -21,12 +21,13 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+from harness.findings import DECODE_EXCEPTION_KEEPS_SLOT_TOKENS, SWA_RESTORE_WINDOW_SHORT
 from harness.trace.calls import Event, Memory, main_context, rows
 
 __all__ = ["DECODE_THREW", "SHORT_WINDOW", "Explainer", "Lineage", "slice_read", "with_rows"]
 
-DECODE_THREW = "decode-exception-keeps-slot-tokens"
-SHORT_WINDOW = "swa-restore-window-short"
+DECODE_THREW = DECODE_EXCEPTION_KEEPS_SLOT_TOKENS.id
+SHORT_WINDOW = SWA_RESTORE_WINDOW_SHORT.id
 #: the calls that change a context's memory (the rest are reads and queries)
 STATEFUL = ("process", "decode", "seq_rm", "seq_cp", "seq_keep", "seq_add", "seq_div", "clear",
             "state_seq_get_data", "state_seq_set_data", "state_set_data")  # fmt: skip

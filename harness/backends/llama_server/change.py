@@ -236,7 +236,11 @@ class ChangePair:
 
 
 class ChangeFound(ServerMismatch):
-    """``TREE`` answered a request unlike ``BASE``: ``steps`` is the request program up to it."""
+    """``TREE`` answered a request unlike ``BASE``: ``step`` is the request that shows it, ``sent`` the request
+    program up to it, ``name`` the property ``change``.
+
+    The change under test is the cause: ``program`` replays the pair on fresh servers of both builds; fix the
+    tree, or, when the difference is intended, say so in the change's description."""
 
     def __init__(self, step: Step, sent: Program, program: str) -> None:
         died = step.tree.error is not None and step.tree.error.startswith("died")

@@ -279,7 +279,11 @@ def check_output(fresh: ServerProcess, row: Row) -> str | None:
 
 class ServerMismatch(PropertyFailure):
     """The server and the model disagree, or the server failed a request; ``name`` is the property,
-    ``program`` replays it, ``kind`` is ``violation`` or ``crash`` (the server died)."""
+    ``program`` replays it, ``kind`` is ``violation`` or ``crash`` (the server died).
+
+    Paste ``program`` into ``python`` from the repository root to replay it on a fresh server; a difference
+    that is upstream's is registered in :mod:`harness.findings` (the differential then counts it), any other
+    is a bug of the server or of the model."""
 
     def __init__(self, name: str, message: str, program: str, kind: str = "violation") -> None:
         super().__init__(name, message)

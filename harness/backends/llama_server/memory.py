@@ -24,6 +24,7 @@ from faults.sites import Observation, modules_beside
 from harness.backends.llama_server.differential import Differential, ServerMismatch
 from harness.backends.llama_server.oom import gate_check
 from harness.errors import BadAlloc
+from harness.findings import CHECKPOINT_ALLOC_TERMINATES, KnownRow
 from harness.model.sites import upstream
 from harness.targets.llama_server import RequestFailed, ServerConfig, proc_status
 from harness.trees.build import cached_binary
@@ -347,13 +348,11 @@ def fault_trials(
                 "server-faults",
             )
     report.known.append(
-        {
-            "id": "checkpoint-alloc-terminates",
-            "title": "a std::bad_alloc while creating a context checkpoint (common_prompt_checkpoint::update_tgt, "
-            "outside any try in update_slots) terminates llama-server, with or without PR #27451 (out of its scope)",
-            "machine": f"llama-server {label}, native faults",
-            "status": "reproduced" if out_of_scope else "not-reproduced",
-            "count": len(out_of_scope),
-            **({"message": "; ".join(out_of_scope)} if out_of_scope else {}),
-        }
+        KnownRow(
+            CHECKPOINT_ALLOC_TERMINATES,
+            f"llama-server {label}, native faults",
+            "reproduced" if out_of_scope else "not-reproduced",
+            count=len(out_of_scope),
+            message="; ".join(out_of_scope) if out_of_scope else None,
+        )
     )

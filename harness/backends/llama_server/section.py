@@ -10,19 +10,24 @@ showed once.
 from __future__ import annotations
 
 from collections import Counter
+from dataclasses import dataclass
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
 from hypothesis.errors import FlakyFailure
 
 from harness.backends.base import Failure, GateReport, MachineResult, Out
-from harness.backends.llama_server.differential import NEAR_TIE_LOGPROB, SERVER_PROFILES, ServerMismatch
+from harness.backends.llama_server.differential import (
+    SERVER_PROFILES,
+    ServerMismatch,
+)
 from harness.backends.llama_server.probe import agree_forms, probe
+from harness.findings import GREEDY_FLIP_ON_CACHE_PATH, KnownRow
 from harness.targets.llama_server import sanitizer_reports
 from harness.trees.build import PINNED_COMMIT, ServerBuild, pinned_status
 from properties.machine import MachineConfig
 
-__all__ = ["ServerRun", "describe", "hypothesis_settings", "unflaked"]
+__all__ = ["ServerRun", "ServerSection", "describe", "hypothesis_settings", "unflaked"]
 
 
 def hypothesis_settings(profile: str, max_examples: int | None) -> settings:
@@ -55,6 +60,17 @@ def unflaked(e: FlakyFailure, cls: type[ServerMismatch]) -> ServerMismatch | Non
     return None
 
 
+@dataclass
+class ServerSection:
+    """The server backend's part of the gate's JSON (``server``): its figures, filled as the run goes (the build,
+    the requests and mismatches counted, the memory and fault figures, the concurrent step's ``concurrent``)."""
+
+    figures: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"server": self.figures}
+
+
 class ServerRun:
     """One server-backend run's report section, its output and how it files a failure."""
 
@@ -82,7 +98,7 @@ class ServerRun:
             "cache_loads": 0,
             "sanitizer_reports": 0,
         }
-        report.extra["server"] = self.section
+        report.sections["server"] = ServerSection(self.section)
 
     def fail(self, prop: str, kind: str, message: str, program: str, machine: str) -> None:
         message += self.note
@@ -127,17 +143,12 @@ class ServerRun:
 
     def known_near_ties(self) -> None:
         self.report.known.append(
-            {
-                "id": "greedy-flip-on-cache-path",
-                "title": "a prompt served partly from a slot, the cache or a checkpoint is evaluated in other batch "
-                "shapes and cell layouts than from scratch; where the two best tokens are within "
-                f"{NEAR_TIE_LOGPROB} logprob the greedy choice can differ from a fresh server's "
-                "(the same root cause as kv-layout-dependent-logits)",
-                "machine": f"llama-server {self.build.label}",
-                "reproducer": "fixtures/findings/kv_layout_logits.py",
-                "status": "reproduced" if self.section["near_tie_flips"] else "not-reproduced",
-                "count": self.section["near_tie_flips"],
-            }
+            KnownRow(
+                GREEDY_FLIP_ON_CACHE_PATH,
+                f"llama-server {self.build.label}",
+                "reproduced" if self.section["near_tie_flips"] else "not-reproduced",
+                count=self.section["near_tie_flips"],
+            )
         )
 
 
