@@ -41,7 +41,10 @@ FAMILY_MUTANTS: dict[str, tuple[str, str, str, bool]] = {
     **{n: ("slot_files", prop, "hybrid", False) for n, (_, prop) in SLOT_FILE_MUTANTS.items()},
     **{n: ("reuse", m.kills, m.kind, m.draft) for n, m in REUSE_MUTANTS.items()},
     "stateless-select-saves": ("stateless", STATELESS_PROPERTY, "transformer", False),
-    "idle-skips-stateless": ("stateless", "(none: killed against a real server)", "transformer", False),
+    # the idle loop skipping stateless slots (what a fix would do): idle_pass pins upstream's loop, which saves
+    # every idle slot (issue #50); before it, only the model's prediction against a real server killed it
+    "idle-skips-stateless": ("stateless", "idle_pass", "transformer", False),
+    "stateless-resumes-prefix": ("stateless", "stateless_fresh", "transformer", False),
 }
 assert set(FAMILY_MUTANTS) >= set(STATELESS_MUTANTS) and not set(FAMILY_MUTANTS) & set(MUTANTS)
 

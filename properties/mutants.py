@@ -289,6 +289,53 @@ class _SelectionIgnoresCache(ServerContext):
             self.prompt_cache = cache
 
 
+class _IdleClearsOnlySaved(ServerContext):
+    """idle_pass: with kv_unified the idle pass clears only the slots it saved; upstream clears every idle slot,
+    saved or not (a save refused over the byte limit or for a prompt already cached keeps it, :2419-2432)."""
+
+    def _cache_idle_slots(self) -> None:
+        if self.prompt_cache is None:
+            return
+        for s in self.slots:
+            if not s.is_processing() and s.prompt_save(self.prompt_cache):
+                self.prompt_cache.update()
+                if self.params.kv_unified:
+                    s.prompt_clear()
+
+
+class _IdleSkipsUpdate(ServerContext):
+    """idle_pass: the idle pass saves every idle slot but never calls update(): the cache stays over its token
+    limit until the next request's selection."""
+
+    def _cache_idle_slots(self) -> None:
+        if self.prompt_cache is None:
+            return
+        for s in self.slots:
+            if not s.is_processing():
+                s.prompt_save(self.prompt_cache)
+                if self.params.kv_unified:
+                    s.prompt_clear()
+
+
+class _SelectSkipsUpdate(ServerContext):
+    """limit: a completion's selection saves and loads without the update() after them (:1628); the idle pass's
+    update() covers it unless no idle slot is saved, so the cache is over its token limit between steps only."""
+
+    def get_available_slot(self, task: Any) -> Any:
+        cache = self.prompt_cache
+        if cache is None:
+            return super().get_available_slot(task)
+        had = vars(cache).get("update")  # the tracer's wrapper of this instance, if any
+        cache.update = lambda: 0  # type: ignore[method-assign]
+        try:
+            return super().get_available_slot(task)
+        finally:
+            if had is None:
+                del cache.update
+            else:
+                cache.update = had  # type: ignore[method-assign]
+
+
 @dataclass(frozen=True)
 class Mutant:
     semantics: Semantics
@@ -327,6 +374,9 @@ def _m(
         sem, kills, (cls.__doc__ or "").strip(), also=also, kind=kind, draft=draft, arch=arch, machine=machine
     )
 
+
+_KVU: tuple[tuple[str, Any], ...] = (("kv_unified", True),)
+_TOKENS_ONLY: tuple[tuple[str, Any], ...] = (("cache_ram", -1), ("n_ctx", 44))  # the token limit alone evicts
 
 MUTANTS: dict[str, Mutant] = {
     m.semantics.name: m
@@ -396,6 +446,11 @@ MUTANTS: dict[str, Mutant] = {
         _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
         # on a transformer (every prefix resumes): the first request that an LRU slot could have loaded
         _m("selection-ignores-cache", "reuse", _SelectionIgnoresCache, kind="transformer"),
+        # issue #50: the idle loop's branches (idle_pass), and the limit checked after every step
+        _m("idle-clears-only-saved", "idle_pass", _IdleClearsOnlySaved, kind="transformer", machine=_KVU),
+        _m("idle-skips-update", "idle_pass", _IdleSkipsUpdate, kind="transformer", also=frozenset({"limit"}),
+           machine=(*_KVU, *_TOKENS_ONLY)),
+        _m("select-skips-update", "limit", _SelectSkipsUpdate, kind="transformer", machine=_TOKENS_ONLY),
     ]
 }
 

@@ -25,6 +25,7 @@ from hypothesis.stateful import precondition, rule
 
 from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK
 from properties.machine import BOS, FAMILIES, MAX_PROMPT, MachineConfig, PromptCacheMachine, machine_class
+from properties.pinned import check_stateless_left
 from properties.stateless import FINDING, PROPERTY, check_stateless_not_cached
 from properties.teardown import noted
 
@@ -49,7 +50,8 @@ class StatelessMachine(PromptCacheMachine):
 
         self.server.handle_completion = completion  # type: ignore[method-assign]
         if self.checks_on:
-            self.checks = (*self.checks, (PROPERTY, self._check_stateless))
+            self.checks = (*self.checks, (PROPERTY, self._check_stateless), ("stateless_fresh", check_stateless_left))
+            self.pinned.wrap_stateless()  # stateless_fresh at selection and prompt start (properties/pinned.py)
 
     def _check_stateless(self, server: Any) -> None:
         strict = "strict-stateless" in self.config.known
