@@ -24,7 +24,7 @@ from dataclasses import replace
 
 from harness.model.semantics import SHARED, Semantics
 from properties.machine import MachineConfig
-from properties.mutants import MUTANTS, SLOT_FILE_MUTANTS, STATELESS_MUTANTS
+from properties.mutants import FAMILY_HOOKS, MUTANTS, SLOT_FILE_MUTANTS, STATELESS_MUTANTS
 from properties.mutants import resolve as resolve_gate
 from properties.reuse_machine import N_CTX, REUSE_KINDS
 from properties.reuse_mutants import REUSE_MUTANTS
@@ -95,3 +95,10 @@ def mutant_configs(name: str) -> list[MachineConfig]:
     own = MachineConfig(name, kind, draft=draft, n_ctx=n_ctx, family=family, resolve=resolve)
     rest = [replace(c, semantics=name, resolve=resolve) for c in family_configs("shared", "fuzz")]
     return [own, *(c for c in rest if c.family == family and c != own)]
+
+
+# properties.mutants.kill tries the gate's whole list of machines, these families' included, on any mutant
+FAMILY_HOOKS.configs, FAMILY_HOOKS.own, FAMILY_HOOKS.resolve = family_configs, mutant_configs, resolve
+FAMILY_HOOKS.kills.update(
+    {n: (f[1], REUSE_MUTANTS[n].also if n in REUSE_MUTANTS else frozenset()) for n, f in FAMILY_MUTANTS.items()}
+)

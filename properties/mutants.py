@@ -9,12 +9,13 @@ the name to ``(semantics, the property expected to kill it, what is broken)``.
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from hypothesis.statistics import collector
 
-from harness.errors import BadAlloc
+from harness.errors import BadAlloc, UsageError
 from harness.model.cache import (
     ServerPrompt,
     ServerPromptCache,
@@ -32,7 +33,8 @@ from properties.machine import MachineConfig
 from properties.run import SHRINKS, machines_for, make_settings, run_machine
 from properties.stateless import STATELESS_MUTANTS
 
-__all__ = ["MUTANTS", "SLOT_FILE_MUTANTS", "STATELESS_MUTANTS", "Mutant", "config", "kill", "resolve"]
+__all__ = ["FAMILY_HOOKS", "MUTANTS", "SLOT_FILE_MUTANTS", "STATELESS_MUTANTS", "FamilyHooks", "Mutant", "config",
+           "expected", "kill", "kill_configs", "resolve"]  # fmt: skip
 
 
 class _UpdateIgnoresLimitSize(ServerPromptCache):
@@ -495,20 +497,57 @@ def config(name: str, kind: str | None = None, *, draft: bool | None = None) -> 
     return replace(cfg, **dict(m.machine))
 
 
+@dataclass
+class FamilyHooks:
+    """What :mod:`properties.families` registers when it is imported (it imports this module, so a hook, not an
+    import): the families' machines a gate run covers (``configs(semantics, profile)``), a family mutant's own
+    machines (``own(name)``), each family mutant's expected and also-allowed properties, and the resolver of any
+    mutant name."""
+
+    configs: Callable[[str, str], list[MachineConfig]] | None = None
+    own: Callable[[str], list[MachineConfig]] | None = None
+    kills: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
+    resolve: Callable[[str], Semantics] | None = None
+
+
+FAMILY_HOOKS = FamilyHooks()
+
+
+def expected(name: str) -> tuple[str, frozenset[str]]:
+    """The property expected to kill mutant ``name`` (the gate's or a family's) and those allowed first."""
+    if name in MUTANTS:
+        return MUTANTS[name].kills, MUTANTS[name].also
+    if name in FAMILY_HOOKS.kills:
+        return FAMILY_HOOKS.kills[name]
+    raise UsageError(f"unknown mutant {name!r}" + ("" if FAMILY_HOOKS.configs else " (import properties.families)"))
+
+
+def kill_configs(name: str) -> list[MachineConfig]:
+    """The machines :func:`kill` tries on mutant ``name``, in order: its own, then the gate's whole list (its seven
+    machines and the machine families' of the ci profile), each once."""
+    hooks = FAMILY_HOOKS
+    if hooks.configs is None or hooks.own is None or hooks.resolve is None:
+        raise UsageError("the machine families are not loaded: import properties.families")
+    expected(name)
+    own = [config(name)] if name in MUTANTS else hooks.own(name)[:1]
+    rest = machines_for("shared", "ci") + hooks.configs("shared", "ci")
+    gate = [replace(c, semantics=name, resolve=hooks.resolve) for c in rest]
+    return own + [c for c in gate if c not in own]  # its own machine is often one of the gate's: once
+
+
 def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]:
-    """Run the gate's machines against mutant ``name`` until one fails; return the JSON row.
+    """Run the gate's machines, the families' included (:func:`kill_configs`), against mutant ``name`` (the gate's,
+    or a family's: :data:`properties.families.FAMILY_MUTANTS`) until one fails; return the JSON row.
 
     ``seconds`` is the whole kill, wall clock; it splits into ``detect_seconds`` (from the start to
     the first failing example: the machines that passed, then the killing run's generate phase, from
     Hypothesis' own phase statistics), ``shrink_seconds`` (Hypothesis' shrink phase) and the rest
     (:func:`properties.run.tidy` and printing the program).
     """
-    m = MUTANTS[name]
+    kills, also = expected(name)
     cfg_settings = make_settings("ci", None, max_examples)
     t0 = time.perf_counter()
-    own = config(name)
-    gate = [replace(c, semantics=name, resolve=resolve) for c in machines_for("shared", "ci")]
-    configs = [own] + [c for c in gate if c != own]  # its own machine is often one of the gate's: once
+    configs = kill_configs(name)
     # a mutant that survives one seed gets two more before it counts as surviving
     for cfg, s in ((c, s) for s in (seed, seed + 1, seed + 2) for c in configs):
         replay = f"python -m harness mutants --only {name} --seed {s}"
@@ -528,7 +567,8 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
                 "killed": True,
                 "seed": s,
                 "by": f.property,
-                "expected": m.kills,
+                "expected": kills,
+                "also": sorted(also),
                 "machine": f.machine,
                 "message": f.message,
                 "seconds": round(time.perf_counter() - t0, 2),
@@ -542,7 +582,8 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
         "name": name,
         "killed": False,
         "by": None,
-        "expected": m.kills,
+        "expected": kills,
+        "also": sorted(also),
         "seconds": round(time.perf_counter() - t0, 2),
         "steps": 0,
     }

@@ -20,8 +20,8 @@ model's docstrings cite, never read from the model's own choice; the model's rec
   treated as a completion (an idle slot it left holds its prompt or nothing: no generated token, no checkpoint,
   :3444, :3800-3812).
 * ``idle_pass`` (every machine, after each idle-slot pass, :2417-2432): every idle slot was saved exactly once,
-  with ``kv_unified`` every idle slot is cleared (saved or not), without it none changes, and the cache is
-  within its limit (``limit``, :func:`check_limit`) after the pass.
+  with ``kv_unified`` every idle slot is cleared (saved or not), without it none changes, and where a save
+  appended an entry the cache is back within its limit (``limit``, :func:`check_limit`) after the pass.
 * ``limit`` is also a state invariant (:func:`check_limit`, after every step of every machine): before it was
   checked only right after ``alloc`` and ``update``, so a cache left over its limit between them went unseen.
 """
@@ -73,7 +73,7 @@ def slot_ctx(server: ServerContext) -> int:
     return n_ctx if p.kv_unified else n_ctx // max(1, p.n_slots)
 
 
-def check_limit(server: ServerContext, prop: str = "limit") -> None:
+def check_limit(server: ServerContext, prop: str = "limit", where: str = "after a step") -> None:
     """The cache within its limits: ``size() <= limit_size``, and ``n_tokens()`` within the token limit
     (``limit_tokens``, raised with a byte limit to what the bytes allow, as ``update()`` does, :1870-1890)."""
     cache = server.prompt_cache
@@ -81,11 +81,11 @@ def check_limit(server: ServerContext, prop: str = "limit") -> None:
         return
     size, n, lim, lim_t = cache.size(), cache.n_tokens(), cache.limit_size, cache.limit_tokens
     if lim > 0 and size > lim:
-        raise Violation(prop, f"size() = {size} > limit_size = {lim} between operations")
+        raise Violation(prop, f"size() = {size} > limit_size = {lim} {where}")
     if lim_t > 0:
         bound = lim_t if lim <= 0 else max(lim_t, lim if size <= n else lim * n // size)
         if n > bound + 1 + bound // (1 << 22):  # upstream computes in float, as the post-update check allows
-            raise Violation(prop, f"n_tokens() = {n} > token limit {bound} between operations")
+            raise Violation(prop, f"n_tokens() = {n} > token limit {bound} {where}")
 
 
 def check_slots_within_ctx(server: ServerContext) -> None:
@@ -147,8 +147,10 @@ class PinnedTracer:
         server = self.server
         idle = [(s, s.prompt.tokens) for s in server.slots if s.state is IDLE]
         n_events = len(server.events)
+        cache = server.prompt_cache
+        entries = list(cache.states) if cache is not None else []  # held: an evicted entry's id() can be reused
         inner()
-        if server.prompt_cache is None:
+        if cache is None:
             return
         self.checked["idle_pass"] += 1
         saves = Counter(ev.slot for ev in server.events[n_events:] if ev.op == "save")
@@ -162,7 +164,9 @@ class PinnedTracer:
                 raise Violation("idle_pass", msg + "; upstream clears every idle slot, saved or not")
             if not unified and s.prompt.tokens != tokens:
                 raise Violation("idle_pass", f"the idle pass changed idle slot{s.id}'s tokens without kv_unified")
-        check_limit(server, "idle_pass")
+        if any(all(e is not b for b in entries) for e in cache.states):
+            # a save appended an entry: its update() (:2425) must have brought the cache back within its limit
+            check_limit(server, "idle_pass", "after an idle pass that saved")
 
     # reuse_chunks + slot_within_ctx
     def _start_reuse(self, inner: Callable[[ServerSlot], None], slot: ServerSlot) -> None:
