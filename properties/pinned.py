@@ -37,7 +37,7 @@ from harness.model.reuse import can_shift
 from harness.model.server_context import STATELESS_TASKS, ServerContext, ServerSlot, SlotState
 from properties.invariants import Violation, unwrap, wrap_timed
 
-__all__ = ["PinnedTracer", "check_limit", "check_slots_within_ctx", "check_stateless_left", "slot_ctx",
+__all__ = ["PinnedTracer", "check_limit", "check_slots_within_ctx", "slot_ctx",
            "upstream_chunks"]  # fmt: skip
 
 IDLE = SlotState.IDLE
@@ -94,21 +94,6 @@ def check_slots_within_ctx(server: ServerContext) -> None:
     for s in server.slots:
         if s.prompt.n_tokens() + 1 > n_ctx:
             raise Violation("slot_within_ctx", f"slot{s.id} holds {s.prompt.n_tokens()} tokens, its n_ctx is {n_ctx}")
-
-
-def check_stateless_left(server: ServerContext) -> None:
-    """``stateless_fresh`` at rest: an idle slot whose last task was an embedding or a rerank holds that prompt
-    or nothing (kv_unified clears it), no generated token and no checkpoint (:3444, :3800-3812)."""
-    for s in server.slots:
-        prev = s.task_prev
-        if s.state is not IDLE or prev is None or prev.type not in STATELESS_TASKS:
-            continue
-        if s.prompt.tokens not in ((), prev.tokens) or len(s.prompt.checkpoints.items):
-            raise Violation(
-                "stateless_fresh",
-                f"slot{s.id} after a {prev.type} of {len(prev.tokens)} tokens holds {s.prompt.n_tokens()} tokens and "
-                f"{len(s.prompt.checkpoints.items)} checkpoints: treated as a completion",
-            )
 
 
 class PinnedTracer:
@@ -223,6 +208,21 @@ class PinnedTracer:
         if not can and (shifted or len(server.errors) == errors or slot.state is not IDLE):
             raise Violation("shift_timing", f"slot{slot.id} at {n} tokens (n_ctx {n_ctx}) without a possible shift "
                             "was not ended with an error (server-context.cpp:2896-2911)")  # fmt: skip
+
+    def stateless_done(self, slot_id: int, tokens: Tokens) -> None:
+        """``stateless_fresh`` once the stateless task launched on slot ``slot_id`` ran: the slot holds its prompt,
+        no generated token and no checkpoint (:3444, :3800-3812: released once the prompt is evaluated)."""
+        s = self.server.slots[slot_id]
+        prev = s.task_prev
+        if s.state is not IDLE or prev is None or prev.tokens != tokens or prev.type not in STATELESS_TASKS:
+            return  # it did not run to its end here (the machine runs it with the others to their end)
+        self.checked["stateless_fresh"] += 1
+        if s.prompt.tokens != tokens or len(s.prompt.checkpoints.items):
+            raise Violation(
+                "stateless_fresh",
+                f"slot{s.id} after a {prev.type} of {len(tokens)} tokens holds {s.prompt.n_tokens()} tokens, "
+                f"{len(s.prompt.checkpoints.items)} checkpoints: treated as a completion",
+            )
 
     # stateless_fresh
     def _stateless(self, inner: Callable[..., Any], *a: Any, **kw: Any) -> Any:
