@@ -13,9 +13,10 @@ them: the slot-file mutants (:data:`~properties.mutants.SLOT_FILE_MUTANTS`, a br
 (:data:`~properties.reuse_mutants.REUSE_MUTANTS`) and the stateless ones
 (:data:`~properties.stateless.STATELESS_MUTANTS`). :func:`mutant_configs` gives the machines that plant one (its
 own first), :func:`resolve` the semantics of any of them. ``idle-skips-stateless`` is the reverse mutant (the
-idle loop skips stateless slots, as a fix would): it makes the cache smaller, breaks no property of the model,
-and is killed only by the model's prediction against a real server (tests/test_idle_slots.py); planted in a
-campaign it survives, which its row says.
+idle loop skips stateless slots, as a fix would): it makes the cache smaller; ``idle_pass``, which pins upstream's
+loop (every idle slot saved, :2419-2432), kills it on the model, and the model's prediction against a real server
+does too (tests/test_idle_slots.py). Importing this module also registers the families with
+:data:`properties.mutants.FAMILY_HOOKS`, so :func:`properties.mutants.kill` tries the gate's whole list.
 """
 
 from __future__ import annotations
