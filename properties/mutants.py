@@ -4,6 +4,9 @@ A mutant is a :class:`~harness.model.semantics.Semantics` whose ``cache_cls``, `
 ``server_cls`` is a subclass of the model with one rule broken, plus ``master`` itself (killed by
 ``transient_peak`` and, once a fault is armed, by ``no_partial_entries``). :data:`MUTANTS` maps
 the name to ``(semantics, the property expected to kill it, what is broken)``.
+
+Size: the one table of the gate's mutants, one short class each (a rule broken in one place), with the kill that
+tries them on the gate's whole list of machines; splitting the table would split the matrix it is.
 """
 
 from __future__ import annotations
