@@ -13,9 +13,10 @@ them: the slot-file mutants (:data:`~properties.mutants.SLOT_FILE_MUTANTS`, a br
 (:data:`~properties.reuse_mutants.REUSE_MUTANTS`) and the stateless ones
 (:data:`~properties.stateless.STATELESS_MUTANTS`). :func:`mutant_configs` gives the machines that plant one (its
 own first), :func:`resolve` the semantics of any of them. ``idle-skips-stateless`` is the reverse mutant (the
-idle loop skips stateless slots, as a fix would): it makes the cache smaller, breaks no property of the model,
-and is killed only by the model's prediction against a real server (tests/test_idle_slots.py); planted in a
-campaign it survives, which its row says.
+idle loop skips stateless slots, as a fix would): it makes the cache smaller; ``idle_pass``, which pins upstream's
+loop (every idle slot saved, :2419-2432), kills it on the model, and the model's prediction against a real server
+does too (tests/test_idle_slots.py). Importing this module also registers the families with
+:data:`properties.mutants.FAMILY_HOOKS`, so :func:`properties.mutants.kill` tries the gate's whole list.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from dataclasses import replace
 
 from harness.model.semantics import SHARED, Semantics
 from properties.machine import MachineConfig
-from properties.mutants import MUTANTS, SLOT_FILE_MUTANTS, STATELESS_MUTANTS
+from properties.mutants import FAMILY_HOOKS, MUTANTS, SLOT_FILE_MUTANTS, STATELESS_MUTANTS
 from properties.mutants import resolve as resolve_gate
 from properties.reuse_machine import N_CTX, REUSE_KINDS
 from properties.reuse_mutants import REUSE_MUTANTS
@@ -41,7 +42,10 @@ FAMILY_MUTANTS: dict[str, tuple[str, str, str, bool]] = {
     **{n: ("slot_files", prop, "hybrid", False) for n, (_, prop) in SLOT_FILE_MUTANTS.items()},
     **{n: ("reuse", m.kills, m.kind, m.draft) for n, m in REUSE_MUTANTS.items()},
     "stateless-select-saves": ("stateless", STATELESS_PROPERTY, "transformer", False),
-    "idle-skips-stateless": ("stateless", "(none: killed against a real server)", "transformer", False),
+    # the idle loop skipping stateless slots (what a fix would do): idle_pass pins upstream's loop, which saves
+    # every idle slot (issue #50); before it, only the model's prediction against a real server killed it
+    "idle-skips-stateless": ("stateless", "idle_pass", "transformer", False),
+    "stateless-resumes-prefix": ("stateless", "stateless_fresh", "transformer", False),
 }
 assert set(FAMILY_MUTANTS) >= set(STATELESS_MUTANTS) and not set(FAMILY_MUTANTS) & set(MUTANTS)
 
@@ -92,3 +96,10 @@ def mutant_configs(name: str) -> list[MachineConfig]:
     own = MachineConfig(name, kind, draft=draft, n_ctx=n_ctx, family=family, resolve=resolve)
     rest = [replace(c, semantics=name, resolve=resolve) for c in family_configs("shared", "fuzz")]
     return [own, *(c for c in rest if c.family == family and c != own)]
+
+
+# properties.mutants.kill tries the gate's whole list of machines, these families' included, on any mutant
+FAMILY_HOOKS.configs, FAMILY_HOOKS.own, FAMILY_HOOKS.resolve = family_configs, mutant_configs, resolve
+FAMILY_HOOKS.kills.update(
+    {n: (f[1], REUSE_MUTANTS[n].also if n in REUSE_MUTANTS else frozenset()) for n, f in FAMILY_MUTANTS.items()}
+)

@@ -54,7 +54,8 @@ __all__ = [
 
 # name -> one line, in the order of the issue; every entry is a property in the gate's report
 INVARIANTS: dict[str, str] = {
-    "limit": "size() <= limit_size after alloc/update; n_tokens() within the token limit computed on entry",
+    "limit": "size() <= limit_size after alloc/update and every step; n_tokens() within the token limit computed on "
+    "entry",
     "accounting": "size()/n_tokens() equal the sums over entries; logical bytes >= physical unique bytes",
     "immutability": "a checkpoint payload never changes while anyone holds it",
     "refcount": "holder counts equal references; unreferenced payloads are released; no leaks",
@@ -90,6 +91,17 @@ INVARIANTS: dict[str, str] = {
     "checkpoints, and leaves a fresh evaluation of the kept tokens",
     "stateless_not_cached": "an embedding or rerank slot's prompt is never saved to the cache as a completion's, "
     "but as the registered finding",
+    # pinned to what upstream would do, computed apart from the model (properties/pinned.py, issue #50)
+    "reuse_chunks": "--cache-reuse moves exactly the chunks upstream's loop takes (runs of at least N equal tokens "
+    "from the common prefix), and cache_n counts them",
+    "shift_timing": "a generating slot shifts its context exactly when n_tokens + 1 >= n_ctx (else its task ends "
+    "with an error), never before",
+    "slot_within_ctx": "after every step a slot's tokens and its sampled token fit its n_ctx; a prompt of n_ctx "
+    "tokens or more is refused",
+    "stateless_fresh": "an embedding or rerank task loads nothing, resumes from no cached prefix and leaves its "
+    "slot as a prompt without generated tokens or checkpoints",
+    "idle_pass": "the idle-slot pass saves every idle slot once, clears each with kv_unified (else changes none), "
+    "and leaves the cache within its limit",
 }
 
 

@@ -49,6 +49,7 @@ from harness.model.server_context import ServerParams, SlotState
 from harness.targets.libllama import LlamaProvider, close_server, load_model, make_llama_server
 from harness.targets.synthetic import make_server
 from properties import invariants as inv
+from properties.pinned import PinnedTracer, check_limit
 from properties.policy import ExpectedAbort, PolicyTracer
 from properties.reuse import ReuseTracer
 from properties.teardown import noted, settle, stages
@@ -194,6 +195,8 @@ class PromptCacheMachine(RuleBasedStateMachine):
         )
         # the reuse property (properties/reuse.py): a shortfall is a counted finding or a Violation
         self.reuse = ReuseTracer(self.server, type(self).reuse_counts) if self.checks_on else None
+        # the properties pinned to upstream's rules (properties/pinned.py): idle_pass here, the families add theirs
+        self.pinned = PinnedTracer(self.server, wrap=self.checks_on)
         self.crashed = False  # the modelled server is gone (a crash, or an abort where upstream aborts)
         # the last step changed nothing the state invariants read (it only armed the fault seam):
         # their result is the previous step's, so that step's check stands for this one
@@ -204,6 +207,7 @@ class PromptCacheMachine(RuleBasedStateMachine):
             ("checkpoint_lists", self._check_lists),
             ("draft_in_step", self._check_in_step),
             ("immutability", self.shadow.check),
+            ("limit", check_limit),  # a state invariant too: a cache left over its limit between operations
             *((("restore_equivalence", inv.check_restore_equivalence),) if cfg.arch else ()),
             *((("draft_recovery", inv.check_draft_recovery),) if self.params.draft_recovery else ()),
         ) if self.checks_on else ()
@@ -496,6 +500,9 @@ class PromptCacheMachine(RuleBasedStateMachine):
         for k, v in self.tracer.seconds.items():  # type: ignore[assignment]
             t.stats_seconds[k] += v
         t.stats_checked.update(self.policy.checked)
+        t.stats_checked.update(self.pinned.checked)
+        for k, v in self.pinned.seconds.items():  # type: ignore[assignment]
+            t.stats_seconds[k] += v
         if self.reuse is not None:
             t.stats_checked["reuse"] += self.reuse.checked
             t.stats_seconds["reuse"] += self.reuse.seconds["reuse"]
@@ -530,10 +537,10 @@ class PromptCacheMachine(RuleBasedStateMachine):
         stats["state_bytes"] = max(stats["state_bytes"], getattr(tgt, "max_state_bytes", 0))
         stats["partial_bytes"] = max(stats["partial_bytes"], getattr(tgt, "max_partial_bytes", 0))
         close_server(self.server)
-        tracers = (self.tracer, self.policy, *([self.reuse] if self.reuse else []))
+        tracers = (self.tracer, self.policy, self.pinned, *([self.reuse] if self.reuse else []))
         inv.release(self.server, *tracers)  # freed by reference counting, not a full collection
         # Hypothesis' cycles hold the machine
-        del self.server, self.tracer, self.policy, self.shadow, self.checks, self.reuse
+        del self.server, self.tracer, self.policy, self.shadow, self.checks, self.reuse, self.pinned
 
 
 _CLASSES: dict[MachineConfig, type[PromptCacheMachine]] = {}

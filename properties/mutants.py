@@ -4,17 +4,21 @@ A mutant is a :class:`~harness.model.semantics.Semantics` whose ``cache_cls``, `
 ``server_cls`` is a subclass of the model with one rule broken, plus ``master`` itself (killed by
 ``transient_peak`` and, once a fault is armed, by ``no_partial_entries``). :data:`MUTANTS` maps
 the name to ``(semantics, the property expected to kill it, what is broken)``.
+
+Size: the one table of the gate's mutants, one short class each (a rule broken in one place), with the kill that
+tries them on the gate's whole list of machines; splitting the table would split the matrix it is.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, replace
+from collections.abc import Callable
+from dataclasses import dataclass, field, replace
 from typing import Any, cast
 
 from hypothesis.statistics import collector
 
-from harness.errors import BadAlloc
+from harness.errors import BadAlloc, UsageError
 from harness.model.cache import (
     ServerPrompt,
     ServerPromptCache,
@@ -32,7 +36,8 @@ from properties.machine import MachineConfig
 from properties.run import SHRINKS, machines_for, make_settings, run_machine
 from properties.stateless import STATELESS_MUTANTS
 
-__all__ = ["MUTANTS", "SLOT_FILE_MUTANTS", "STATELESS_MUTANTS", "Mutant", "config", "kill", "resolve"]
+__all__ = ["FAMILY_HOOKS", "MUTANTS", "SLOT_FILE_MUTANTS", "STATELESS_MUTANTS", "FamilyHooks", "Mutant", "config",
+           "expected", "kill", "kill_configs", "resolve"]  # fmt: skip
 
 
 class _UpdateIgnoresLimitSize(ServerPromptCache):
@@ -289,6 +294,53 @@ class _SelectionIgnoresCache(ServerContext):
             self.prompt_cache = cache
 
 
+class _IdleClearsOnlySaved(ServerContext):
+    """idle_pass: with kv_unified the idle pass clears only the slots it saved; upstream clears every idle slot,
+    saved or not (a save refused over the byte limit or for a prompt already cached keeps it, :2419-2432)."""
+
+    def _cache_idle_slots(self) -> None:
+        if self.prompt_cache is None:
+            return
+        for s in self.slots:
+            if not s.is_processing() and s.prompt_save(self.prompt_cache):
+                self.prompt_cache.update()
+                if self.params.kv_unified:
+                    s.prompt_clear()
+
+
+class _IdleSkipsUpdate(ServerContext):
+    """idle_pass: the idle pass saves every idle slot but never calls update(): the cache stays over its token
+    limit until the next request's selection."""
+
+    def _cache_idle_slots(self) -> None:
+        if self.prompt_cache is None:
+            return
+        for s in self.slots:
+            if not s.is_processing():
+                s.prompt_save(self.prompt_cache)
+                if self.params.kv_unified:
+                    s.prompt_clear()
+
+
+class _SelectSkipsUpdate(ServerContext):
+    """limit: a completion's selection saves and loads without the update() after them (:1628); the idle pass's
+    update() covers it unless no idle slot is saved, so the cache is over its token limit between steps only."""
+
+    def get_available_slot(self, task: Any) -> Any:
+        cache = self.prompt_cache
+        if cache is None:
+            return super().get_available_slot(task)
+        had = vars(cache).get("update")  # the tracer's wrapper of this instance, if any
+        cache.update = lambda: 0  # type: ignore[method-assign]
+        try:
+            return super().get_available_slot(task)
+        finally:
+            if had is None:
+                del cache.update
+            else:
+                cache.update = had  # type: ignore[method-assign]
+
+
 @dataclass(frozen=True)
 class Mutant:
     semantics: Semantics
@@ -327,6 +379,9 @@ def _m(
         sem, kills, (cls.__doc__ or "").strip(), also=also, kind=kind, draft=draft, arch=arch, machine=machine
     )
 
+
+_KVU: tuple[tuple[str, Any], ...] = (("kv_unified", True),)
+_TOKENS_ONLY: tuple[tuple[str, Any], ...] = (("cache_ram", -1), ("n_ctx", 44))  # the token limit alone evicts
 
 MUTANTS: dict[str, Mutant] = {
     m.semantics.name: m
@@ -396,6 +451,11 @@ MUTANTS: dict[str, Mutant] = {
         _m("load-restores-oldest-bytes", "restore_bytes", _LoadRestoresOldestBytes),
         # on a transformer (every prefix resumes): the first request that an LRU slot could have loaded
         _m("selection-ignores-cache", "reuse", _SelectionIgnoresCache, kind="transformer"),
+        # issue #50: the idle loop's branches (idle_pass), and the limit checked after every step
+        _m("idle-clears-only-saved", "idle_pass", _IdleClearsOnlySaved, kind="transformer", machine=_KVU),
+        _m("idle-skips-update", "idle_pass", _IdleSkipsUpdate, kind="transformer", also=frozenset({"limit"}),
+           machine=(*_KVU, *_TOKENS_ONLY)),
+        _m("select-skips-update", "limit", _SelectSkipsUpdate, kind="transformer", machine=_TOKENS_ONLY),
     ]
 }
 
@@ -440,20 +500,57 @@ def config(name: str, kind: str | None = None, *, draft: bool | None = None) -> 
     return replace(cfg, **dict(m.machine))
 
 
+@dataclass
+class FamilyHooks:
+    """What :mod:`properties.families` registers when it is imported (it imports this module, so a hook, not an
+    import): the families' machines a gate run covers (``configs(semantics, profile)``), a family mutant's own
+    machines (``own(name)``), each family mutant's expected and also-allowed properties, and the resolver of any
+    mutant name."""
+
+    configs: Callable[[str, str], list[MachineConfig]] | None = None
+    own: Callable[[str], list[MachineConfig]] | None = None
+    kills: dict[str, tuple[str, frozenset[str]]] = field(default_factory=dict)
+    resolve: Callable[[str], Semantics] | None = None
+
+
+FAMILY_HOOKS = FamilyHooks()
+
+
+def expected(name: str) -> tuple[str, frozenset[str]]:
+    """The property expected to kill mutant ``name`` (the gate's or a family's) and those allowed first."""
+    if name in MUTANTS:
+        return MUTANTS[name].kills, MUTANTS[name].also
+    if name in FAMILY_HOOKS.kills:
+        return FAMILY_HOOKS.kills[name]
+    raise UsageError(f"unknown mutant {name!r}" + ("" if FAMILY_HOOKS.configs else " (import properties.families)"))
+
+
+def kill_configs(name: str) -> list[MachineConfig]:
+    """The machines :func:`kill` tries on mutant ``name``, in order: its own, then the gate's whole list (its seven
+    machines and the machine families' of the ci profile), each once."""
+    hooks = FAMILY_HOOKS
+    if hooks.configs is None or hooks.own is None or hooks.resolve is None:
+        raise UsageError("the machine families are not loaded: import properties.families")
+    expected(name)
+    own = [config(name)] if name in MUTANTS else hooks.own(name)[:1]
+    rest = machines_for("shared", "ci") + hooks.configs("shared", "ci")
+    gate = [replace(c, semantics=name, resolve=hooks.resolve) for c in rest]
+    return own + [c for c in gate if c not in own]  # its own machine is often one of the gate's: once
+
+
 def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]:
-    """Run the gate's machines against mutant ``name`` until one fails; return the JSON row.
+    """Run the gate's machines, the families' included (:func:`kill_configs`), against mutant ``name`` (the gate's,
+    or a family's: :data:`properties.families.FAMILY_MUTANTS`) until one fails; return the JSON row.
 
     ``seconds`` is the whole kill, wall clock; it splits into ``detect_seconds`` (from the start to
     the first failing example: the machines that passed, then the killing run's generate phase, from
     Hypothesis' own phase statistics), ``shrink_seconds`` (Hypothesis' shrink phase) and the rest
     (:func:`properties.run.tidy` and printing the program).
     """
-    m = MUTANTS[name]
+    kills, also = expected(name)
     cfg_settings = make_settings("ci", None, max_examples)
     t0 = time.perf_counter()
-    own = config(name)
-    gate = [replace(c, semantics=name, resolve=resolve) for c in machines_for("shared", "ci")]
-    configs = [own] + [c for c in gate if c != own]  # its own machine is often one of the gate's: once
+    configs = kill_configs(name)
     # a mutant that survives one seed gets two more before it counts as surviving
     for cfg, s in ((c, s) for s in (seed, seed + 1, seed + 2) for c in configs):
         replay = f"python -m harness mutants --only {name} --seed {s}"
@@ -473,7 +570,8 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
                 "killed": True,
                 "seed": s,
                 "by": f.property,
-                "expected": m.kills,
+                "expected": kills,
+                "also": sorted(also),
                 "machine": f.machine,
                 "message": f.message,
                 "seconds": round(time.perf_counter() - t0, 2),
@@ -487,7 +585,8 @@ def kill(name: str, *, seed: int = 0, max_examples: int = 300) -> dict[str, Any]
         "name": name,
         "killed": False,
         "by": None,
-        "expected": m.kills,
+        "expected": kills,
+        "also": sorted(also),
         "seconds": round(time.perf_counter() - t0, 2),
         "steps": 0,
     }

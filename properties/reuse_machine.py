@@ -40,6 +40,7 @@ from harness.model.reuse import can_shift
 from harness.model.server_context import ServerContext, ServerSlot, SlotState
 from properties.invariants import Violation
 from properties.machine import BOS, FAMILIES, MAX_PROMPT, MachineConfig, PromptCacheMachine, machine_class
+from properties.pinned import check_slots_within_ctx, slot_ctx, upstream_chunks
 from properties.reuse_mutants import REUSE_MUTANTS, resolve
 from properties.teardown import noted
 
@@ -48,6 +49,8 @@ __all__ = ["N_CACHE_REUSE", "REUSE_KINDS", "ReuseMachine", "kill_reuse", "reuse_
 
 N_CACHE_REUSE = 3
 REUSE_KINDS = ("transformer", "iswa")
+# edge_request's n_keep and n_discard drawn at their clamps' n-1, n, n+1
+_EDGE = {"edge-1": -1, "edge": 0, "edge+1": 1, "clamp-1": -1, "clamp": 0, "clamp+1": 1}
 N_CTX = 96  # two slots of 48 cells: a prompt of up to 40 and a long generation reach a slot's n_ctx
 
 
@@ -132,6 +135,8 @@ class ReuseMachine(PromptCacheMachine):
             p.ctx_shift, p.n_cache_reuse = False, 0
         if self.checks_on:
             self._wrap(server)
+            self.pinned.wrap_reuse()  # reuse_chunks, slot_within_ctx, shift_timing (properties/pinned.py)
+            self.checks = (*self.checks, ("slot_within_ctx", check_slots_within_ctx))
 
     def _wrap(self, server: ServerContext) -> None:
         """The post-conditions, around the server's own methods (instance attributes shadow them)."""
@@ -203,6 +208,61 @@ class ReuseMachine(PromptCacheMachine):
         self._guard("handle_completion", self.server.handle_completion, tokens, n_predict=n_predict, n_keep=n_keep,
                     n_discard=n_discard)  # fmt: skip
         self._guard("update_slots", self.server.run_until_idle)
+
+    def _live(self) -> bool:
+        return not self.crashed
+
+    @precondition(_idle_with_tokens)
+    @rule(
+        slot=st.integers(0, 1),
+        cut=st.integers(1, MAX_PROMPT),
+        n_cut=st.integers(1, 8),
+        suffix=st.lists(st.integers(1, 24), max_size=4),
+        at=st.sampled_from([-1, 0, 1]),
+    )
+    @noted
+    def trimmed_at_threshold(self, slot: int, cut: int, n_cut: int, suffix: list[int], at: int) -> None:
+        """:meth:`trimmed_request` with the request's ``n_cache_reuse`` at the first chunk's length plus ``at``
+        (n-1, n, n+1: the loop's threshold ``n_match >= n_cache_reuse``, :3244, taken, taken, refused)."""
+        idle = [s for s in self.server.slots if s.state is SlotState.IDLE and s.prompt.n_tokens() > 2]
+        s = idle[slot % len(idle)]
+        base = s.prompt.tokens
+        cut = 1 + cut % (len(base) - 1)
+        tokens = (base[:cut] + base[cut + n_cut :] + tuple(suffix))[:MAX_PROMPT]
+        if tokens[0] != BOS:
+            tokens = (BOS, *tokens)[:MAX_PROMPT]
+        first = upstream_chunks(base, tokens, get_common_prefix(base, tokens), 1)
+        n_cache_reuse = max(1, (first[0][2] if first else 1) + at)
+        self._guard("handle_completion", self.server.handle_completion, tokens, id_slot=s.id, n_predict=1,
+                    n_cache_reuse=n_cache_reuse)  # fmt: skip
+        self._guard("update_slots", self.server.run_until_idle)
+
+    @precondition(_live)
+    @rule(
+        at=st.sampled_from([-2, -1, 0, 1]),
+        fill=st.integers(1, 24),
+        n_keep=st.sampled_from([-1, 0, 1, "edge-1", "edge", "edge+1"]),
+        n_discard=st.sampled_from([0, "clamp-1", "clamp", "clamp+1"]),
+        n_predict=st.integers(1, 4),
+        overlap=st.booleans(),
+    )
+    @noted
+    def edge_request(self, at: int, fill: int, n_keep: int | str, n_discard: int | str, n_predict: int,
+                     overlap: bool) -> None:  # fmt: skip
+        """A prompt of the slot's n_ctx plus ``at`` tokens (n-2 .. n+1: refused from n on, :3159; from n-1 the
+        first generated token shifts, :2889), ``n_keep`` around its clamp ``n_ctx - 4`` (:2917) and ``n_discard``
+        around its clamp ``n_left - 1`` (:2926). ``overlap`` leaves it processing for the steps after it."""
+        n_ctx = slot_ctx(self.server)
+        tokens = (BOS, *((fill + i) % 24 + 1 for i in range(n_ctx + at - 1)))
+        edge = n_ctx - 4
+        keep = n_keep if isinstance(n_keep, int) else edge + _EDGE[n_keep]
+        kept = min(edge, (len(tokens) if keep < 0 else keep) + 1)  # the task's n_keep as the shift makes it
+        clamp = max(0, n_ctx - 1 - kept - 1)  # n_left - 1 for a slot at n_ctx - 1 tokens
+        discard = n_discard if isinstance(n_discard, int) else clamp + _EDGE[n_discard]
+        self._guard("handle_completion", self.server.handle_completion, tokens, n_predict=n_predict, n_keep=keep,
+                    n_discard=max(0, discard))  # fmt: skip
+        if not overlap:
+            self._guard("update_slots", self.server.run_until_idle)
 
 
 _CLASSES: dict[MachineConfig, type[ReuseMachine]] = {}

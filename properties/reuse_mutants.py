@@ -8,6 +8,8 @@ machines never reuse.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 from harness.model.reuse import Chunk
 from harness.model.semantics import Semantics
 from harness.model.server_context import ServerContext, ServerSlot
@@ -40,12 +42,60 @@ class _CtxShiftKeepOffByOne(ServerContext):
         return n_keep - 1, n_discard
 
 
+class _ReuseThresholdStrict(ServerContext):
+    """reuse_chunks: a run of exactly ``n_cache_reuse`` equal tokens is not moved (``n_match > n_cache_reuse``;
+    :3244 takes ``>=``): every chunk moved is still in place, only fewer are taken."""
+
+    def cache_reuse(self, slot: ServerSlot, input_tokens: tuple[int, ...], n_past: int) -> int:
+        task = slot.task
+        assert task is not None
+        if task.n_cache_reuse > 0:
+            slot.task = replace(task, n_cache_reuse=task.n_cache_reuse + 1)
+        try:
+            return super().cache_reuse(slot, input_tokens, n_past)
+        finally:
+            slot.task = task
+
+
+class _CtxShiftLate(ServerContext):
+    """shift_timing: the context shifts one token late, at ``n_tokens + 1 > n_ctx`` (:2889 shifts at ``>=``): the
+    slot decodes into its last cell first; n_keep and n_discard are upstream's."""
+
+    def _generate(self, slot: ServerSlot) -> None:
+        if self.params.ctx_limit and slot.prompt.n_tokens() + 1 == self.slot_n_ctx:
+            self.params.ctx_limit = False
+            try:
+                super()._generate(slot)
+            finally:
+                self.params.ctx_limit = True
+            return
+        super()._generate(slot)
+
+
+class _PromptFillsCtx(ServerContext):
+    """slot_within_ctx: a prompt of exactly the slot's n_ctx tokens is taken (:3159 refuses ``>= n_ctx``)."""
+
+    def _start_prompt(self, slot: ServerSlot) -> None:
+        if slot.task is not None and len(slot.task.tokens) == self.slot_n_ctx:
+            self.slot_n_ctx += 1
+            try:
+                super()._start_prompt(slot)
+            finally:
+                self.slot_n_ctx -= 1
+            return
+        super()._start_prompt(slot)
+
+
 REUSE_MUTANTS: dict[str, Mutant] = {
     m.semantics.name: m
     for m in [
         _m("reuse-shift-off-by-one", "reuse_equivalence", _ReuseShiftOffByOne, kind="transformer"),
         _m("ctx-shift-no-seq-add", "context_shift", _CtxShiftNoSeqAdd, kind="transformer"),
         _m("ctx-shift-keep-off-by-one", "context_shift", _CtxShiftKeepOffByOne, kind="transformer"),
+        # issue #50: the thresholds, each pinned by a property computed apart from the model (properties/pinned.py)
+        _m("reuse-threshold-strict", "reuse_chunks", _ReuseThresholdStrict, kind="transformer"),
+        _m("ctx-shift-late", "shift_timing", _CtxShiftLate, kind="transformer", also=frozenset({"slot_within_ctx"})),
+        _m("prompt-fills-ctx", "slot_within_ctx", _PromptFillsCtx, kind="transformer"),
     ]
 }
 

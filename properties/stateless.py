@@ -22,7 +22,7 @@ on the model and on the mutants (:data:`STATELESS_MUTANTS`, below).
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from harness.model.cache import Tokens
 from harness.model.semantics import Semantics
@@ -119,6 +119,22 @@ class _IdleSkipsStateless(ServerContext):
                     s.prompt_clear()
 
 
+class _StatelessResumesPrefix(ServerContext):
+    """stateless_fresh: an embedding/rerank prompt resumes from the slot's common prefix, as a completion's does
+    (upstream's ``is_stateless_task`` branch, :3196-3198, dropped)."""
+
+    def _start_prompt(self, slot: ServerSlot) -> None:
+        task = slot.task
+        if task is not None and task.type in STATELESS_TASKS:
+            slot.task = replace(task, type=TASK_COMPLETION)
+            try:
+                super()._start_prompt(slot)
+            finally:
+                slot.task = task
+            return
+        super()._start_prompt(slot)
+
+
 # Mutants of the stateless-task rules (re-exported by properties.mutants), not in its MUTANTS: the gate's
 # machines send no embedding or rerank task (a rule for them would move every seed's program), so
 # tests/test_idle_slots.py kills these: the first by check_stateless_not_cached on the model, the second by the
@@ -129,5 +145,8 @@ STATELESS_MUTANTS: dict[str, Semantics] = {
     ),
     "idle-skips-stateless": Semantics(
         "idle-skips-stateless", shared_payloads=True, wide_try=True, server_cls=_IdleSkipsStateless
+    ),
+    "stateless-resumes-prefix": Semantics(
+        "stateless-resumes-prefix", shared_payloads=True, wide_try=True, server_cls=_StatelessResumesPrefix
     ),
 }

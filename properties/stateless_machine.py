@@ -50,6 +50,7 @@ class StatelessMachine(PromptCacheMachine):
         self.server.handle_completion = completion  # type: ignore[method-assign]
         if self.checks_on:
             self.checks = (*self.checks, (PROPERTY, self._check_stateless))
+            self.pinned.wrap_stateless()  # stateless_fresh at selection and prompt start (properties/pinned.py)
 
     def _check_stateless(self, server: Any) -> None:
         strict = "strict-stateless" in self.config.known
@@ -82,8 +83,10 @@ class StatelessMachine(PromptCacheMachine):
             id_slot = -1  # a busy slot named by id: the known finding busy-slot-by-id, run apart
         self.stateless.add(tokens)
         kind = TASK_RERANK if rerank else TASK_EMBEDDING
-        self._guard("handle_stateless", self.server.handle_stateless, tokens, kind, id_slot=id_slot)
+        launched = self._guard("handle_stateless", self.server.handle_stateless, tokens, kind, id_slot=id_slot)
         self._guard("update_slots", self.server.run_until_idle)
+        if self.checks_on and not self.crashed and launched is not None and launched.status == "launched":
+            self.pinned.stateless_done(launched.slot, tokens)  # stateless_fresh: its slot as it left it
 
 
 _CLASSES: dict[MachineConfig, type[StatelessMachine]] = {}

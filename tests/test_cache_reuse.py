@@ -13,6 +13,7 @@ from __future__ import annotations
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -27,6 +28,8 @@ from harness.model.shift import HOLE
 from harness.targets.llama_server import Launch, ServerProcess
 from harness.targets.synthetic import make_server
 from harness.trees.build import build_server
+from properties.invariants import Violation
+from properties.pinned import upstream_chunks
 from properties.reuse_machine import REUSE_KINDS, kill_reuse, reuse_config, reuse_machine_class, run_reuse
 from properties.reuse_mutants import REUSE_MUTANTS
 
@@ -158,3 +161,60 @@ def test_server_context_shift_against_the_model(binary: Path, tmp_path: Path, n_
     assert s.shifts and s.shifts == s.model_shifts and s.n_tokens == s.model_n_tokens and s.truncated, s.line()
     assert len(s.generated) == 260 and len(s.kept) == s.shifts[0][0] + 255 - sum(s.shifts[0]) + 1
     print(s.line())
+
+
+# ---- issue #50: the thresholds, pinned to what upstream's loop and shift would do ------------------------------
+
+
+def test_upstream_chunks_takes_a_run_of_exactly_n_and_not_of_n_minus_one() -> None:
+    old, new = (1, 2, 3, 9, 4, 5, 6), (1, 2, 3, 4, 5, 6)  # the 9 deleted: a run of 3 after the prefix of 3
+    assert upstream_chunks(old, new, 3, 2) == [(4, 3, 3)]  # n - 1
+    assert upstream_chunks(old, new, 3, 3) == [(4, 3, 3)]  # n
+    assert upstream_chunks(old, new, 3, 4) == []  # n + 1
+    for n in (1, 2, 3, 4):  # the model's loop agrees
+        model = [(c.head_c, c.head_p, c.n_match) for c in reuse_chunks(old, new, 3, n)]
+        assert model == upstream_chunks(old, new, 3, n)
+
+
+def _filled(name: str = "shared") -> object:
+    cls = reuse_machine_class(reuse_config("transformer", name))
+    m = cls()
+    m.request(source=0, keep=0, suffix=list(range(2, 20)), id_slot=0, n_cmpl=1, n_predict=1, overlap=False)
+    return m
+
+
+@pytest.mark.parametrize(("at", "moved"), [(-1, True), (0, True), (1, False)])
+def test_the_threshold_rule_draws_n_cache_reuse_at_the_first_chunk_s_length(at: int, moved: bool) -> None:
+    m: Any = _filled()
+    m.trimmed_at_threshold(slot=0, cut=5, n_cut=2, suffix=[], at=at)
+    _, _, chunks = m.server.reuses[-1]
+    assert bool(chunks) is moved
+    m.state_invariants()
+    assert m.pinned.checked["reuse_chunks"] >= 1
+
+
+@pytest.mark.parametrize(("at", "refused"), [(-2, False), (-1, False), (0, True), (1, True)])
+def test_a_prompt_at_the_slot_s_n_ctx_is_refused_from_n_on(at: int, refused: bool) -> None:
+    m: Any = _filled()
+    m.edge_request(at=at, fill=1, n_keep=-1, n_discard=0, n_predict=2, overlap=False)
+    assert bool(m.server.errors) is refused
+    if at == -1:  # n_ctx - 1 tokens: the first generated token shifts the context
+        assert m.server.ctx_shifts and m.pinned.checked["shift_timing"] >= 1
+    m.state_invariants()
+
+
+@pytest.mark.parametrize(
+    ("name", "prop"),
+    [("reuse-threshold-strict", "reuse_chunks"), ("ctx-shift-late", "shift_timing"),
+     ("prompt-fills-ctx", "slot_within_ctx")],
+)  # fmt: skip
+def test_a_threshold_mutant_dies_by_its_pinned_property(name: str, prop: str) -> None:
+    assert REUSE_MUTANTS[name].kills == prop
+    m: Any = _filled(name)
+    with pytest.raises(Violation) as e:
+        if name == "reuse-threshold-strict":
+            m.trimmed_at_threshold(slot=0, cut=5, n_cut=2, suffix=[], at=0)
+        else:
+            m.edge_request(at=-1 if name == "ctx-shift-late" else 0, fill=1, n_keep=-1, n_discard=0, n_predict=2,
+                           overlap=False)  # fmt: skip
+    assert e.value.name == prop

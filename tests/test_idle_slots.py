@@ -10,6 +10,7 @@ import json
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -21,7 +22,9 @@ from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerCont
 from harness.targets.llama_server import Launch, ServerProcess
 from harness.targets.synthetic import make_server
 from harness.trees.build import build_server
+from properties.families import resolve
 from properties.invariants import Violation
+from properties.machine import MachineConfig, machine_class
 from properties.mutants import MUTANTS, STATELESS_MUTANTS
 from properties.stateless import FINDING, PROPERTY, check_stateless_not_cached
 
@@ -197,3 +200,33 @@ def test_bad_embedding_clients_are_one_line() -> None:
         p = subprocess.run([sys.executable, "-m", "harness", *cmd, "--embedding-clients", "-1"], capture_output=True,
                            text=True, timeout=60, cwd=ROOT)  # fmt: skip
         assert p.returncode == 2 and "--embedding-clients" in p.stderr and "Traceback" not in p.stderr
+
+
+# ---- issue #50: stateless_fresh and idle_pass, pinned to upstream's rules on the model --------------------------
+
+
+def _stateless_machine(name: str) -> Any:
+    return machine_class(MachineConfig(name, "transformer", family="stateless", resolve=resolve))()
+
+
+def test_a_stateless_task_that_resumes_from_a_prefix_dies_by_stateless_fresh() -> None:
+    upstream, mutant = _stateless_machine("shared"), _stateless_machine("stateless-resumes-prefix")
+    for m in (upstream, mutant):
+        m.stateless_request(source=0, keep=0, suffix=[5, 6, 7], id_slot=1, rerank=False)
+        m.state_invariants()
+    upstream.stateless_request(source=1, keep=2, suffix=[9], id_slot=1, rerank=True)
+    upstream.state_invariants()
+    assert upstream.pinned.checked["stateless_fresh"] >= 4
+    with pytest.raises(Violation, match=r"server-context\.cpp:3196-3198") as e:
+        mutant.stateless_request(source=1, keep=2, suffix=[9], id_slot=1, rerank=True)
+    assert e.value.name == "stateless_fresh"
+
+
+def test_the_idle_loop_that_skips_stateless_slots_dies_by_idle_pass_on_the_model() -> None:
+    # upstream's loop saves every idle slot, an embedding's too (:2419-2432): the reverse mutant is now killed on
+    # the model, beside the real server's test above
+    m = _stateless_machine("idle-skips-stateless")
+    m.stateless_request(source=0, keep=0, suffix=[5, 6, 7], id_slot=-1, rerank=False)
+    with pytest.raises(Violation, match="saved idle slot") as e:
+        m.request(source=0, keep=0, suffix=[], id_slot=0, n_cmpl=1, n_predict=1, overlap=False)
+    assert e.value.name == "idle_pass"

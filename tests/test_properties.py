@@ -24,7 +24,7 @@ from harness.commands.mutants import kill
 from properties.families import FAMILY_MUTANTS
 from properties.invariants import INVARIANTS, Violation
 from properties.machine import MachineConfig, TargetCrash, machine_class
-from properties.mutants import MUTANTS
+from properties.mutants import MUTANTS, kill_configs
 from properties.mutants import config as mutant_config
 from properties.run import (
     _count_steps,
@@ -413,3 +413,43 @@ def test_cli_gate_llama_cpp_python_cache_backend(tmp_path) -> None:  # type: ign
     assert {f["name"] for f in section["findings"]} <= known
     r = _cli("gate", "--cache", "disk")
     assert r.returncode == 2 and "--cache applies to the llama-cpp-python-cache backend" in r.stderr
+
+
+# ---- issue #50: the rules pinned to what upstream would do, the limit after every step, kill's whole list ----
+
+
+def test_the_limit_is_a_state_invariant_of_every_step() -> None:
+    # select-skips-update leaves the cache over its token limit between steps; the post-update check never sees
+    # it (the next update() brings the cache back), the check after every step does
+    cls = machine_class(mutant_config("select-skips-update"))
+    assert "limit" in [n for n, _ in cls().checks]
+    r = run_machine(mutant_config("select-skips-update"), make_settings("ci", None, 300), 0, "x", shrinks=15)
+    assert r.failure is not None and r.failure.property == "limit", r.failure
+    assert "after a step" in r.failure.message
+    with pytest.raises(Violation) as e:
+        exec(compile(r.failure.program, "<program>", "exec"), {})  # the printed program, as pasted
+    assert e.value.name == "limit"
+
+
+@pytest.mark.parametrize("name", ["idle-clears-only-saved", "idle-skips-update"])
+def test_an_idle_loop_mutant_dies_by_idle_pass_with_a_pasteable_program(name: str) -> None:
+    row = kill(name)
+    assert row["killed"] and row["by"] == "idle_pass" and row["expected"] == "idle_pass", row
+    assert "state.request(" in row["program"]
+    with pytest.raises(Violation) as e:
+        exec(compile(row["program"], "<program>", "exec"), {})
+    assert e.value.name == "idle_pass"
+
+
+def test_kill_tries_the_gate_s_whole_list_and_any_family_mutant() -> None:
+    names = [c.class_name for c in kill_configs("evict-newest")]
+    gate = [c.class_name.replace("Shared", "Evict_newest") for c in machines_for("shared", "ci")]
+    assert set(gate) <= set(names) and any(n.startswith("Reuse_") for n in names)
+    assert any(n.startswith("Stateless_") for n in names) and any(n.startswith("SlotFiles_") for n in names)
+    assert len(names) == len(set(names))
+    # a family's mutant: its own machine first, then the gate's and the other families'
+    own = kill_configs("reuse-threshold-strict")
+    assert own[0].family == "reuse" and any(not c.family for c in own)
+    row = kill("reuse-threshold-strict")
+    assert row["killed"] and row["by"] == "reuse_chunks" and row["machine"].startswith("Reuse_"), row
+    assert "import properties.families" in row["program"] and "trimmed_at_threshold(" in row["program"]
