@@ -7,8 +7,8 @@ after collection, with a line each; a run that selects none builds nothing. A co
 and 4.5 on 2 cores): inside a test it would trip pytest's ``faulthandler_timeout`` and print every thread's
 stack; here no test's timer runs. A test that builds users' trees (``pytest.mark.user_trees``) gets those
 trees made and built there too (:data:`BUILT`), and one that runs the gcov build
-(``pytest.mark.coverage_build``) gets the ``coverage`` flavour made there; those two are the CI-only tier
-(tests/README.md).
+(``pytest.mark.coverage_build``) gets the ``coverage`` flavour made there. The three markers make the build
+tier; the default tier (``python -m pytest``) leaves them out and builds nothing (tests/README.md).
 """
 
 from __future__ import annotations

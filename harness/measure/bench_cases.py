@@ -695,7 +695,7 @@ def ci(b: Budget) -> list[Figure]:
             raise UsageError(f".ci/run did not pass ({r.describe()}): {' | '.join(tail)}")
         sections = [line[3:] for line in r.stdout.splitlines() if line.startswith("== ")]
         pytest_seconds = None
-        for name in ("pytest.xml", "pytest-ci.xml"):  # both tiers of tests (tests/README.md)
+        for name in ("pytest.xml", "pytest-builds.xml"):  # both tiers of tests (tests/README.md)
             xml = clone / "artifacts" / name
             if xml.exists():
                 top = ET.parse(xml).getroot()
