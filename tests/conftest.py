@@ -1,12 +1,14 @@
 """Shared builders for the unit tests: hand-made checkpoints, prompts, cache entries, and a ledger check.
 
-And the llama-server builds, before the first test: a module whose tests run the real server says so
-(``pytestmark = pytest.mark.llama_server_builds``), and when one of its tests is selected, both pinned
-builds (``shared`` and ``master``) are made or found in the cache once, after collection, with a line
-each. A cold build takes minutes (9 and 4.5 on 2 cores): inside a test it would trip pytest's
-``faulthandler_timeout`` and print every thread's stack; here no test's timer runs. A module whose tests
-build users' trees (``pytest.mark.user_trees``) gets those trees made and built there too (:data:`BUILT`), and
-one that runs the gcov build (``pytest.mark.coverage_build``) gets the ``coverage`` flavour made there.
+And the llama-server builds, before the first test: a test that runs the real server says so
+(``@pytest.mark.llama_server_builds``, or ``pytestmark`` for a module whose every test does), and when one
+such test is selected, both pinned builds (``shared`` and ``master``) are made or found in the cache once,
+after collection, with a line each; a run that selects none builds nothing. A cold build takes minutes (9
+and 4.5 on 2 cores): inside a test it would trip pytest's ``faulthandler_timeout`` and print every thread's
+stack; here no test's timer runs. A test that builds users' trees (``pytest.mark.user_trees``) gets those
+trees made and built there too (:data:`BUILT`), and one that runs the gcov build
+(``pytest.mark.coverage_build``) gets the ``coverage`` flavour made there. The three markers make the build
+tier; the default tier (``python -m pytest``) leaves them out and builds nothing (tests/README.md).
 """
 
 from __future__ import annotations

@@ -115,6 +115,7 @@ def binary() -> Path:
     return build_server("pr")
 
 
+@pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 def test_server_cache_reuse_against_the_model(binary: Path, tmp_path: Path) -> None:
     """llama: the trimmed conversation's cache_n is the model's; with N above every run nothing moves and the
     answer is a fresh server's (a greedy flip within the batch-shape bound excused, as everywhere)."""
@@ -130,12 +131,14 @@ def test_server_cache_reuse_against_the_model(binary: Path, tmp_path: Path) -> N
         assert diff is None or Divergences.batch_shape(diff, ctl.cache_n) is not None, ctl.line()
 
 
+@pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 def test_server_refuses_cache_reuse_where_memory_cannot_shift(binary: Path, tmp_path: Path) -> None:
     """gemma2 with a context larger than its SWA cache (-c 2048 -ub 64): --cache-reuse turned off (:1172-1175)."""
     r = reuse_pair(binary, model_path("gemma2"), "gemma2", args=("-c", "2048", "-ub", "64"), log_dir=tmp_path)
     assert r.refused and r.cache_n <= r.n_prefix and r.matches_fresh, r.line()
 
 
+@pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 def test_server_cache_reuse_on_recurrent_memory_is_the_finding(binary: Path, tmp_path: Path) -> None:
     """mamba: reuse admitted (cache_n is the chunk loop's), the answer is the undeleted conversation's."""
     r = reuse_pair(binary, model_path("mamba"), "mamba", cut=33, n_cut=6, log_dir=tmp_path)
@@ -145,6 +148,7 @@ def test_server_cache_reuse_on_recurrent_memory_is_the_finding(binary: Path, tmp
     assert f.backend == "server" and f.reproducer and (ROOT / f.reproducer).is_file()
 
 
+@pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 def test_finding_reproducer_exits_1_while_present() -> None:
     script = FINDINGS[FINDING].reproducer
     assert script is not None
@@ -152,6 +156,7 @@ def test_finding_reproducer_exits_1_while_present() -> None:
     assert p.returncode == 1 and "BUG:" in p.stdout, p.stdout + p.stderr
 
 
+@pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 @pytest.mark.parametrize(("n_keep", "n_discard"), [(0, 0), (5, 7)])
 def test_server_context_shift_against_the_model(binary: Path, tmp_path: Path, n_keep: int, n_discard: int) -> None:
     """llama, 20-token prompt, 260 tokens at n_ctx 256 with --context-shift: every shift's n_keep/n_discard and

@@ -20,8 +20,6 @@ import pytest
 
 from harness.trees import build as ls
 
-pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
-
 REPO = Path(__file__).resolve().parent.parent
 WORKFLOW = REPO / "ci" / "github" / "prompt-cache-gate.yml"
 SCRIPT = REPO / "ci" / "fork_gate.sh"
@@ -63,6 +61,7 @@ def test_script_refuses_bad_arguments() -> None:
         assert r.returncode == 2, (args, r.stdout, r.stderr)
 
 
+@pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 def test_script_runs_the_gate_on_a_local_tree(tmp_path: Path) -> None:
     """The vendored tree copied elsewhere with the PR patch: the script builds (a cache hit by
     content), runs the server backend and a gate, and leaves the reports the workflow uploads."""

@@ -13,8 +13,6 @@ import pytest
 from properties.invariants import Violation
 from properties.machine import MachineConfig, machine_class
 
-pytestmark = pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
-
 
 def _f1(known: frozenset[str]) -> None:
     # F1 needs prompts that do not share a first token: the main runs start every prompt with BOS
@@ -127,6 +125,7 @@ def test_refresh_does_not_move_the_newest_checkpoint_onto_an_older_one() -> None
         state.teardown()
 
 
+@pytest.mark.llama_server_builds  # these two only: built before the first test (tests/conftest.py)
 @pytest.mark.parametrize("name", ["stale_checkpoint_after_miss", "swa_checkpoint_order"])
 def test_reproducer_shows_the_finding_on_the_pr_server(name: str) -> None:
     import importlib.util

@@ -337,6 +337,7 @@ def test_an_swa_checkpoint_cut_below_its_window_is_the_known_finding() -> None:
         assert p.restore_checks == 1 and p.mismatches == [] and p.finding_diffs == {}
 
 
+@pytest.mark.llama_server_builds  # the reproducer runs the pr llama-server (tests/conftest.py)
 def test_swa_window_reproducer_exits_1_while_present() -> None:
     assert finding(SWA_WINDOW_FINDING).reproducer == "fixtures/findings/swa_restore_window_short.py"
     out = _reproducer("fixtures/findings/swa_restore_window_short.py", "pr", timeout=300)

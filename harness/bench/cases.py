@@ -696,11 +696,13 @@ def ci(b: Budget) -> list[Figure]:
             raise UsageError(f".ci/run did not pass ({r.describe()}): {' | '.join(tail)}")
         sections = [line[3:] for line in r.stdout.splitlines() if line.startswith("== ")]
         pytest_seconds = None
-        xml = clone / "artifacts" / "pytest.xml"
-        if xml.exists():
-            top = ET.parse(xml).getroot()
-            suite = top if top.tag == "testsuite" else top.find("testsuite")
-            pytest_seconds = None if suite is None else float(suite.get("time", "nan"))
+        for name in ("pytest.xml", "pytest-builds.xml"):  # both tiers of tests (tests/README.md)
+            xml = clone / "artifacts" / name
+            if xml.exists():
+                top = ET.parse(xml).getroot()
+                suite = top if top.tag == "testsuite" else top.find("testsuite")
+                if suite is not None:
+                    pytest_seconds = (pytest_seconds or 0.0) + float(suite.get("time", "nan"))
     b.out(f"  .ci/run {r.elapsed:.0f}s (pytest {pytest_seconds}s)")
     return [
         figure(
