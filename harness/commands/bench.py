@@ -30,7 +30,9 @@ __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--only", action="append", metavar="NAME", help=f"run only this case: {', '.join(sorted(CASES))}")
+    parser.add_argument(
+        "--only", action="append", metavar="NAME", help=f"run only this case: {', '.join(sorted(CASES))}"
+    )
     parser.add_argument("--quick", action="store_true", help="tiny budget (for the test): figures mean nothing")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--reps", type=int, metavar="N", help="repetitions of every case (default: each case's own)")
