@@ -383,6 +383,12 @@ def _build_locked(
             except BuildError:
                 shutil.rmtree(build_dir, ignore_errors=True)  # no half-configured cache for the next try
                 raise
+            if ninja and (build_dir / ".ninja_deps").exists():
+                # ninja 1.13 never recovers from a truncated deps log (a build killed while writing it): every
+                # later build recompiles all 144 objects (ninja-build/ninja#2703). Recompacting drops the torn
+                # tail, so at worst this one build recompiles and the next ones only what changed.
+                run_logged([ninja, "-C", str(build_dir), "-t", "recompact"], log_path,
+                           f"ninja could not recompact its deps log in {build_dir}", env=env)  # fmt: skip
             n = jobs or min(os.cpu_count() or 1, 2)
             before = ccache_counts(env)
             log(f"[{label}] building {BINARY} and libllama with -j{n}" + (" through ccache" if launcher else "")
