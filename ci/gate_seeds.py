@@ -33,10 +33,10 @@ def parse_seeds(spec: str) -> list[int]:
     return out
 
 
-def run_seed(seed: int, variant: str, out: Path, rerun: bool = False) -> dict:
+def run_seed(seed: int, semantics: str, out: Path, rerun: bool = False) -> dict:
     path = out / f"seed-{seed}.json"
     if rerun or not path.is_file():
-        cmd = [sys.executable, "-m", "harness", "gate", "--backend", "synthetic", "--semantics", variant]
+        cmd = [sys.executable, "-m", "harness", "gate", "--backend", "synthetic", "--semantics", semantics]
         cmd += ["--seed", str(seed), "--json", str(path)]
         with open(out / f"seed-{seed}.out", "w") as log:
             subprocess.run(cmd, stdout=log, stderr=subprocess.STDOUT, env=os.environ.copy(), check=False)
@@ -55,7 +55,7 @@ def verdict(report: dict) -> str:
 def build_parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(prog="python -m ci.gate_seeds", description=__doc__.splitlines()[0])
     ap.add_argument("--seeds", default="0-99", metavar="LIST", help="seeds to run: 0-99, 3,5 or a mix (default 0-99)")
-    ap.add_argument("--semantics", dest="variant", default="shared", choices=["shared", "master"],
+    ap.add_argument("--semantics", default="shared", choices=["shared", "master"],
                     help="the gate's semantics (default shared)")  # fmt: skip
     ap.add_argument("--out", type=Path, default=Path("artifacts/gate-seeds"), metavar="DIR",
                     help="one seed-N.json per seed, kept: a seed already there is not run again "
@@ -69,7 +69,7 @@ def main(argv: list[str] | None = None) -> int:
     args.out.mkdir(parents=True, exist_ok=True)
     failed = 0
     for seed in parse_seeds(args.seeds):
-        v = verdict(run_seed(seed, args.variant, args.out, args.rerun))
+        v = verdict(run_seed(seed, args.semantics, args.out, args.rerun))
         failed += v != "pass"
         print(f"seed {seed:3}: {v}", flush=True)
     print(f"{failed} failing seed(s)")

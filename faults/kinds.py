@@ -118,7 +118,7 @@ FAULT_KINDS: dict[str, FaultKind] = {
             reaches="any Python allocation (model bookkeeping, dicts, tuples, digests): exception safety of the model",
             cannot_reach="C++ behaviour: a Python MemoryError has no upstream counterpart at most of those points; "
             "unavailable when the interpreter lacks _testcapi",
-            runner="faults.pymem.sweep_pymem(scenario, variant, ...)",
+            runner="faults.pymem.sweep_pymem(scenario, semantics, ...)",
         ),
         FaultKind(
             name="rlimit",

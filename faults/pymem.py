@@ -94,7 +94,7 @@ class PymemTrial:
 @dataclass
 class PymemReport:
     scenario: str
-    variant: str
+    semantics: str
     trials: list[PymemTrial] = field(default_factory=list)
 
     @property
@@ -104,7 +104,7 @@ class PymemReport:
 
 def sweep_pymem(
     scenario: str,
-    variant: str = "shared",
+    semantics: str = "shared",
     *,
     max_points: int = 5000,
     first: int = 1,
@@ -124,7 +124,7 @@ def sweep_pymem(
         raise PymemUnavailable(reason)
     if scenario not in SCENARIOS:
         raise KeyError(f"unknown scenario {scenario!r}")
-    report = PymemReport(scenario, variant)
+    report = PymemReport(scenario, semantics)
     transient = _run_points(report, "transient", list(range(first, first + max_points)), trial_timeout, timeout)
     reached = [t.nth for t in transient if t.reached]
     if persistent_samples > 0 and reached:
@@ -143,7 +143,7 @@ def _run_points(
     while points:
         spec = {
             "scenario": report.scenario,
-            "variant": report.variant,
+            "variant": report.semantics,
             "mode": mode,
             "points": points,
             "trial_timeout": trial_timeout,
@@ -173,9 +173,9 @@ def _trial(row: dict[str, object]) -> PymemTrial:
 # ---- child side ---------------------------------------------------------------------------------
 
 
-def _child_trial(capi: ModuleType, scenario: str, variant: str, mode: str, nth: int) -> PymemTrial:
+def _child_trial(capi: ModuleType, scenario: str, semantics: str, mode: str, nth: int) -> PymemTrial:
 
-    prepared = SCENARIOS[scenario].build(variant)
+    prepared = SCENARIOS[scenario].build(semantics)
     server = prepared.server
     shadow = Shadow()
     check_state(server, shadow)
@@ -255,14 +255,14 @@ def _main(argv: list[str]) -> int:
     if len(argv) == 2 and argv[0] == "--child":
         return _child_main(argv[1])
     scenario = argv[0] if argv else "save-with-checkpoints"
-    variant = argv[1] if len(argv) > 1 else "shared"
+    semantics = argv[1] if len(argv) > 1 else "shared"
     reason = pymem_unavailable()
     if reason is not None:
         print(f"error: {reason}", file=sys.stderr)
         return 2
-    r = sweep_pymem(scenario, variant)
+    r = sweep_pymem(scenario, semantics)
     tally = Counter(t.outcome for t in r.trials)
-    print(f"pymem {scenario} ({variant}): {len(r.trials)} trials: " + ", ".join(f"{n} {o}" for o, n in tally.items()))
+    print(f"pymem {scenario} ({semantics}): {len(r.trials)} trials: " + ", ".join(f"{n} {o}" for o, n in tally.items()))
     for t in r.findings[:10]:
         print(f"  {t.mode} #{t.nth}: {t.outcome}: {t.detail}")
     return 1 if r.findings else 0

@@ -92,7 +92,7 @@ class ServedProvider(SyntheticProvider):
 
 @dataclass
 class RlimitResult:
-    variant: str
+    semantics: str
     outcome: Outcome
     peak_bytes: int  # VmPeak of the saving process
     baseline_bytes: int  # its VmSize when the save began
@@ -120,7 +120,7 @@ def _vm() -> dict[str, int]:
     return out
 
 
-def _build(variant: str, rs_bytes: int) -> tuple[ServerContext, int, int, int]:
+def _build(semantics: str, rs_bytes: int) -> tuple[ServerContext, int, int, int]:
     """The seed's server, its prompt processed: (server, S, C, cache_ram_bytes)."""
     tgt = ServedProvider(MemoryKind.HYBRID, name="tgt", n_seq=1, n_ctx=256, kv_bytes_per_token=64, rs_bytes=rs_bytes)
     # the entry S + C fits --cache-ram with a MiB to spare: the limit is not what stops master
@@ -128,7 +128,7 @@ def _build(variant: str, rs_bytes: int) -> tuple[ServerContext, int, int, int]:
     params = ServerParams(
         n_slots=1, cache_ram=cache_ram_mib, cache_ram_unit=MiB, cache_idle_slots=False, n_ctx_checkpoints=1
     )
-    server = ServerContext(params, Host(), get_semantics(variant), tgt, None)
+    server = ServerContext(params, Host(), get_semantics(semantics), tgt, None)
     server.handle_completion(prompt(24, 1), n_predict=1)
     server.run_until_idle()
     slot = server.slots[0]
@@ -217,19 +217,19 @@ def _child_main(spec_text: str) -> int:
 # ---- runner side --------------------------------------------------------------------------------
 
 
-def measure(variant: str, *, headroom: int | None, rs_bytes: int, timeout: float = 120.0) -> RlimitResult:
-    """One child: build the seed's server for ``variant``, fork, save with ``headroom`` (None: no limit)."""
+def measure(semantics: str, *, headroom: int | None, rs_bytes: int, timeout: float = 120.0) -> RlimitResult:
+    """One child: build the seed's server for ``semantics``, fork, save with ``headroom`` (None: no limit)."""
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     env["MALLOC_ARENA_MAX"] = "1"  # one glibc arena: no reserved arena space to fall back on
-    spec = {"variant": variant, "headroom": headroom, "rs_bytes": rs_bytes, "timeout": timeout * 0.8}
+    spec = {"variant": semantics, "headroom": headroom, "rs_bytes": rs_bytes, "timeout": timeout * 0.8}
     child = run_child([sys.executable, "-m", "faults.rlimit", "--child", json.dumps(spec)], env=env, timeout=timeout)
     line = next((ln for ln in child.stdout.splitlines() if ln.startswith("{")), None)
     if child.crashed or line is None:
         why = f"child {child.describe()}: {child.stderr.strip()[-300:]}"
         if child.stacks:
             why += f"\n{child.stacks.strip()}"
-        return RlimitResult(variant, died(child), 0, 0, None, 0, 0, 0, why)
+        return RlimitResult(semantics, died(child), 0, 0, None, 0, 0, 0, why)
     row = json.loads(line)
     return RlimitResult(**{**row, "outcome": Outcome(row["outcome"])})
 
@@ -332,7 +332,7 @@ class SeedRun:
     results: list[RlimitResult]
 
     def exit_code(self) -> int:
-        by = {r.variant: r for r in self.results}
+        by = {r.semantics: r for r in self.results}
         dead = (Outcome.ABORTED, Outcome.KILLED)
         if any(r.outcome in dead for r in self.probes) or by["shared"].outcome in dead:
             return EXIT_CRASH
@@ -342,9 +342,14 @@ class SeedRun:
     def to_json(self) -> dict[str, object]:
         return {
             "budget_bytes": self.budget_bytes,
-            "results": [{**asdict(r), "peak_excess_bytes": r.peak_excess} for r in self.results],
-            "probes": [{**asdict(r), "peak_excess_bytes": r.peak_excess} for r in self.probes],
+            "results": [_row(r) for r in self.results],
+            "probes": [_row(r) for r in self.probes],
         }
+
+
+def _row(r: RlimitResult) -> dict[str, object]:
+    """A result in the JSON: the key ``variant`` stays beside ``semantics`` for one release (docs/measurements.md)."""
+    return {**asdict(r), "variant": r.semantics, "peak_excess_bytes": r.peak_excess}
 
 
 def run_seed(rs_mib: int = 40, timeout: float = 120.0) -> SeedRun:

@@ -28,10 +28,10 @@ from harness.model.semantics import Semantics
 from harness.model.server_context import LaunchResult, ServerContext, ServerParams, ServerSlot, SlotState, Task
 from harness.targets.synthetic import make_server
 
-__all__ = ["SCENARIOS", "Prepared", "Scenario", "Variant", "get_scenario"]
+__all__ = ["SCENARIOS", "Prepared", "Scenario", "SemanticsLike", "get_scenario"]
 
 Check = Callable[[object, bool], str | None]
-Variant = str | Semantics  # "shared", "master", or any Semantics (a mutant)
+SemanticsLike = str | Semantics  # "shared", "master", or any Semantics (a mutant)
 
 
 @dataclass
@@ -49,7 +49,7 @@ class Scenario:
     summary: str
     scope: str | None
     in_pr_scope: bool
-    build: Callable[[Variant], Prepared]
+    build: Callable[[SemanticsLike], Prepared]
 
 
 # ---- helpers -------------------------------------------------------------------------------
@@ -105,9 +105,9 @@ def _save_check(server: ServerContext, slot: ServerSlot, before: list[tuple[int,
 # ---- the scenarios -------------------------------------------------------------------------
 
 
-def _save(kind: str, draft: bool = False) -> Callable[[Variant], Prepared]:
-    def build(variant: Variant) -> Prepared:
-        server = make_server(variant, kind, draft=draft, params=_params())
+def _save(kind: str, draft: bool = False) -> Callable[[SemanticsLike], Prepared]:
+    def build(semantics: SemanticsLike) -> Prepared:
+        server = make_server(semantics, kind, draft=draft, params=_params())
         _process(server, prompt(40, 1))
         slot = server.slots[0]
         cache = _cache(server)
@@ -116,9 +116,9 @@ def _save(kind: str, draft: bool = False) -> Callable[[Variant], Prepared]:
     return build
 
 
-def _save_over_limit(variant: Variant) -> Prepared:
+def _save_over_limit(semantics: SemanticsLike) -> Prepared:
     # a 1 KiB cache: a short transformer prompt fits, a long one is over the limit and skipped
-    server = make_server(variant, "transformer", params=_params(cache_ram=1))
+    server = make_server(semantics, "transformer", params=_params(cache_ram=1))
     slot = server.slots[0]
     cache = _cache(server)
     _process(server, prompt(12, 1))
@@ -137,8 +137,8 @@ def _save_over_limit(variant: Variant) -> Prepared:
     return Prepared(server, lambda: slot.prompt_save(cache), check)
 
 
-def _save_evicts(variant: Variant) -> Prepared:
-    server = make_server(variant, "hybrid", params=_params())
+def _save_evicts(semantics: SemanticsLike) -> Prepared:
+    server = make_server(semantics, "hybrid", params=_params())
     slot = server.slots[0]
     cache = _cache(server)
     first: list[tuple[int, ...]] = []
@@ -162,9 +162,9 @@ def _save_evicts(variant: Variant) -> Prepared:
     return Prepared(server, lambda: slot.prompt_save(cache), check)
 
 
-def _load(draft: bool) -> Callable[[Variant], Prepared]:
-    def build(variant: Variant) -> Prepared:
-        server = make_server(variant, "hybrid", draft=draft, params=_params(n_draft_max=2 if draft else 0))
+def _load(draft: bool) -> Callable[[SemanticsLike], Prepared]:
+    def build(semantics: SemanticsLike) -> Prepared:
+        server = make_server(semantics, "hybrid", draft=draft, params=_params(n_draft_max=2 if draft else 0))
         slot = server.slots[0]
         cache = _cache(server)
         _process(server, prompt(36, 1))
@@ -196,8 +196,8 @@ def _load(draft: bool) -> Callable[[Variant], Prepared]:
     return build
 
 
-def _update(variant: Variant) -> Prepared:
-    server = make_server(variant, "hybrid", params=_params())
+def _update(semantics: SemanticsLike) -> Prepared:
+    server = make_server(semantics, "hybrid", params=_params())
     slot = server.slots[0]
     cache = _cache(server)
     saved = []
@@ -215,8 +215,8 @@ def _update(variant: Variant) -> Prepared:
     return Prepared(server, cache.update, check)
 
 
-def _create_checkpoint_at_cap(variant: Variant) -> Prepared:
-    server = make_server(variant, "hybrid", draft=True, params=_params(n_ctx_checkpoints=2))
+def _create_checkpoint_at_cap(semantics: SemanticsLike) -> Prepared:
+    server = make_server(semantics, "hybrid", draft=True, params=_params(n_ctx_checkpoints=2))
     slot = server.slots[0]
     _process(server, prompt(40, 1))
     cps = slot.prompt.checkpoints
@@ -237,8 +237,8 @@ def _create_checkpoint_at_cap(variant: Variant) -> Prepared:
     return Prepared(server, act, check)
 
 
-def _child_task_clone(variant: Variant) -> Prepared:
-    server = make_server(variant, "hybrid", draft=True, params=_params(n_slots=2))
+def _child_task_clone(semantics: SemanticsLike) -> Prepared:
+    server = make_server(semantics, "hybrid", draft=True, params=_params(n_slots=2))
     server.handle_completion(prompt(40, 1), n_cmpl=2, n_predict=2)
     parent = next(s for s in server.slots if s.task is not None and s.task.is_parent())
     child = next(s for s in server.slots if s.state is SlotState.WAIT_OTHER)
@@ -263,8 +263,8 @@ def _child_task_clone(variant: Variant) -> Prepared:
     return Prepared(server, act, check)
 
 
-def _checkpoint_update(variant: Variant) -> Prepared:
-    server = make_server(variant, "hybrid", draft=True, params=_params(n_draft_max=3))
+def _checkpoint_update(semantics: SemanticsLike) -> Prepared:
+    server = make_server(semantics, "hybrid", draft=True, params=_params(n_draft_max=3))
     slot = server.slots[0]
     server.handle_completion(prompt(30, 1), n_predict=6)
     while slot.state is not SlotState.GENERATING:
@@ -283,8 +283,8 @@ def _checkpoint_update(variant: Variant) -> Prepared:
     return Prepared(server, act, check)
 
 
-def _idle_slot_caching(variant: Variant) -> Prepared:
-    server = make_server(variant, "hybrid", params=_params(n_slots=2, cache_idle_slots=True))
+def _idle_slot_caching(semantics: SemanticsLike) -> Prepared:
+    server = make_server(semantics, "hybrid", params=_params(n_slots=2, cache_idle_slots=True))
     _process(server, prompt(36, 1))
     idle = next(s for s in server.slots if s.prompt.tokens)
     tokens = idle.prompt.tokens
@@ -303,7 +303,7 @@ def _idle_slot_caching(variant: Variant) -> Prepared:
 
 
 # name, fault scope, inside the PR's contract, builder, summary
-_TABLE: list[tuple[str, str | None, bool, Callable[[Variant], Prepared], str]] = [
+_TABLE: list[tuple[str, str | None, bool, Callable[[SemanticsLike], Prepared], str]] = [
     ("save-no-checkpoints", "save", True, _save("transformer"), "prompt_save of a transformer prompt"),
     ("save-with-checkpoints", "save", True, _save("hybrid"), "prompt_save of a hybrid prompt with checkpoints"),
     ("save-with-draft", "save", True, _save("hybrid", True), "prompt_save with a draft (state_dft, ckpt dft/spec)"),

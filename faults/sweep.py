@@ -37,7 +37,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import asdict, dataclass, field
 
 from faults.kinds import Outcome
-from faults.scenarios import SCENARIOS, Scenario, Variant
+from faults.scenarios import SCENARIOS, Scenario, SemanticsLike
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, BadAlloc, UsageError
 from properties.invariants import Shadow, Tracer, Violation, check_state, clear_all
 
@@ -93,9 +93,9 @@ def parse_case_id(text: str) -> tuple[Scenario, str, int]:
     return SCENARIOS[parts[0]], kinds[parts[1]], int(parts[2])
 
 
-def run_trial(scenario: Scenario, variant: Variant, mode: str, nth: int) -> TrialResult:
-    """Build ``scenario`` for ``variant``, fail allocation ``nth`` (``mode``), judge the trial."""
-    prepared = scenario.build(variant)
+def run_trial(scenario: Scenario, semantics: SemanticsLike, mode: str, nth: int) -> TrialResult:
+    """Build ``scenario`` for ``semantics``, fail allocation ``nth`` (``mode``), judge the trial."""
+    prepared = scenario.build(semantics)
     server = prepared.server
     shadow = Shadow()
     check_state(server, shadow)  # the setup itself must be sound, and the shadow records it
@@ -154,11 +154,11 @@ def run_trial(scenario: Scenario, variant: Variant, mode: str, nth: int) -> Tria
     return result(Outcome.OK, f"completed; {seam.count} allocation(s) counted")
 
 
-def sweep_scenario(scenario: Scenario, variant: Variant, mode: str) -> list[TrialResult]:
+def sweep_scenario(scenario: Scenario, semantics: SemanticsLike, mode: str) -> list[TrialResult]:
     """Trials ``nth = 1, 2, ...`` until one completes with no fault fired (that one included)."""
     out: list[TrialResult] = []
     for nth in range(1, _MAX_NTH + 1):
-        r = run_trial(scenario, variant, mode, nth)
+        r = run_trial(scenario, semantics, mode, nth)
         out.append(r)
         if not r.fired:
             return out
@@ -167,7 +167,7 @@ def sweep_scenario(scenario: Scenario, variant: Variant, mode: str) -> list[Tria
 
 @dataclass
 class SweepReport:
-    variant: str
+    semantics: str
     cases: list[TrialResult]
 
     def count(self, outcome: Outcome) -> int:
@@ -190,11 +190,12 @@ class SweepReport:
         return EXIT_FAILED if self.count(Outcome.VIOLATION) else EXIT_OK
 
     def to_json(self) -> dict[str, object]:
-        return {"variant": self.variant, "cases": [c.row() for c in self.cases], "summary": self.summary()}
+        return {"semantics": self.semantics, "variant": self.semantics,  # "variant": the old key, for one release
+                "cases": [c.row() for c in self.cases], "summary": self.summary()}  # fmt: skip
 
 
 def run_sweep(
-    variant: Variant,
+    semantics: SemanticsLike,
     modes: Iterable[str] = ("transient", "persistent"),
     scenarios: Iterable[Scenario] | None = None,
     progress: Callable[[str], None] | None = None,
@@ -203,7 +204,7 @@ def run_sweep(
     modes = list(modes)
     cases: list[TrialResult] = []
     for sc in SCENARIOS.values() if scenarios is None else scenarios:
-        per_mode = {m: sweep_scenario(sc, variant, m) for m in modes}
+        per_mode = {m: sweep_scenario(sc, semantics, m) for m in modes}
         for trials in per_mode.values():
             cases.extend(trials)
         if progress is not None:
@@ -212,7 +213,7 @@ def run_sweep(
             outcomes = ", ".join(f"{tally[o]} {o}" for o in Outcome if tally[o])
             scope = f"scope={sc.scope or 'act'}{'' if sc.in_pr_scope else ', outside the PR'}"
             progress(f"  {sc.name:<26} points: {pts:<28} {outcomes}  [{scope}]")
-    return SweepReport(str(variant), cases)
+    return SweepReport(str(semantics), cases)
 
 
 # ---- command line ------------------------------------------------------------------------------

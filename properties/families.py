@@ -67,23 +67,23 @@ def all_mutants() -> dict[str, str]:
     return {**{n: m.kills for n, m in MUTANTS.items()}, **{n: f[1] for n, f in FAMILY_MUTANTS.items()}}
 
 
-def family_configs(variant: str, profile: str) -> list[MachineConfig]:
+def family_configs(semantics: str, profile: str) -> list[MachineConfig]:
     """The families' machines a gate run (``profile`` ci or fuzz) covers after the gate's own."""
     configs = [
-        MachineConfig(variant, "hybrid", family="slot_files"),
-        MachineConfig(variant, "transformer", draft=True, kv_unified=True, family="slot_files"),
-        *(MachineConfig(variant, kind, n_ctx=N_CTX, family="reuse") for kind in REUSE_KINDS),
-        MachineConfig(variant, "transformer", family="stateless"),
+        MachineConfig(semantics, "hybrid", family="slot_files"),
+        MachineConfig(semantics, "transformer", draft=True, kv_unified=True, family="slot_files"),
+        *(MachineConfig(semantics, kind, n_ctx=N_CTX, family="reuse") for kind in REUSE_KINDS),
+        MachineConfig(semantics, "transformer", family="stateless"),
     ]
     if profile == "fuzz":
         configs += [
-            MachineConfig(variant, "recurrent", kv_unified=True, family="slot_files"),
-            MachineConfig(variant, "iswa", draft=True, family="slot_files"),
+            MachineConfig(semantics, "recurrent", kv_unified=True, family="slot_files"),
+            MachineConfig(semantics, "iswa", draft=True, family="slot_files"),
             # transformer only: on hybrid and iSWA memory the policy tracer's restore_bytes fails an embedding
             # that follows a completion on its slot (a restore it sees resume from ()), which is not yet told
             # apart from a real fault (a gap, said in the report of #39)
-            MachineConfig(variant, "transformer", n_slots=3, family="stateless"),
-            MachineConfig(variant, "transformer", kv_unified=True, family="stateless"),
+            MachineConfig(semantics, "transformer", n_slots=3, family="stateless"),
+            MachineConfig(semantics, "transformer", kv_unified=True, family="stateless"),
         ]
     return configs
 

@@ -287,27 +287,27 @@ def _run_seeded(
         raise found from None
 
 
-def machines_for(variant: str, profile: str) -> list[MachineConfig]:
+def machines_for(semantics: str, profile: str) -> list[MachineConfig]:
     """The machine configurations one gate run covers."""
     base = [
-        MachineConfig(variant, "hybrid"),
-        MachineConfig(variant, "hybrid", draft=True),
-        MachineConfig(variant, "recurrent", kv_unified=True),
-        MachineConfig(variant, "iswa"),
-        MachineConfig(variant, "transformer", draft=True, kv_unified=True),
+        MachineConfig(semantics, "hybrid"),
+        MachineConfig(semantics, "hybrid", draft=True),
+        MachineConfig(semantics, "recurrent", kv_unified=True),
+        MachineConfig(semantics, "iswa"),
+        MachineConfig(semantics, "transformer", draft=True, kv_unified=True),
         # policy reachability: no byte limit (the token limit n_ctx = 44 evicts) and little KV room
         # (cache loads fail for lack of cells)
-        MachineConfig(variant, "transformer", kv_unified=True, cache_ram=-1, n_ctx=44),
-        MachineConfig(variant, "hybrid", kv_unified=True, n_slots=3, cache_ram=-1, n_ctx=44),
+        MachineConfig(semantics, "transformer", kv_unified=True, cache_ram=-1, n_ctx=44),
+        MachineConfig(semantics, "hybrid", kv_unified=True, n_slots=3, cache_ram=-1, n_ctx=44),
     ]
     if profile == "fuzz":
         base += [
-            MachineConfig(variant, kind, draft=d, kv_unified=k, n_slots=n)
+            MachineConfig(semantics, kind, draft=d, kv_unified=k, n_slots=n)
             for kind in ("transformer", "recurrent", "hybrid", "iswa")
             for d in (False, True)
             for k in (False, True)
             for n in (2, 3)
-            if MachineConfig(variant, kind, draft=d, kv_unified=k, n_slots=n) not in base
+            if MachineConfig(semantics, kind, draft=d, kv_unified=k, n_slots=n) not in base
         ]
     return base
 

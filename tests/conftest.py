@@ -7,7 +7,7 @@ after collection, with a line each; a run that selects none builds nothing. A co
 and 4.5 on 2 cores): inside a test it would trip pytest's ``faulthandler_timeout`` and print every thread's
 stack; here no test's timer runs. A test that builds users' trees (``pytest.mark.user_trees``) gets those
 trees made and built there too (:data:`BUILT`), and one that runs the gcov build
-(``pytest.mark.coverage_build``) gets the ``coverage`` flavour made there. The three markers make the build
+(``pytest.mark.coverage_build``) gets the ``coverage`` build made there. The three markers make the build
 tier; the default tier (``python -m pytest``) leaves them out and builds nothing (tests/README.md).
 """
 
@@ -33,10 +33,10 @@ from harness.model import (
     ServerPromptCacheState,
     get_semantics,
 )
-from harness.trees.build import build_server, build_source, cached_binary
+from harness.trees.build import build_name, build_server, build_source, cached_binary
 from harness.trees.pinned import export_pinned
 
-BUILDS = (("shared", "pr"), ("master", "master"))
+BUILDS = (("shared", "plain"), ("master", "plain"))  # (semantics, instrumentation)
 
 
 def pytest_collection_finish(session: pytest.Session) -> None:
@@ -54,19 +54,20 @@ def pytest_collection_finish(session: pytest.Session) -> None:
             print(line, file=sys.stderr)
 
     wanted = BUILDS if any(item.get_closest_marker("llama_server_builds") for item in session.items) else ()
-    for semantics, flavour in (*wanted, *((("coverage", "coverage"),) if coverage else ())):
-        if cached_binary(flavour) is not None:
-            say(f"llama-server builds for the server tests: {semantics} cached")
+    for semantics, instrumentation in (*wanted, *((("shared", "coverage"),) if coverage else ())):
+        name = build_name(semantics, instrumentation)
+        if cached_binary(semantics, instrumentation) is not None:
+            say(f"llama-server builds for the server tests: {name} cached")
             continue
-        say(f"llama-server builds for the server tests: building {semantics} now, before the tests "
+        say(f"llama-server builds for the server tests: building {name} now, before the tests "
             "(minutes on 2 cores; once, then cached)")  # fmt: skip
         t0 = time.monotonic()
         try:
-            build_server(flavour, log=lambda m: say(f"  build: {m}"))
+            build_server(semantics, instrumentation, log=lambda m: say(f"  build: {m}"))
         except HarnessError as e:  # the tests that need it fail with the same one line
-            say(f"llama-server builds for the server tests: {semantics} failed: {e}")
+            say(f"llama-server builds for the server tests: {name} failed: {e}")
             continue
-        say(f"llama-server builds for the server tests: {semantics} built in {time.monotonic() - t0:.0f} s")
+        say(f"llama-server builds for the server tests: {name} built in {time.monotonic() - t0:.0f} s")
     if any(item.get_closest_marker("user_trees") for item in session.items):
         _build_users_trees(session, say)
 

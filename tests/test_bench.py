@@ -309,7 +309,7 @@ def test_warm_saves_save_the_same_prompt_again_or_say_they_did_not() -> None:
 @pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)
 def test_quick_big_saves_master_costs_s_plus_c_and_the_pr_s(tmp_path: Path) -> None:
     # the oom scenario's --mode none at 4 x 64 MiB on both real builds: the cgroup's peak during the save
-    if cgroup_support() is None or None in (cached_binary("pr"), cached_binary("master")):
+    if cgroup_support() is None or None in (cached_binary("shared"), cached_binary("master")):
         pytest.skip("needs a writable memory cgroup and both cached llama-server builds")
     out = tmp_path / "b.json"
     assert main(["bench", "--quick", "--only", "big-saves", "--json", str(out), "--md", str(tmp_path / "b.md")]) == 0

@@ -112,7 +112,7 @@ def test_reuse_mutant_is_killed(name: str) -> None:
 
 @pytest.fixture(scope="module")
 def binary() -> Path:
-    return build_server("pr")
+    return build_server("shared")
 
 
 @pytest.mark.llama_server_builds  # built before the first test (tests/conftest.py)

@@ -82,7 +82,7 @@ def test_script_runs_the_gate_on_a_local_tree(tmp_path: Path) -> None:
     assert server["passed"] and server["server"]["build"] == f"source {tree}"
     assert server["semantics"] == "shared" and server["server"]["pinned"] is True
     default = json.loads((out / "gate.json").read_text())
-    pinned_lib = (ls.build_server("pr").parent / "libllama.so").resolve()  # a copy of the pinned tree: its build
+    pinned_lib = (ls.build_server("shared").parent / "libllama.so").resolve()  # a copy of the pinned tree: its build
     assert default["passed"] and Path(default["llama_lib"]).resolve() == pinned_lib
     for xml in ("gate-server.xml", "gate.xml"):
         assert ET.parse(out / xml).getroot().tag == "testsuite"

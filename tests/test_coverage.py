@@ -40,7 +40,7 @@ PROMPT_B = "Pack my box with five dozen liquor jugs, said the sphinx. " * 3
 
 @pytest.fixture(scope="module")
 def binary() -> Path:
-    return build_server("coverage", log=lambda m: print(m, file=sys.stderr))
+    return build_server("shared", "coverage", log=lambda m: print(m, file=sys.stderr))
 
 
 @pytest.fixture(scope="module")
@@ -164,8 +164,8 @@ def test_every_region_marker_is_in_the_pinned_sources(binary: Path) -> None:
 
 
 def test_the_flavour_compiles_with_gcov_and_counts_outside_the_cache(binary: Path, tmp_path: Path) -> None:
-    args = cmake_args("coverage")
-    assert is_coverage(args) and not is_coverage(cmake_args("pr")) and not is_coverage(cmake_args("asan"))
+    args = cmake_args("shared", "coverage")
+    assert is_coverage(args) and not is_coverage(cmake_args("shared")) and not is_coverage(cmake_args("shared", "asan"))
     assert "-DCMAKE_CXX_FLAGS_RELEASE=-O0 -DNDEBUG" in args and "-DCMAKE_SHARED_LINKER_FLAGS=--coverage" in args
     env = gcov_env(binary.parent, tmp_path)
     build_dir = Path(json.loads((binary.parent / "build-info.json").read_text())["coverage"]["build_dir"])

@@ -1,4 +1,4 @@
-"""The model-seam layer: faults fire exactly at N, disarm restores, the sweep classifies per variant."""
+"""The model-seam layer: faults fire exactly at N, disarm restores, the sweep classifies per semantics."""
 
 from __future__ import annotations
 
@@ -17,10 +17,10 @@ from harness.model.memory import Payload
 from harness.model.semantics import Semantics
 
 
-def _sites(scenario: str, variant: str) -> list[str]:
+def _sites(scenario: str, semantics: str) -> list[str]:
     """The allocation sites the act passes through, in order, with nothing armed to fail."""
     sc = SCENARIOS[scenario]
-    p = sc.build(variant)
+    p = sc.build(semantics)
     seam = p.server.host.seam
     seam.arm(10**9, scope=sc.scope)
     p.act()
@@ -29,14 +29,14 @@ def _sites(scenario: str, variant: str) -> list[str]:
     return sites
 
 
-@pytest.mark.parametrize("variant", ["shared", "master"])
-def test_fault_fires_exactly_at_n(variant: str) -> None:
-    sites = _sites("save-with-checkpoints", variant)
+@pytest.mark.parametrize("semantics", ["shared", "master"])
+def test_fault_fires_exactly_at_n(semantics: str) -> None:
+    sites = _sites("save-with-checkpoints", semantics)
     assert len(sites) >= 5
     for nth in range(1, len(sites) + 1):
-        r = run_trial(SCENARIOS["save-with-checkpoints"], variant, "transient", nth)
+        r = run_trial(SCENARIOS["save-with-checkpoints"], semantics, "transient", nth)
         assert r.fired and r.sites == [sites[nth - 1]], (nth, r)
-    past = run_trial(SCENARIOS["save-with-checkpoints"], variant, "transient", len(sites) + 1)
+    past = run_trial(SCENARIOS["save-with-checkpoints"], semantics, "transient", len(sites) + 1)
     assert not past.fired and past.outcome == "ok"
 
 
@@ -85,10 +85,10 @@ def test_sweep_one_scenario_master_crashes_outside_its_handler() -> None:
     assert "escaped" in crash.detail and "BadAlloc" in crash.trace
 
 
-@pytest.mark.parametrize("variant", ["shared", "master"])
-def test_paths_outside_the_pr_crash_in_both_semantics(variant: str) -> None:
+@pytest.mark.parametrize("semantics", ["shared", "master"])
+def test_paths_outside_the_pr_crash_in_both_semantics(semantics: str) -> None:
     for name in ("create-checkpoint-at-cap", "child-task-clone", "checkpoint-update"):
-        trials = sweep_scenario(SCENARIOS[name], variant, "persistent")
+        trials = sweep_scenario(SCENARIOS[name], semantics, "persistent")
         assert {t.outcome for t in trials[:-1]} == {"crash-out-of-scope"}, name
         assert trials[-1].outcome == "ok"
 

@@ -18,7 +18,7 @@ pytestmark = pytest.mark.llama_server_builds
 
 @pytest.fixture(scope="module")
 def binary() -> Path:
-    return build_server("pr")
+    return build_server("shared")
 
 
 def _replays(program: str) -> GeneratedFailure:
@@ -41,7 +41,7 @@ def test_slot_programs_pass_on_the_pr_build(binary: Path) -> None:
 def test_slot_programs_find_a_planted_bug(binary: Path, arch: str, mutant: str, check: str) -> None:
     fig = slot_programs.run_model(arch, binary, examples=30, seed=0, mutant=mutant)
     assert fig.failure is not None and fig.failure.name == check
-    assert f"replay({arch!r}, build_server('pr'), mutant={mutant!r})" in fig.failure.program
+    assert f"replay({arch!r}, build_server('shared'), mutant={mutant!r})" in fig.failure.program
     assert _replays(fig.failure.program).name == check
 
 

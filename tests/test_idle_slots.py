@@ -34,7 +34,7 @@ server = pytest.mark.llama_server_builds  # the tests on a real server: built be
 
 @pytest.fixture(scope="module")
 def pr_binary() -> Path:
-    return build_server("pr")
+    return build_server("shared")
 
 
 def _prompt(i: int, n: int = 30) -> tuple[int, ...]:

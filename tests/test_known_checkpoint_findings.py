@@ -133,9 +133,9 @@ def test_reproducer_shows_the_finding_on_the_pr_server(name: str) -> None:
 
     from harness.trees.build import cached_binary
 
-    binary = cached_binary("pr")
+    binary = cached_binary("shared")
     if binary is None:
-        pytest.skip("the pr llama-server is not built (python -m harness build-server --flavour pr)")
+        pytest.skip("the pr llama-server is not built (python -m harness build-server --semantics shared)")
     path = Path(__file__).resolve().parents[1] / "fixtures" / "findings" / f"{name}.py"
     spec = importlib.util.spec_from_file_location(name, path)
     assert spec is not None and spec.loader is not None

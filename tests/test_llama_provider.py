@@ -340,5 +340,5 @@ def test_an_swa_checkpoint_cut_below_its_window_is_the_known_finding() -> None:
 @pytest.mark.llama_server_builds  # the reproducer runs the pr llama-server (tests/conftest.py)
 def test_swa_window_reproducer_exits_1_while_present() -> None:
     assert finding(SWA_WINDOW_FINDING).reproducer == "fixtures/findings/swa_restore_window_short.py"
-    out = _reproducer("fixtures/findings/swa_restore_window_short.py", "pr", timeout=300)
+    out = _reproducer("fixtures/findings/swa_restore_window_short.py", "shared", timeout=300)
     assert "checkpoint pos_max 17 restored: True" in out and "(without checkpoints it is right)" in out

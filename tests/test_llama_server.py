@@ -55,7 +55,7 @@ def _wait_gone(pid: int, timeout: float = 15.0) -> bool:
 
 @pytest.fixture(scope="module")
 def binary() -> Path:
-    return build_server("pr", log=lambda m: print(m, file=sys.stderr))
+    return build_server("shared", log=lambda m: print(m, file=sys.stderr))
 
 
 @pytest.fixture(scope="module")
@@ -75,7 +75,7 @@ def test_build_is_cached(binary: Path) -> None:
     assert binary.parent.parent == ls.cache_root() / "llama-server"
     assert binary.parent.name.startswith("pr-")
     t0 = time.monotonic()
-    again = build_server("pr", log=lambda m: pytest.fail(f"cached build logged {m!r}"))
+    again = build_server("shared", log=lambda m: pytest.fail(f"cached build logged {m!r}"))
     assert again == binary
     assert time.monotonic() - t0 < 5.0
     assert (binary.parent / "build-info.json").is_file()
@@ -99,9 +99,9 @@ def test_cmake_args() -> None:
         "-DLLAMA_OPENSSL=OFF",
     ):
         assert arg in master
-    assert ls.cmake_args("pr") == master
-    assert any("-fsanitize=address,undefined" in a for a in ls.cmake_args("asan"))
-    assert "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" in ls.cmake_args("asan")  # the sanitizers' advice, and 2 cores
+    assert ls.cmake_args("shared") == master
+    assert any("-fsanitize=address,undefined" in a for a in ls.cmake_args("shared", "asan"))
+    assert "-DCMAKE_CXX_FLAGS_RELEASE=-O1 -DNDEBUG" in ls.cmake_args("shared", "asan")  # the sanitizers advise -O1
 
 
 def test_patch_has_header_and_applies_to_vendored_tree(tmp_path: Path) -> None:
@@ -401,7 +401,7 @@ def test_source_copy_reuses_the_build_and_says_it_is_pinned(
     assert cli_main(["build-server", "--source", str(tree)]) == 0
     out, err = capsys.readouterr()
     assert out.strip() == str(binary)  # same content and flags as the pinned pr build: no compile
-    assert "is the pinned llama.cpp 0c1e570 tree: using the pr build" in err
+    assert "is the pinned llama.cpp 0c1e570 tree: using its shared plain build" in err
     pinned, line = ls.pinned_status(tree)
     assert pinned and "PR #27451" in line
     with (tree / "src" / "llama-context.cpp").open("a") as f:
@@ -496,15 +496,15 @@ def test_pinned_builds_share_one_tree_and_rebuild_incrementally(
     monkeypatch.setattr(llama_pinned, "PATCH_PATH", patch)
     monkeypatch.setattr(ls, "_ensure_tree_recorded", lambda *a: None)  # no real pinned tree to hash here
 
-    def build(flavour: str) -> tuple[Path, str]:
+    def build(semantics: str) -> tuple[Path, str]:
         lines: list[str] = []
-        binary = ls.build_server(flavour, log=lines.append)
+        binary = ls.build_server(semantics, log=lines.append)
         log = (ls.cache_root() / "llama-server" / "logs" / f"{binary.parent.name}.log").read_text()
         return binary, log
 
     master, log = build("master")
     assert "big.c" in log and subprocess.run([str(master)], check=False).returncode == 0
-    pr, log = build("pr")
+    pr, log = build("shared")
     assert subprocess.run([str(pr)], check=False).returncode == 1  # the patch is in
     assert "server.c" in log and "big.c" not in log  # only the patched file was recompiled
     shutil.rmtree(master.parent)  # build master again: the patched file is restored and recompiled

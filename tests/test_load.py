@@ -44,7 +44,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def pr_binary() -> Path:
-    return build_server("pr")
+    return build_server("shared")
 
 
 def test_gate_step_follows_the_servers_order_and_finds_no_mismatch(pr_binary: Path) -> None:

@@ -30,7 +30,7 @@ MIB = 1 << 20
 
 def test_in_a_cgroup_master_is_oom_killed_where_the_pr_survives_and_resumes(tmp_path: Path) -> None:
     st = OomSettings(checkpoints=4, size_mib=64, mode="cgroup")
-    pr = run_oom(build_server("pr"), "pr", "shared", st, tmp_path)
+    pr = run_oom(build_server("shared"), "pr", "shared", st, tmp_path)
     master = run_oom(build_server("master"), "master", "master", st, tmp_path)
     for r in (pr, master):
         assert r.n_checkpoints == 4 and 64 <= r.checkpoint_mib_log < 65, r
@@ -46,7 +46,7 @@ def test_in_a_cgroup_master_is_oom_killed_where_the_pr_survives_and_resumes(tmp_
 
 def test_under_rlimit_as_master_aborts_where_the_pr_completes(tmp_path: Path) -> None:
     st = OomSettings(checkpoints=4, size_mib=64, mode="rlimit")
-    pr = run_oom(build_server("pr"), "pr", "shared", st, tmp_path)
+    pr = run_oom(build_server("shared"), "pr", "shared", st, tmp_path)
     master = run_oom(build_server("master"), "master", "master", st, tmp_path)
     assert pr.outcome == "survived" and pr.bad_alloc == "none" and pr.resumed, pr
     assert master.outcome == "aborted", master

@@ -42,7 +42,7 @@ def test_bounds_report_the_rss_and_a_cache_past_its_limit() -> None:
 
 @pytest.fixture(scope="module")
 def binary() -> Any:
-    return build_server("pr")
+    return build_server("shared")
 
 
 def test_overlapping_embeddings_are_replayed_and_bounded(binary: Any) -> None:

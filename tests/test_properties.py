@@ -387,7 +387,7 @@ def test_cli_gate_llama_backend_reports_each_model(tmp_path) -> None:  # type: i
     assert rows["jamba"]["partial_bytes"] < rows["jamba"]["state_bytes"]  # recurrent part only
     props = {p["name"]: p for p in data["properties"]}
     assert props["restore_equivalence"]["status"] == "passed" and props["restore_equivalence"]["examples"] > 0
-    assert r.stdout.splitlines()[0].startswith("gate: variant=shared backend=llama archs=llama,jamba")
+    assert r.stdout.splitlines()[0].startswith("gate: semantics=shared backend=llama archs=llama,jamba")
 
 
 def test_cli_gate_unknown_arch_is_a_usage_error() -> None:

@@ -159,7 +159,7 @@ def _gone(pid: int, timeout: float = 15.0) -> bool:
 
 @pytest.fixture(scope="module")  # before pytester points HOME (and so the default cache) elsewhere
 def pr_binary() -> Path:
-    binary = cached_binary("pr")
+    binary = cached_binary("shared")
     if binary is None:  # tests/test_llama_server.py builds it; this file does not wait 10 minutes for it
         pytest.skip("no cached llama-server (pr) build yet")
     return binary

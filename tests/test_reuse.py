@@ -353,7 +353,7 @@ def test_a_campaign_prints_and_writes_the_known_findings_it_counted(tmp_path: Pa
 
 @pytest.fixture(scope="module")
 def server_bin() -> Path:
-    return build_server("pr")
+    return build_server("shared")
 
 
 @pytest.mark.llama_server_builds

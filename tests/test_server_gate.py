@@ -26,7 +26,7 @@ pytestmark = pytest.mark.llama_server_builds  # built before the first test (tes
 
 @pytest.fixture(scope="module")
 def pr_binary() -> Path:
-    return build_server("pr")
+    return build_server("shared")
 
 
 @pytest.fixture(scope="module")

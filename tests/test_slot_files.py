@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(scope="module")
 def real() -> SlotFilesReport:
-    return run_slot_files(build_server("pr"), examples=15, seed=1)
+    return run_slot_files(build_server("shared"), examples=15, seed=1)
 
 
 def test_the_real_run_on_the_pr_server(real: SlotFilesReport) -> None:
@@ -80,7 +80,7 @@ def test_a_write_outside_during_a_benign_request_is_an_escape() -> None:
             with (sb.outside / "secret.bin").open("ab") as f:
                 f.write(b"written during the request")
 
-    rep = run_slot_files(build_server("pr"), names=_benign(), during=write)
+    rep = run_slot_files(build_server("shared"), names=_benign(), during=write)
     (row,) = rep.rows
     assert row.verdict == "FAIL" and row.reasons[0].startswith("save escaped: root/outside/secret.bin")
     assert "root/outside/secret.bin: changed (size, mtime_ns, sha256)" in row.actions["save"].outside
@@ -91,7 +91,7 @@ def test_a_read_outside_is_seen_though_nothing_changes() -> None:
         if action == "restore":
             assert (sb.outside / "secret.bin").read_bytes() == SECRET
 
-    rep = run_slot_files(build_server("pr"), names=_benign(), during=read)
+    rep = run_slot_files(build_server("shared"), names=_benign(), during=read)
     (row,) = rep.rows
     assert row.verdict == "FAIL" and not any("changed" in line for line in row.actions["restore"].outside)
     assert "root/outside/secret.bin: ACCESS" in row.actions["restore"].outside
@@ -99,7 +99,7 @@ def test_a_read_outside_is_seen_though_nothing_changes() -> None:
 
 def test_the_symlink_escape_fails_without_its_registered_finding() -> None:
     names = [text_name(n) for n in SYMLINKS]
-    rep = run_slot_files(build_server("pr"), names=names, known=frozenset({BAD_BODY_FINDING}))
+    rep = run_slot_files(build_server("shared"), names=names, known=frozenset({BAD_BODY_FINDING}))
     assert [r.verdict for r in rep.rows] == ["FAIL"] * len(SYMLINKS)
     assert all("escaped: root/outside" in r.reasons[0] for r in rep.rows)
 

@@ -103,7 +103,7 @@ def test_slot_file_mutant_is_killed(name: str) -> None:
 
 @pytest.mark.llama_server_builds
 def test_real_server_restores_match_the_model_and_a_fresh_evaluation() -> None:
-    out = run_differential(build_server("pr"), archs=("llama", "jamba"), cache_ram=(0,))
+    out = run_differential(build_server("shared"), archs=("llama", "jamba"), cache_ram=(0,))
     t = out["total"]
     assert out["mismatches"] == []
     assert t["restores"] == 4 and t["actions_matched"] == t["actions"] == 8
@@ -116,7 +116,7 @@ def test_real_server_restores_match_the_model_and_a_fresh_evaluation() -> None:
 @pytest.mark.llama_server_builds
 @pytest.mark.skipif(os.geteuid() != 0, reason="mounts a tmpfs")
 def test_real_server_full_disk_leaves_a_short_file_and_its_restore_aborts() -> None:
-    out = enospc(build_server("pr"))
+    out = enospc(build_server("shared"))
     fails, silent = out["cases"]
     assert fails["save_status"] == 500 and 0 < fails["file_bytes"] < out["file_size"]  # slot-save-partial-file
     assert [c["predicted_status"] for c in out["cases"]] == [500, 200]  # the model's stdio-tail rule
@@ -128,7 +128,7 @@ def test_real_server_full_disk_leaves_a_short_file_and_its_restore_aborts() -> N
 
 @pytest.mark.llama_server_builds
 def test_real_server_restore_on_a_speculative_slot_keeps_a_stale_draft() -> None:
-    out = stale_draft(build_server("pr"))
+    out = stale_draft(build_server("shared"))
     assert out["after_other_prompt"]["status"] == 500  # registered finding slot-restore-stale-draft
     assert "speculative batch" in out["after_other_prompt"]["message"]
     assert out["after_erase"] == {"status": 200, "cache_n": 75}  # an erase clears the draft: the restore then works

@@ -25,7 +25,7 @@ MIB = 1 << 20
 
 @pytest.fixture(scope="module", autouse=True)
 def _pr_binary() -> Path:
-    return build_server("pr")
+    return build_server("shared")
 
 
 def _groups() -> set[str]:

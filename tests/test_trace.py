@@ -40,7 +40,7 @@ pytestmark = pytest.mark.llama_server_builds  # built before the first test (tes
 
 @pytest.fixture(scope="module")
 def pr_binary() -> Path:
-    return build_server("pr")
+    return build_server("shared")
 
 
 @pytest.fixture(scope="module")
@@ -201,4 +201,4 @@ def test_an_asan_binary_starts_under_a_preload_with_its_runtime_put_first(tmp_pa
     assert preload.split(":")[0].rsplit("/", 1)[-1].startswith("libasan.so") and preload.endswith(shim)
     fixed = subprocess.run([str(exe)], env={"LD_PRELOAD": preload}, capture_output=True, text=True, check=False)
     assert fixed.returncode == 0, fixed.stderr
-    assert sanitizer_first(build_server("pr"), shim) == shim
+    assert sanitizer_first(build_server("shared"), shim) == shim

@@ -75,7 +75,7 @@ def test_a_real_servers_wrong_swa_answer_is_located_in_its_trace_and_shrunk(tmp_
     the server's own trace shows the short-window decode, the explainer names swa-restore-window-short
     for the first wrong token (and nothing for a token the fresh server chose), and the shrink from the
     read's slice keeps a few calls that still show it."""
-    binary = build_server("pr")
+    binary = build_server("shared")
     a = [3 + (i * 7) % 250 for i in range(22)]
     c = a[:17]
     trace = tmp_path / "swa.jsonl"
@@ -105,7 +105,7 @@ def test_a_real_servers_wrong_swa_answer_is_located_in_its_trace_and_shrunk(tmp_
 def test_a_run_without_checkpoints_has_no_short_window(tmp_path: Path) -> None:
     """The control: the same requests with ``--ctx-checkpoints 0`` reprocess the prompt, and the trace
     shows no short-window decode."""
-    binary = build_server("pr")
+    binary = build_server("shared")
     a = [3 + (i * 7) % 250 for i in range(22)]
     trace = tmp_path / "none.jsonl"
     with ServerProcess(

@@ -144,7 +144,7 @@ def test_unreadable_semantics_stop_before_building(trees: Trees, tmp_path: Path)
 
 def test_the_libllama_backend_and_the_contract_run_on_the_trees_own_libllama(trees: Trees, tmp_path: Path) -> None:
     tree = trees("pr")
-    lib = build_server("pr").parent / "libllama.so"  # a copy of the pinned tree is the pinned build
+    lib = build_server("shared").parent / "libllama.so"  # a copy of the pinned tree is the pinned build
     r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--max-examples", "20")
     _no_traceback(r)
     assert r.returncode == 0, r.stdout[-3000:]
@@ -173,7 +173,7 @@ def test_a_layout_change_in_the_header_is_named(trees: Trees) -> None:
     """No build needed: the headers of a tree against the bindings, the pinned library's exports."""
     tree = trees("layout")
     pinned = sdist_source()
-    lib = build_server("pr").parent
+    lib = build_server("shared").parent
     assert check_libllama(lib, pinned, pinned).differences == ()
     diffs = check_libllama(lib, tree, pinned).differences
     assert any(d.startswith("struct llama_context_params is ") for d in diffs), diffs
@@ -187,7 +187,7 @@ def test_a_layout_change_in_the_header_is_named(trees: Trees) -> None:
 
 
 def test_a_near_identical_tree_recompiles_only_what_differs(trees: Trees) -> None:
-    build_server("pr", force=True, log=lambda _m: None)  # the stage now holds the pinned tree with our patch
+    build_server("shared", force=True, log=lambda _m: None)  # the stage now holds the pinned tree with our patch
     tree = trees("threshold")  # that tree with one line of server-task.cpp changed
     lines: list[str] = []
     binary = build_source(tree, log=lines.append, force=True)

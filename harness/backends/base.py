@@ -93,7 +93,7 @@ class Ended:
 
 @dataclass
 class GateReport:
-    variant: str  # the semantics; the JSON keeps the key "variant" and adds "semantics"
+    semantics: str  # the semantics; the JSON keeps the key "variant" and adds "semantics"
     backend: str
     profile: str
     seed: int
@@ -127,8 +127,8 @@ class GateReport:
         worst = max(peaks, key=lambda p: p[0] - p[1], default=None)
         return {
             "passed": self.passed,
-            "variant": self.variant,
-            "semantics": self.variant,
+            "variant": self.semantics,
+            "semantics": self.semantics,
             "backend": self.backend,
             "profile": self.profile,
             "seed": self.seed,

@@ -255,7 +255,7 @@ class LcpSection:
         }
 
 
-def _run_lcp(report: GateReport, variant: str, cache: str, seed: int, max_examples: int | None, out: Out) -> None:
+def _run_lcp(report: GateReport, semantics: str, cache: str, seed: int, max_examples: int | None, out: Out) -> None:
     """llama-cpp-python's own prompt caches (LlamaRAMCache / LlamaDiskCache) under the generic properties."""
     out(f"gate: backend=llama-cpp-python-cache cache={cache} seed={seed} commit={report.commit}")
     res = run_lcp_gate(cache, seed=seed, max_examples=max_examples, out=lambda line: out("  " + line))
@@ -269,7 +269,8 @@ def _run_lcp(report: GateReport, variant: str, cache: str, seed: int, max_exampl
             f["property"], "violation", f["message"], f.get("program", ""), f["replay"], f.get("machine", "lcp"), 0,
             list(f.get("teardown", [])),
         )  # fmt: skip
-        report.machines.append(MachineResult(MachineConfig(variant), res["seconds"], failure, Counter(), Counter(), []))
+        result = MachineResult(MachineConfig(semantics), res["seconds"], failure, Counter(), Counter(), [])
+        report.machines.append(result)
 
 
 class LcpCacheBackend(Backend):

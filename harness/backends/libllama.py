@@ -97,7 +97,7 @@ LLAMA_PROFILES: dict[str, dict[str, int]] = {
 }
 
 
-def llama_machines(variant: str, archs: Sequence[str] | None = None) -> list[MachineConfig]:
+def llama_machines(semantics: str, archs: Sequence[str] | None = None) -> list[MachineConfig]:
     """One machine per architecture; drafts on ``llama`` and ``jamba``, a unified KV on ``mamba``/``lfm2``.
 
     (A draft context cannot be made smaller than 256 cells per sequence in libllama, so the draft-KV
@@ -107,7 +107,7 @@ def llama_machines(variant: str, archs: Sequence[str] | None = None) -> list[Mac
     for arch in archs or ARCHS:
         out.append(
             MachineConfig(
-                variant,
+                semantics,
                 kind="",
                 arch=arch,
                 draft=arch in ("llama", "jamba"),
@@ -200,7 +200,7 @@ class LlamaBackend(Backend):
 
 def _run_llama(
     report: GateReport,
-    variant: str,
+    semantics: str,
     profile: str,
     seed: int,
     db: str | None,
@@ -221,14 +221,14 @@ def _run_llama(
     cfg_settings = settings(cfg_settings, stateful_step_count=lp["steps"])
     replay = replay + " --backend llama --arch " + " ".join(archs)
     out(
-        f"gate: variant={variant} backend=llama archs={','.join(archs)} profile={profile} seed={seed} "
+        f"gate: semantics={semantics} backend=llama archs={','.join(archs)} profile={profile} seed={seed} "
         f"commit={report.commit} max_examples={cfg_settings.max_examples} steps={cfg_settings.stateful_step_count}"
     )
     stats: dict[str, dict[str, int]] = {}
     full: dict[str, Any] = {}
     layout_examples: list[str] = []
     finding_examples: dict[str, str] = {}
-    for cfg in llama_machines(variant, archs):
+    for cfg in llama_machines(semantics, archs):
         r = run_machine(cfg, cfg_settings, seed, replay)
         report.machines.append(r)
         mcls = machine_class(cfg)
@@ -256,7 +256,7 @@ def _run_llama(
                 f"full-context-{arch}",
                 0,
             )
-            report.machines.append(MachineResult(MachineConfig(variant, arch=arch), 0.0, f, Counter(), Counter(), []))
+            report.machines.append(MachineResult(MachineConfig(semantics, arch=arch), 0.0, f, Counter(), Counter(), []))
             continue
         full[arch] = fc
         status = "ok  " if not fc.mismatches else "FAIL"
@@ -275,7 +275,7 @@ def _run_llama(
                 0,
             )
             report.machines.append(
-                MachineResult(MachineConfig(variant, arch=arch), fc.seconds, f, Counter(), Counter(), [])
+                MachineResult(MachineConfig(semantics, arch=arch), fc.seconds, f, Counter(), Counter(), [])
             )
     rows = model_rows(archs, stats, full)
     report.sections["llama"] = LlamaSection(rows)
@@ -288,8 +288,8 @@ def _run_llama(
             f"(difference {sp['master'] - sp['shared']} B; checkpoints C = {mem.checkpoint_bytes} B), "
             f"load peak {mem.load_peak_bytes['shared']} B"
         )
-    _run_draft_recovery(report, variant, archs, rows, out)
-    _run_llama_native(report, variant, archs, rows, out)
+    _run_draft_recovery(report, semantics, archs, rows, out)
+    _run_llama_native(report, semantics, archs, rows, out)
     n_layout = sum(r["layout_diffs"] for r in rows)
     known = KnownRow(KV_LAYOUT_DEPENDENT_LOGITS, "llama backend",
                      "reproduced" if n_layout else "not-reproduced", count=n_layout)  # fmt: skip
@@ -306,7 +306,7 @@ def _run_llama(
 
 
 def _run_draft_recovery(
-    report: GateReport, variant: str, archs: Sequence[str], rows: list[dict[str, Any]], out: Out
+    report: GateReport, semantics: str, archs: Sequence[str], rows: list[dict[str, Any]], out: Out
 ) -> None:
     """Draft context out of KV room mid-prompt on real state: upstream fails requests, the proposal must not."""
     failed_upstream = 0
@@ -326,7 +326,7 @@ def _run_draft_recovery(
                 f"draft-recovery-{arch}",
                 0,
             )
-            report.machines.append(MachineResult(MachineConfig(variant, arch=arch), 0.0, f, Counter(), Counter(), []))
+            report.machines.append(MachineResult(MachineConfig(semantics, arch=arch), 0.0, f, Counter(), Counter(), []))
             out(f"  [FAIL] draft recovery {arch:<8} {e}")
             continue
         secs = time.perf_counter() - t0
@@ -337,7 +337,7 @@ def _run_draft_recovery(
         }
         report.machines.append(
             MachineResult(
-                MachineConfig(variant, arch=arch),
+                MachineConfig(semantics, arch=arch),
                 secs,
                 None,
                 Counter({"draft_recovery": 1, "restore_equivalence": rec["verified"]}),
@@ -361,7 +361,7 @@ def _run_draft_recovery(
 
 
 def _run_llama_native(
-    report: GateReport, variant: str, archs: Sequence[str], rows: list[dict[str, Any]], out: Out
+    report: GateReport, semantics: str, archs: Sequence[str], rows: list[dict[str, Any]], out: Out
 ) -> None:
     """Sweep native allocation failures through libllama's state calls and decode, per model."""
     seen: dict[str, list[str]] = {f.id: [] for f in NATIVE_FINDINGS}
@@ -392,7 +392,7 @@ def _run_llama_native(
                     0,
                 )
                 report.machines.append(
-                    MachineResult(MachineConfig(variant, arch=arch), 0.0, f, Counter(), Counter(), [])
+                    MachineResult(MachineConfig(semantics, arch=arch), 0.0, f, Counter(), Counter(), [])
                 )
             if rep.capped:
                 out(f"  [warn] native {arch}.{op}: sweep capped at {j['allocations_swept']} allocations")
@@ -402,7 +402,7 @@ def _run_llama_native(
         secs = time.perf_counter() - t0
         report.machines.append(
             MachineResult(
-                MachineConfig(variant, arch=arch),
+                MachineConfig(semantics, arch=arch),
                 secs,
                 None,
                 Counter({"native_fault": sum(outcomes.values())}),

@@ -386,7 +386,7 @@ def save_layers(
     for layer in ("model", "llama"):
         if layer in layers:
             rows[layer] = [_save_point(layer, semantics, n, rep, warm) for n in counts for rep in range(reps)]
-    binary = cached_binary("pr" if semantics == "shared" else "master")
+    binary = cached_binary(semantics)
     if "server" in layers and binary is not None:
         rows["server"] = save_curve("server", semantics, counts=counts, reps=reps, size=MIB, binary=binary, warm=warm)
     return rows
@@ -590,7 +590,7 @@ def _time_model(d: Differential) -> list[float]:
 
 @register("server", "real llama-server differential: requests/s with the model's prediction on")
 def server(b: Budget) -> list[Figure]:
-    binary = cached_binary("pr")
+    binary = cached_binary("shared")
     if binary is None:
         raise UsageError("no cached llama-server (pr): run python -m harness build-server --semantics shared")
     n = 6 if b.quick else 60

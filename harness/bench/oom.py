@@ -26,7 +26,7 @@ from harness.backends.llama_server.oom import OomRun, OomSettings, run_oom
 from harness.bench.framework import Budget, Figure, figure, register
 from harness.errors import UsageError
 from harness.memlimit import cgroup_support
-from harness.trees.build import cached_binary
+from harness.trees.build import build_name, cached_binary
 
 __all__ = ["CHECKPOINTS", "MASTER_BUDGET_GIB", "big_saves", "master_estimate_gib"]
 
@@ -70,7 +70,7 @@ def _inputs(r: OomRun) -> dict[str, Any]:
 def big_saves(b: Budget) -> list[Figure]:
     if cgroup_support() is None:
         raise UsageError("no writable memory cgroup here (v1 memory or v2 memory.max): the peak is the group's")
-    binaries = {sem: cached_binary("pr" if sem == "shared" else "master") for sem in ("shared", "master")}
+    binaries = {sem: cached_binary(sem) for sem in ("shared", "master")}
     missing = [sem for sem, path in binaries.items() if path is None]
     if missing:
         raise UsageError(f"no cached llama-server ({', '.join(missing)}): python -m harness build-server --semantics "
@@ -92,7 +92,7 @@ def big_saves(b: Budget) -> list[Figure]:
                 binary = binaries[sem]
                 assert binary is not None
                 for _ in range(reps):
-                    r = run_oom(binary, "pr" if sem == "shared" else "master", sem, st, Path(tmp))
+                    r = run_oom(binary, build_name(sem), sem, st, Path(tmp))
                     if r.outcome != "survived" or r.peak_above_baseline is None or r.save_wall_s is None:
                         raise UsageError(f"big-saves: {sem} at {CHECKPOINTS} x {size} MiB: {r.outcome} "
                                          f"({'; '.join(r.notes)})")  # fmt: skip

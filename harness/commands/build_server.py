@@ -46,19 +46,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         "building: a tree for --source/--base, or to start a change from")
 
 
-def _flavour(args: argparse.Namespace) -> str:
+def _build(args: argparse.Namespace) -> tuple[str, str]:
+    """The semantics and the instrumentation asked for."""
     if args.flavour is not None:
         new = {"pr": "--semantics shared", "master": "--semantics master", "asan": "--asan"}[args.flavour]
         print(f"note: --flavour is deprecated; use {new}", file=sys.stderr)
         if args.semantics is not None or args.asan:
             raise UsageError("--flavour is the old spelling of --semantics/--asan; use those only")
-        return str(args.flavour)
+        return ("master" if args.flavour == "master" else "shared"), ("asan" if args.flavour == "asan" else "plain")
     if args.asan and args.semantics == "master":
         raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
     if args.coverage and (args.asan or args.semantics == "master" or args.source is not None):
         raise UsageError("--coverage builds the pinned tree with PR semantics only; drop --asan, --semantics master "
                          "and --source")  # fmt: skip
-    return "coverage" if args.coverage else "asan" if args.asan else ("master" if args.semantics == "master" else "pr")
+    return (args.semantics or "shared"), ("coverage" if args.coverage else "asan" if args.asan else "plain")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -71,14 +72,14 @@ def run(args: argparse.Namespace) -> int:
     if args.export is not None:
         if args.source is not None or args.asan or args.coverage:
             raise UsageError("--export writes the pinned tree; it takes --semantics only")
-        print(export_pinned(_flavour(args) != "master", args.export, log))
+        print(export_pinned(_build(args)[0] == "shared", args.export, log))
         return 0
     if args.source is not None:
-        _flavour(args)  # --coverage with --source: one line
+        _build(args)  # --coverage with --source: one line
         if args.semantics is not None or args.flavour is not None:
             raise UsageError("--semantics picks the pinned tree's build; with --source the tree is what it is")
         path = build_source(args.source, asan=args.asan, jobs=args.jobs, force=args.force, log=log)
     else:
-        path = build_server(_flavour(args), jobs=args.jobs, force=args.force, log=log)
+        path = build_server(*_build(args), jobs=args.jobs, force=args.force, log=log)
     print(path)
     return 0

@@ -1,19 +1,23 @@
-"""What several commands share: the one spelling of the master/PR axis on the command line."""
+"""What several commands share: the one spelling of the master/PR axis, of the fixture models, and the one way
+to choose a ``llama-server`` (:func:`add_server_options` declares the flags, :func:`resolve_server` turns them into
+a :class:`~harness.trees.build.ServerBuild`), as memray's commands share one base for their common options."""
 
 from __future__ import annotations
 
 import argparse
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from pathlib import Path
 
 from harness.errors import UsageError
+from harness.trees.build import ServerBuild, server_build
 
-__all__ = ["SEMANTICS", "add_semantics", "models_of", "semantics_of"]
+__all__ = ["SEMANTICS", "add_semantics", "add_server_options", "models_of", "resolve_server", "semantics_of"]
 
 SEMANTICS = ("shared", "master")
 
 
-def add_semantics(parser: argparse.ArgumentParser) -> None:
+def add_semantics(parser: argparse.ArgumentParser | argparse._ArgumentGroup) -> None:
     """``--semantics shared|master`` (``shared`` is PR #27451), and the deprecated ``--variant``."""
     parser.add_argument("--semantics", choices=SEMANTICS, help="shared (PR #27451) or master (default shared)")
     parser.add_argument("--variant", choices=SEMANTICS, help=argparse.SUPPRESS)
@@ -21,12 +25,48 @@ def add_semantics(parser: argparse.ArgumentParser) -> None:
 
 def semantics_of(args: argparse.Namespace) -> str:
     """The semantics asked for; ``--variant`` still works, with a one-line note on stderr."""
-    if args.variant is not None:
+    if getattr(args, "variant", None) is not None:
         print(f"note: --variant is deprecated; use --semantics {args.variant}", file=sys.stderr)
         if args.semantics is not None and args.semantics != args.variant:
             raise UsageError(f"--variant {args.variant} contradicts --semantics {args.semantics}; use --semantics")
         return str(args.variant)
     return str(args.semantics or "shared")
+
+
+def add_server_options(parser: argparse.ArgumentParser, *, source: bool = True, asan: bool = True) -> None:
+    """The flags that choose a ``llama-server``, in one group of ``--help``: ``--semantics`` (the pinned tree's
+    build: shared, the default, or master), ``--asan`` (its AddressSanitizer build), ``--source DIR`` (a tree,
+    built and cached) and ``--server-bin PATH`` (a binary as it is). A command that cannot build a tree or an
+    instrumented server leaves those out."""
+    group = parser.add_argument_group("which llama-server")
+    add_semantics(group)
+    if asan:
+        group.add_argument("--asan", action="store_true", help="the AddressSanitizer build of the shared semantics")
+    if source:
+        group.add_argument("--source", metavar="DIR", type=Path, help="build llama-server from this llama.cpp tree")
+    group.add_argument("--server-bin", metavar="PATH", type=Path,
+                       help="run this binary (e.g. the coverage build) instead of building one")  # fmt: skip
+
+
+def resolve_server(args: argparse.Namespace, log: Callable[[str], None] | None = None) -> ServerBuild:
+    """The ``llama-server`` the flags of :func:`add_server_options` name: built or reused, with what is known of
+    it. A contradiction (``--server-bin`` with a build's flags, ``--source`` with ``--semantics``, ``--asan`` with
+    ``--semantics master``) is one line and exit 2."""
+    say = log or (lambda m: print("  build: " + m, file=sys.stderr))
+    semantics = semantics_of(args) if (args.semantics or getattr(args, "variant", None)) else None
+    source: Path | None = getattr(args, "source", None)
+    asan: bool = getattr(args, "asan", False)
+    if args.server_bin is not None:
+        if source is not None or semantics is not None or asan:
+            raise UsageError("--server-bin runs the binary as it is: drop --source, --semantics and --asan")
+        return server_build(binary=args.server_bin, log=say)
+    if source is not None:
+        if semantics is not None:
+            raise UsageError("--semantics picks the pinned tree's build; with --source the tree is what it is")
+        return server_build(source=source, asan=asan, log=say)
+    if asan and semantics == "master":
+        raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
+    return server_build(semantics=semantics or "shared", asan=asan, log=say)
 
 
 def models_of(text: str, known: Sequence[str]) -> tuple[str, ...]:

@@ -35,25 +35,18 @@ import tempfile
 from pathlib import Path
 
 from harness.backends.llama_server.probe import probe
-from harness.commands.common import SEMANTICS
+from harness.commands.common import add_server_options, resolve_server
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
 from harness.load.stateless import stateless_differential
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import ServerConfig, sanitizer_reports
-from harness.trees.build import server_build
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--semantics", choices=SEMANTICS, help="the pinned build: shared (PR #27451, default) or master"
-    )
-    parser.add_argument("--asan", action="store_true", help="the AddressSanitizer build (shared semantics)")
-    parser.add_argument("--source", metavar="DIR", type=Path, help="build llama-server from this llama.cpp tree")
-    parser.add_argument("--server-bin", metavar="PATH", type=Path,
-                        help="run this llama-server binary (e.g. the coverage build) instead of building one")
+    add_server_options(parser)
     parser.add_argument("--traces", type=int, default=3, help="seeded traces per configuration (default 3)")
     parser.add_argument("--short", action="store_true", help="only the gate's two configurations")
     parser.add_argument("--seed", type=int, default=0)
@@ -74,24 +67,11 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--traces must be between 1 and 1000")
     if not 0 <= args.embedding_clients <= 100:
         raise UsageError("--embedding-clients must be between 0 and 100")
-    if args.asan and args.semantics == "master":
-        raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
-    if args.source is not None and args.semantics is not None:
-        raise UsageError("--semantics picks the pinned tree's build; with --source the tree is what it is")
 
     def log(m: str) -> None:
         print("  build: " + m, file=sys.stderr)
 
-    if args.server_bin is not None:
-        if args.source is not None or args.semantics is not None or getattr(args, "asan", False):
-            raise UsageError("--server-bin runs the binary as it is: drop --source, --semantics and --asan")
-        build = server_build(binary=args.server_bin, log=log)
-    elif args.source is not None:
-        build = server_build(source=args.source, asan=args.asan, log=log)
-    else:
-        build = server_build(
-            flavour="asan" if args.asan else ("master" if args.semantics == "master" else "pr"), log=log
-        )
+    build = resolve_server(args, log)
     print("  " + probe(build.binary, log=log).line(), file=sys.stderr)  # the request form its version answers
     semantics = build.semantics or (args.semantics or "shared")
     print(f"concurrent: build={build.origin} semantics={semantics} traces={args.traces} seed={args.seed} "

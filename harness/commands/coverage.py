@@ -106,7 +106,7 @@ def run(args: argparse.Namespace) -> int:
     if args.top < 0:
         raise UsageError("--top must be >= 0")
     workloads = list(dict.fromkeys(args.run))
-    binary = build_server("coverage", log=lambda m: print("  build: " + m, file=sys.stderr))
+    binary = build_server("shared", "coverage", log=lambda m: print("  build: " + m, file=sys.stderr))
     out: Path = args.out
     run_ = CoverageRun.create(out / "run", binary)
     modules = {"gate": gate, "concurrent": concurrent, "soak": soak, "fuzz": fuzz, "slot-files": slot_files,

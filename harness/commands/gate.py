@@ -115,7 +115,7 @@ def _write_junit(report: GateReport, path: str) -> None:
     props = report.properties()
     suite = ET.Element(
         "testsuite",
-        name=f"gate-{report.variant}",
+        name=f"gate-{report.semantics}",
         tests=str(len(props)),
         failures=str(sum(p["status"] == "failed" for p in props)),
     )
@@ -127,7 +127,7 @@ def _write_junit(report: GateReport, path: str) -> None:
     seconds = {p["name"]: p["seconds"] for p in props}
     for name in [*names, *extra]:
         case = ET.SubElement(
-            suite, "testcase", classname=f"gate.{report.variant}", name=name, time=str(seconds.get(name, 0.0))
+            suite, "testcase", classname=f"gate.{report.semantics}", name=name, time=str(seconds.get(name, 0.0))
         )
         for f in report.failures:
             if f.property == name:

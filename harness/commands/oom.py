@@ -102,7 +102,7 @@ def run(args: argparse.Namespace) -> int:
 
     builds: list[tuple[str, ServerBuild]] = []
     for sem in args.semantics or list(SEMANTICS):
-        builds.append((sem, server_build(flavour="pr" if sem == "shared" else "master", log=log)))
+        builds.append((sem, server_build(semantics=sem, log=log)))
     if args.source is not None:
         b = server_build(source=args.source, log=log)
         if b.semantics is None:

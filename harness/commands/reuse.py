@@ -18,10 +18,9 @@ import json
 import sys
 from pathlib import Path
 
-from harness.commands.common import models_of
+from harness.commands.common import add_server_options, models_of, resolve_server
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.reuse_programs import ARCHS, command_line, run_model
-from harness.trees.build import build_server
 
 __all__ = ["add_arguments", "run"]
 
@@ -31,7 +30,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0, help="the programs' seed (0)")
     parser.add_argument("--models", default=",".join(ARCHS), metavar="A,B",
                         help=f"the models ({','.join(ARCHS)}: the model can move transformer cells only)")  # fmt: skip
-    parser.add_argument("--server-bin", metavar="PATH", type=Path, help="run this llama-server binary instead")
+    add_server_options(parser, source=False, asan=False)
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 
@@ -39,9 +38,7 @@ def run(args: argparse.Namespace) -> int:
     if not 1 <= args.examples <= 100_000:
         raise UsageError(f"--examples must be between 1 and 100000, got {args.examples}")
     archs = models_of(args.models, ARCHS)
-    if args.server_bin is not None and not args.server_bin.is_file():
-        raise UsageError(f"--server-bin {args.server_bin}: no such file")
-    binary = args.server_bin or build_server("pr")
+    binary = resolve_server(args).binary
     rows, failed = [], False
     for arch in archs:
         f = run_model(arch, binary, examples=args.examples, seed=args.seed)

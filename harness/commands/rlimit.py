@@ -34,14 +34,14 @@ def run(args: argparse.Namespace) -> int:
     )
     print("unlimited probe (peak of the save above its baseline):")
     for r in seed.probes:
-        print(f"  {r.variant:<7} {r.outcome:<10} peak +{r.peak_excess:>11} bytes  {r.detail}")
+        print(f"  {r.semantics:<7} {r.outcome:<10} peak +{r.peak_excess:>11} bytes  {r.detail}")
     if not seed.budget_bytes:
         print(f"error: a probe did not complete: {seed.results[0].detail}", file=sys.stderr)
         return EXIT_CRASH if seed.results[0].outcome in (Outcome.ABORTED, Outcome.KILLED) else EXIT_USAGE
     print(f"budget: RLIMIT_AS = baseline + {seed.budget_bytes} bytes (shared's peak + a quarter of the gap)")
     for r in seed.results:
         print(
-            f"  {r.variant:<7} {r.outcome:<12} VmPeak {r.peak_bytes} (+{r.peak_excess}), limit {r.limit_bytes}: "
+            f"  {r.semantics:<7} {r.outcome:<12} VmPeak {r.peak_bytes} (+{r.peak_excess}), limit {r.limit_bytes}: "
             f"{r.detail}"
         )
     code = seed.exit_code()

@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.commands.common import add_semantics, models_of, semantics_of
+from harness.commands.common import add_server_options, models_of, resolve_server
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.experiments.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
 from harness.experiments.slot_restore import enospc, run_differential, stale_draft
@@ -42,7 +42,6 @@ from harness.findings import (
     finding,
 )
 from harness.load.slot_programs import ARCHS, command_line, run_model
-from harness.trees.build import build_server
 
 __all__ = ["add_arguments", "run"]
 
@@ -52,8 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generated names after the explicit list (50; 0: the list only); --differential: "
                              "generated programs per model (0: the fixed smoke programs only)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the generated names' or programs' seed (0)")
-    add_semantics(parser)
-    parser.add_argument("--server-bin", metavar="PATH", type=Path, help="run this llama-server binary instead")
+    add_server_options(parser, source=False, asan=False)
     parser.add_argument("--json", metavar="PATH", help="write every name's requests and effects as JSON")
     parser.add_argument("--differential", action="store_true",
                         help="save/restore/erase between completions against the model and a fresh server, "
@@ -89,12 +87,7 @@ def run(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
     models_of(args.models, ARCHS)
-    if args.server_bin is not None:
-        if not args.server_bin.is_file():
-            raise UsageError(f"--server-bin {args.server_bin}: no such file")
-        binary = args.server_bin
-    else:
-        binary = build_server("pr" if semantics_of(args) == "shared" else "master")
+    binary = resolve_server(args).binary
     if args.differential:
         return _differential(binary, args)
     rep = run_slot_files(binary, examples=args.examples, seed=args.seed,

@@ -31,24 +31,19 @@ from pathlib import Path
 
 from fixtures.gguf import ARCHS
 from harness.backends.llama_server.probe import probe
-from harness.commands.common import SEMANTICS
+from harness.commands.common import add_server_options, resolve_server
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.soak import CACHE_RAM_MIB, SoakSettings, soak
 from harness.load.traced import ServerTrace
 from harness.memlimit import MemoryCgroup, cgroup_support
-from harness.trees.build import ServerBuild, server_build
+from harness.trees.build import ServerBuild
 
 __all__ = ["add_arguments", "run"]
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--minutes", type=float, required=True, help="the whole run, split over models and phases")
-    parser.add_argument(
-        "--semantics", choices=SEMANTICS, help="the pinned build: shared (PR #27451, default) or master"
-    )
-    parser.add_argument("--source", metavar="DIR", type=Path, help="build llama-server from this llama.cpp tree")
-    parser.add_argument("--server-bin", metavar="PATH", type=Path,
-                        help="run this llama-server binary (e.g. the coverage build) instead of building one")
+    add_server_options(parser, asan=False)
     parser.add_argument("--arch", nargs="+", metavar="NAME", help="the fixtures models (default: all five)")
     parser.add_argument("--cache-ram", type=int, default=CACHE_RAM_MIB, metavar="MIB",
                         help=f"the server's --cache-ram (default {CACHE_RAM_MIB})")  # fmt: skip
@@ -99,19 +94,12 @@ def _replay_line(args: argparse.Namespace, archs: list[str]) -> str:
 
 
 def _build(args: argparse.Namespace) -> ServerBuild:
-    """The binary to soak (``--server-bin``, ``--source`` or a pinned flavour), probed for its request form."""
+    """The binary to soak (``--server-bin``, ``--source`` or a pinned build), probed for its request form."""
 
     def log(m: str) -> None:
         print("  build: " + m, file=sys.stderr)
 
-    if args.server_bin is not None:
-        if args.source is not None or args.semantics is not None or getattr(args, "asan", False):
-            raise UsageError("--server-bin runs the binary as it is: drop --source, --semantics and --asan")
-        build = server_build(binary=args.server_bin, log=log)
-    elif args.source is not None:
-        build = server_build(source=args.source, log=log)
-    else:
-        build = server_build(flavour="master" if args.semantics == "master" else "pr", log=log)
+    build = resolve_server(args, log)
     print("  " + probe(build.binary, log=log).line(), file=sys.stderr)  # the request form its version answers
     return build
 

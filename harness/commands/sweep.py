@@ -63,7 +63,7 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise UsageError(f"unknown scenario {unknown[0]!r}: choose one of {', '.join(SCENARIOS)}")
         scenarios = [SCENARIOS[s] for s in args.scenario]
-    print(f"allocation-failure sweep, variant {args.variant}, modes {'+'.join(modes)}")
+    print(f"allocation-failure sweep, semantics {args.variant}, modes {'+'.join(modes)}")
     report = run_sweep(args.variant, modes, scenarios, progress=print)
     s = report.summary()
     for outcome, title in (

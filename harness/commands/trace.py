@@ -22,17 +22,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 from typing import Any
 
 from fixtures.gguf import ARCHS, model_path
-from harness.commands.common import SEMANTICS
+from harness.commands.common import add_server_options, resolve_server
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.traced import fresh_answers, record_concurrent, workload
 from harness.trace.calls import DEFAULT_MAX_BYTES, read_trace
 from harness.trace.replay import replay, replay_line, shrink_trace
-from harness.trees.build import server_build
 
 __all__ = ["add_arguments", "run"]
 
@@ -41,8 +39,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="record|replay|shrink", required=True)
     rec = sub.add_parser("record", help="a traced concurrent run on a real llama-server")
     rec.add_argument("--out", type=Path, required=True, help="the trace file (round R: OUT with .R before .jsonl)")
-    rec.add_argument("--semantics", choices=SEMANTICS, help="the pinned build: shared (default) or master")
-    rec.add_argument("--server-bin", type=Path, help="a llama-server built elsewhere (libllama shared)")
+    add_server_options(rec, source=False, asan=False)  # a --server-bin must link libllama shared
     rec.add_argument("--model", choices=ARCHS, default="llama", help="the generated model (default llama)")
     rec.add_argument("--seed", type=int, default=0, help="the workload's seed (0: the reproducer's)")
     rec.add_argument("--rounds", type=int, default=1, help="rounds on a new server each (default 1)")
@@ -78,13 +75,7 @@ def _check_trace(path: Path) -> None:
 def _record(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
-    if args.server_bin is not None and args.semantics is not None:
-        raise UsageError("--semantics picks a pinned build; --server-bin is what it is")
-    if args.server_bin is not None:
-        build = server_build(binary=args.server_bin)
-    else:
-        build = server_build(flavour="master" if args.semantics == "master" else "pr",
-                             log=lambda m: print("  build: " + m, file=sys.stderr))  # fmt: skip
+    build = resolve_server(args)
     model = model_path(args.model)
     work = workload(args.seed)
     want = fresh_answers(build.binary, model, work, extra_args=["-fa", args.flash_attn] if args.flash_attn else [])

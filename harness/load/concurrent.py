@@ -147,7 +147,7 @@ def run_trace(
     reqs: Sequence[Req],
     fresh: ServerProcess,
     log_path: str | None = None,
-    binary_expr: str = "build_server('pr')",
+    binary_expr: str = "build_server('shared')",
     traces: ServerTrace | None = None,
     name: str = "run",
 ) -> ConcurrentResult:
@@ -335,7 +335,7 @@ def run_concurrent(
     n_clients: int | None = None,
     per_client: int = 4,
     log_dir: str | None = None,
-    binary_expr: str = "build_server('pr')",
+    binary_expr: str = "build_server('shared')",
     out: Callable[[str], None] = print,
     traces: ServerTrace | None = None,
     embedding_clients: int = 0,

@@ -178,7 +178,7 @@ def replay_text(arch: str, n_cache_reuse: int, lines: Sequence[str], mutant: str
     m = "" if mutant is None else f", mutant={mutant!r}"
     head = ["from harness.trees.build import build_server",
             "from harness.load.reuse_programs import replay",
-            f"with replay({arch!r}, build_server('pr'), {n_cache_reuse}{m}) as r:"]  # fmt: skip
+            f"with replay({arch!r}, build_server('shared'), {n_cache_reuse}{m}) as r:"]  # fmt: skip
     return "\n".join([*head, *lines])
 
 

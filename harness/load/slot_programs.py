@@ -206,7 +206,7 @@ def replay_text(arch: str, lines: Sequence[str], mutant: str | None = None) -> s
     """The concrete program as Python to paste from the repository root."""
     head = ["from harness.trees.build import build_server",
             "from harness.load.slot_programs import replay",
-            f"with replay({arch!r}, build_server('pr'){'' if mutant is None else f', mutant={mutant!r}'}) as r:"]
+            f"with replay({arch!r}, build_server('shared'){'' if mutant is None else f', mutant={mutant!r}'}) as r:"]
     return "\n".join([*head, *(lines or ["    pass"])])
 
 

@@ -21,7 +21,6 @@ from harness.trees.build import build_server, build_source, cached_binary
 __all__ = ["SERVER_SEMANTICS", "add_options", "check_options", "server_binary"]
 
 SERVER_SEMANTICS = ("shared", "master")
-_FLAVOUR = {"shared": "pr", "master": "master"}
 
 
 def add_options(parser: pytest.Parser) -> None:
@@ -77,10 +76,10 @@ def server_binary(config: pytest.Config, log: Callable[[str], None]) -> Path:
         if source is not None:
             return build_source(Path(source), log=log)
         if semantics is not None:
-            return build_server(_FLAVOUR[semantics], log=log)
+            return build_server(semantics, log=log)
     except HarnessError as e:
         pytest.fail(f"building llama-server ({source or semantics}) failed: {e}", pytrace=False)
-    cached = cached_binary("pr")
+    cached = cached_binary("shared")
     if cached is None:
         pytest.skip(
             "no llama-server binary: pass --llama-server-bin PATH, --llama-source DIR, or "

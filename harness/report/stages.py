@@ -124,7 +124,7 @@ def _builds(opts: Options, log: Callable[[str], None]) -> dict[str, Any]:
             opts.binaries[sem] = build_source(opts.source, log=log)
             out[sem] = {"binary": str(opts.binaries[sem]), "from": f"--source {opts.source}"}
         else:
-            opts.binaries[sem] = build_server("pr" if sem == "shared" else "master", log=log)
+            opts.binaries[sem] = build_server(sem, log=log)
             out[sem] = {"binary": str(opts.binaries[sem]), "from": f"pinned {PINNED_COMMIT}" + (
                 " + PR #27451" if sem == "shared" else "")}  # fmt: skip
     return out

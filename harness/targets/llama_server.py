@@ -222,7 +222,7 @@ class ServerProcess:
             r = srv.completion("Hello", n_predict=4)
             r["timings"]["cache_n"]
 
-    ``binary=None`` builds (or reuses) the ``flavour`` build. ``env`` is merged into the
+    ``binary=None`` builds (or reuses) the pinned tree's build of ``semantics``. ``env`` is merged into the
     environment (e.g. ``{"LD_PRELOAD": shim}``). The server's stdout and stderr go to
     ``log_path`` (a fresh temporary file unless given). ``timeouts``: :class:`Timeouts`. ``preexec`` runs in
     the server's process between ``fork`` and ``exec`` (entering a memory cgroup: :mod:`harness.memlimit`).
@@ -233,7 +233,7 @@ class ServerProcess:
         binary: str | os.PathLike[str] | None = None,
         launch: Launch | None = None,
         *,
-        flavour: str = "pr",
+        semantics: str = "shared",
         host: str = "127.0.0.1",
         port: int | None = None,
         env: Mapping[str, str] | None = None,
@@ -244,7 +244,7 @@ class ServerProcess:
         launch = launch or Launch()
         timeouts = timeouts or Timeouts()
         self._binary = Path(binary) if binary is not None else None
-        self._flavour = flavour
+        self._semantics = semantics
         self.launch = launch
         self.host = host
         self.port = port
@@ -278,7 +278,7 @@ class ServerProcess:
     @property
     def binary(self) -> Path:
         if self._binary is None:
-            self._binary = build_server(self._flavour)
+            self._binary = build_server(self._semantics)
         return self._binary
 
     def running(self) -> bool:

@@ -3,11 +3,14 @@
 Two entry points, one pipeline:
 
 :func:`build_server` (``build-server [--semantics shared|master] [--asan] [--coverage]``)
-    the pinned tree (:mod:`harness.trees.pinned`) in one of four flavours: ``master`` as
-    vendored; ``pr`` with ``fixtures/pr-27451.patch`` (shared, immutable, refcounted checkpoint payloads
-    and an OOM-safe ``server_prompt_cache::alloc``); ``asan``, the ``pr`` source with
-    ``-fsanitize=address,undefined -fno-omit-frame-pointer -g`` at ``-O1``; ``coverage``, the ``pr``
-    source with ``--coverage`` at ``-O0``, its gcov notes kept in the entry (:mod:`~harness.trees.gcov`).
+    the pinned tree (:mod:`harness.trees.pinned`): a build is a **semantics** (``master`` as vendored;
+    ``shared`` with ``fixtures/pr-27451.patch``: shared, immutable, refcounted checkpoint payloads and an
+    OOM-safe ``server_prompt_cache::alloc``) plus an **instrumentation** (:data:`INSTRUMENTATIONS`: ``plain``;
+    ``asan``, ``-fsanitize=address,undefined -fno-omit-frame-pointer -g`` at ``-O1``; ``coverage``,
+    ``--coverage`` at ``-O0``, its gcov notes kept in the entry, :mod:`~harness.trees.gcov`; both
+    instrumented builds are of the ``shared`` source). The cache names the four builds as it always has
+    (:func:`build_name`: ``master``, ``pr``, ``asan``, ``coverage``), and ``build_server("shared")`` of older
+    replay programs still works.
 :func:`build_source` (``build-server --source DIR``)
     any llama.cpp checkout, never written to, cached by :func:`~harness.trees.tree.tree_hash` of
     its content (a copy of a tree built before, or of the pinned tree, reuses that build).
@@ -21,12 +24,15 @@ libllama and ggml are built as **shared libraries** (``BUILD_SHARED_LIBS=ON``, `
 copied beside ``llama-server``: the cache entry ``<key>/`` holds ``llama-server``, ``libllama.so``,
 ``libggml*.so`` and ``libmtmd.so``, so llama-cpp-python can load the tree's own libllama
 (``LLAMA_CPP_LIB_PATH``, :mod:`harness.trees.api`) and an ``LD_PRELOAD`` interposer sees the
-server's libllama calls. ``<key>`` hashes the tree's content, the flavour, the CMake arguments and the
+server's libllama calls. ``<key>`` hashes the tree's content, the build's name, the CMake arguments and the
 compiler; a second call returns at once.
 
 ``build-server`` exits 0 and prints the binary's path, 2 on a usage/environment error (no cmake, no
 compiler) and :data:`EXIT_BUILD_FAILED` (4) when fetching, patching, configuring or compiling fails.
 :func:`server_build` says which binary the server backend runs and what is known of it.
+
+Size: one pipeline for the pinned builds and the users' trees (the cache key, the stage, CMake and ninja, the
+record of each build) reads best in one place; :func:`server_build` is the one entry the commands use.
 """
 
 from __future__ import annotations
@@ -43,7 +49,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from harness.errors import EXIT_BUILD_FAILED, BuildError, UsageError
 from harness.trees.gcov import coverage_cmake_args, is_coverage, keep_notes
@@ -54,7 +60,7 @@ from harness.trees.pinned import (
     SDIST_VERSION,
     log_tail,
     pinned_files,
-    pinned_flavour,
+    pinned_semantics,
     pinned_status,
     pinned_tree_hashes,
     run_logged,
@@ -76,11 +82,13 @@ from harness.trees.tree import cache_root, check_tree, file_lock, tree_hash, wal
 
 __all__ = [
     "EXIT_BUILD_FAILED",
-    "FLAVOURS",
+    "INSTRUMENTATIONS",
     "PATCH_PATH",
     "PINNED_COMMIT",
     "BuildError",
+    "Instrumentation",
     "ServerBuild",
+    "build_name",
     "build_server",
     "build_source",
     "cache_root",
@@ -95,7 +103,26 @@ __all__ = [
     "tree_hash",
 ]
 
-FLAVOURS = ("master", "pr", "asan", "coverage")
+Instrumentation = Literal["plain", "asan", "coverage"]
+INSTRUMENTATIONS: tuple[Instrumentation, ...] = ("plain", "asan", "coverage")
+_NAMES = ("master", "pr", "asan", "coverage")  # the builds of the pinned tree, as the cache names them
+
+
+def build_name(semantics: str = "shared", instrumentation: str = "plain") -> str:
+    """The name the cache gives the pinned tree's build of ``semantics`` with ``instrumentation``: ``master``,
+    ``pr`` (``shared``, plain), ``asan`` or ``coverage`` (both ``shared``). Each cache key and build-info.json
+    begins with it, so it keeps the spelling of the first release. A name itself is taken as ``semantics``
+    (``build_server("shared")``, as older replay programs say)."""
+    if semantics in _NAMES and instrumentation == "plain":
+        return semantics
+    if instrumentation not in INSTRUMENTATIONS:
+        raise UsageError(f"unknown instrumentation {instrumentation!r} (choose from {', '.join(INSTRUMENTATIONS)})")
+    if semantics not in ("shared", "master"):
+        raise UsageError(f"unknown semantics {semantics!r} (choose from shared, master)")
+    if instrumentation != "plain" and semantics != "shared":
+        raise UsageError(f"the {instrumentation} build is of the shared semantics only (PR #27451)")
+    return "pr" if instrumentation == "plain" and semantics == "shared" else (
+        "master" if instrumentation == "plain" else instrumentation)  # fmt: skip
 
 _SANITIZE = "-fsanitize=address,undefined -fno-omit-frame-pointer -g"
 
@@ -120,11 +147,10 @@ _BASE_CMAKE_ARGS = (
 )
 
 
-def cmake_args(flavour: str) -> list[str]:
-    """The ``-D`` arguments for ``flavour`` (the generator, the compiler launcher and the paths are added by
-    the build; they do not change what is compiled)."""
-    if flavour not in FLAVOURS:
-        raise UsageError(f"unknown flavour {flavour!r} (choose from {', '.join(FLAVOURS)})")
+def cmake_args(semantics: str = "shared", instrumentation: str = "plain") -> list[str]:
+    """The ``-D`` arguments of a build (the generator, the compiler launcher and the paths are added by the
+    build; they do not change what is compiled). The semantics changes the source, not the arguments."""
+    flavour = build_name(semantics, instrumentation)
     args = list(_BASE_CMAKE_ARGS)
     if flavour == "asan":
         args += [
@@ -140,8 +166,8 @@ def cmake_args(flavour: str) -> list[str]:
     return args + (coverage_cmake_args() if flavour == "coverage" else [])
 
 
-def _uses_patch(flavour: str) -> bool:
-    return flavour in ("pr", "asan", "coverage")
+def _uses_patch(name: str) -> bool:
+    return name != "master"
 
 
 def _compiler_id() -> str:
@@ -155,13 +181,13 @@ def _compiler_id() -> str:
     return f"{cxx}: {out.splitlines()[0] if out else '?'}"
 
 
-def _build_key(src_hash: str, patch: bytes | None, flavour: str, args: Sequence[str], compiler: str) -> str:
+def _build_key(src_hash: str, patch: bytes | None, name: str, args: Sequence[str], compiler: str) -> str:
     h = hashlib.sha256()
-    h.update(f"source {src_hash}\nflavour {flavour}\ncompiler {compiler}\n".encode())
+    h.update(f"source {src_hash}\nflavour {name}\ncompiler {compiler}\n".encode())
     h.update(b"patch " + (hashlib.sha256(patch).hexdigest().encode() if patch is not None else b"none") + b"\n")
     for a in args:
         h.update(f"arg {a}\n".encode())
-    return f"{flavour}-{h.hexdigest()[:16]}"
+    return f"{name}-{h.hexdigest()[:16]}"
 
 
 def _tool(name: str) -> str | None:
@@ -192,8 +218,10 @@ def _cmake() -> str:
 # --------------------------------------------------------------------------------------------
 
 
-def cached_binary(flavour: str) -> Path | None:
-    """The cached ``llama-server`` of ``flavour`` if it was already built for this source, else None (never builds)."""
+def cached_binary(semantics: str = "shared", instrumentation: str = "plain") -> Path | None:
+    """The pinned tree's cached ``llama-server`` of ``semantics`` with ``instrumentation`` if it was already
+    built, else None (never builds)."""
+    flavour = build_name(semantics, instrumentation)
     args = cmake_args(flavour)
     vendored = sdist_extracted()
     if vendored is None:
@@ -208,17 +236,20 @@ def cached_binary(flavour: str) -> Path | None:
 
 
 def build_server(
-    flavour: str = "pr",
+    semantics: str = "shared",
+    instrumentation: str = "plain",
     *,
     jobs: int | None = None,
     force: bool = False,
     log: Callable[[str], None] = print,
 ) -> Path:
-    """Build (or reuse) ``llama-server`` for ``flavour`` and return the binary's path.
+    """Build (or reuse) the pinned tree's ``llama-server`` of ``semantics`` with ``instrumentation`` and
+    return the binary's path.
 
-    Raises :class:`~harness.errors.UsageError` for a bad flavour or missing tools and
+    Raises :class:`~harness.errors.UsageError` for a bad semantics or instrumentation or missing tools and
     :class:`BuildError` (one line, naming the log file) when the build fails.
     """
+    flavour = build_name(semantics, instrumentation)
     args = cmake_args(flavour)
     cmake = _cmake()
     compiler = _compiler_id()
@@ -251,7 +282,7 @@ def build_server(
 
 
 def _ensure_tree_recorded(final: Path, patch: bytes | None, compiler: str, log: Callable[[str], None]) -> None:
-    """Record the content hash of the tree a flavour was built from (older builds lack it), so a
+    """Record the content hash of the tree a pinned build was built from (older builds lack it), so a
     ``--source`` tree with the same content and flags reuses that build instead of compiling again."""
     info_path = final / "build-info.json"
     try:
@@ -302,16 +333,18 @@ def build_source(
     reuses it. The tree itself is never written to (it is staged into the cache and built there).
     """
     src = check_tree(src, flag)
-    args = cmake_args("asan" if asan else "master")
+    args = cmake_args("shared", "asan" if asan else "plain")
     cmake = _cmake()
     compiler = _compiler_id()
     log(f"[source] hashing {src}")
     digest = tree_hash(src)
-    flavour = pinned_flavour(digest, asan)
-    if flavour is not None:
-        # the pinned tree itself (e.g. a copy of it): the pinned build of that flavour is this build
-        log(f"[source] {src} is the pinned llama.cpp {PINNED_COMMIT} tree: using the {flavour} build")
-        return build_server(flavour, jobs=jobs, force=force, log=log)
+    pinned = pinned_semantics(digest)
+    if pinned is not None and not (asan and pinned == "master"):
+        # the pinned tree itself (e.g. a copy of it): the pinned build of that semantics is this build
+        instrumentation = "asan" if asan else "plain"
+        log(f"[source] {src} is the pinned llama.cpp {PINNED_COMMIT} tree: using its {pinned} {instrumentation} "
+            "build")  # fmt: skip
+        return build_server(pinned, instrumentation, jobs=jobs, force=force, log=log)
     h = hashlib.sha256(f"tree {digest}\ncompiler {compiler}\n".encode())
     for a in args:
         h.update(f"arg {a}\n".encode())
@@ -428,7 +461,7 @@ class ServerBuild:
     and the directory of its shared libllama (None when it links libllama statically)."""
 
     binary: Path
-    origin: str  # "flavour pr", "source DIR", "binary PATH"
+    origin: str  # "flavour NAME" (a pinned build, by its :func:`build_name`), "source DIR", "binary PATH"
     semantics: str | None
     asan: bool
     replay_expr: str  # a Python expression giving the binary in a replay program
@@ -449,18 +482,18 @@ def _lib_dir(binary: Path) -> Path | None:
 
 def server_build(
     *,
-    flavour: str | None = None,
+    semantics: str | None = None,
     source: Path | None = None,
     binary: Path | None = None,
     asan: bool = False,
     log: Callable[[str], None] = print,
     flag: str = "--source",
 ) -> ServerBuild:
-    """The binary the server backend runs: one of our flavours, a user's tree (built, cached) or a
-    user's binary. Raises :class:`UsageError` (exit 2) for a bad tree or binary, :class:`BuildError`
-    (exit 4) when the tree does not build."""
-    if sum(x is not None for x in (flavour, source, binary)) != 1:
-        raise UsageError("choose one of a flavour, --source DIR and --server-bin PATH")
+    """The binary the server backend runs: the pinned tree's build of ``semantics`` (``asan``: instrumented),
+    a user's tree (built, cached) or a user's binary. Raises :class:`UsageError` (exit 2) for a bad tree or
+    binary, :class:`BuildError` (exit 4) when the tree does not build."""
+    if sum(x is not None for x in (semantics, source, binary)) != 1:
+        raise UsageError("choose one of --semantics, --source DIR and --server-bin PATH")
     if binary is not None:
         path = binary.expanduser().resolve()
         if not path.is_file() or not os.access(path, os.X_OK):
@@ -485,10 +518,12 @@ def server_build(
                            f"build_source(Path({str(tree)!r}){', asan=True' if asan else ''})",
                            f"{flag} {shlex.quote(str(tree))}" + (" --asan" if asan else ""), tree, False,
                            inferred.why, _lib_dir(path))  # fmt: skip
-    assert flavour is not None
-    path = build_server(flavour, log=log)
-    sem = "master" if flavour == "master" else "shared"
-    flags = "--semantics master" if flavour == "master" else ("--asan" if flavour == "asan" else "--semantics shared")
-    return ServerBuild(path, f"flavour {flavour}", sem, flavour == "asan", f"build_server({flavour!r})", flags,
-                       semantics_why=f"the {flavour} build", lib_dir=_lib_dir(path))  # fmt: skip
+    assert semantics is not None
+    instrumentation = "asan" if asan else "plain"
+    name = build_name(semantics, instrumentation)  # one line for asan with master
+    path = build_server(semantics, instrumentation, log=log)
+    flags = f"--semantics {semantics}" + (" --asan" if asan else "")
+    expr = f"build_server({semantics!r}" + (", 'asan')" if asan else ")")
+    return ServerBuild(path, f"flavour {name}", semantics, asan, expr, flags,
+                       semantics_why=f"the pinned {semantics} build", lib_dir=_lib_dir(path))  # fmt: skip
 

@@ -1,4 +1,4 @@
-"""The ``coverage`` flavour of llama-server: gcov instrumentation, its notes kept with the build, counters per run.
+"""The ``coverage`` build of llama-server: gcov instrumentation, its notes kept with the build, counters per run.
 
 ``build-server --coverage`` compiles the ``pr`` source (the pinned tree with PR #27451) with ``--coverage``
 at ``-O0`` (so a line's count is the line's, not a neighbour's the optimiser merged it into), for the C, C++
@@ -49,7 +49,7 @@ _SOURCE = re.compile(r".*\.(c|cc|cpp|cxx|h|hh|hpp|inc)$")
 
 
 def coverage_cmake_args() -> list[str]:
-    """Added to the base arguments for the ``coverage`` flavour: ``--coverage`` on compile and link, ``-O0``,
+    """Added to the base arguments for the ``coverage`` build: ``--coverage`` on compile and link, ``-O0``,
     and the source names the notes record made relative to the tree's root (:func:`_prefix_maps`)."""
     flags = f"{COVERAGE_FLAGS} {_prefix_maps()}"
     return [

@@ -40,7 +40,7 @@ __all__ = [
     "log_tail",
     "patched_contents",
     "pinned_files",
-    "pinned_flavour",
+    "pinned_semantics",
     "pinned_status",
     "pinned_tree_hashes",
     "sdist_source",
@@ -284,18 +284,14 @@ def pinned_tree_hashes(log: Callable[[str], None] = lambda _m: None) -> dict[str
     return hashes
 
 
-def pinned_flavour(digest: str, asan: bool) -> str | None:
-    """The flavour whose tree has this content (``master``, ``pr``, or ``asan`` for the patched tree
-    with ``asan``), or None; None too when the pinned tree cannot be had (no sdist, no network)."""
+def pinned_semantics(digest: str) -> str | None:
+    """The semantics of the pinned tree with this content (``shared``: with our patch; ``master``: as
+    vendored), or None; None too when the pinned tree cannot be had (no sdist, no network)."""
     try:
         hashes = pinned_tree_hashes()
     except HarnessError:
         return None
-    if digest == hashes["shared"]:
-        return "asan" if asan else "pr"
-    if digest == hashes["master"] and not asan:
-        return "master"
-    return None
+    return next((sem for sem in ("shared", "master") if hashes[sem] == digest), None)
 
 
 def pinned_status(

@@ -26,10 +26,9 @@ SERVER_BIN_ENV = "PROMPT_CACHE_SERVER_BIN"
 
 
 def campaign_machines(plan: Plan, backend: str) -> list[MachineSpec]:
-    flavour = "master" if plan.semantics == "master" else "pr"
     named = os.environ.get(SERVER_BIN_ENV)
-    binary = Path(named) if named else cached_binary(flavour)
-    expr = f"Path({named!r})" if named else f"build_server({flavour!r})"
+    binary = Path(named) if named else cached_binary(plan.semantics)
+    expr = f"Path({named!r})" if named else f"build_server({plan.semantics!r})"
     if binary is None or not binary.is_file():
         raise UsageError(
             f"no llama-server build for --semantics {plan.semantics}: "

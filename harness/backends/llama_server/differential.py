@@ -112,7 +112,7 @@ class Differential:
     log_dir: str | None = None
     rows: list[Row] = field(default_factory=list)
     env: dict[str, str] = field(default_factory=dict)
-    binary_expr: str = "build_server('pr')"  # only for the replay program: how to get the binary again
+    binary_expr: str = "build_server('shared')"  # only for the replay program: how to get the binary again
     _sent: int = field(default=0, init=False, repr=False)  # requests answered: the log's releases to wait for
     pending: tuple[tuple[int, ...], int] | None = field(default=None, init=False, repr=False)  # sent, unanswered
     reuse_counts: Counter[str] = field(default_factory=Counter)  # reuse findings: requests, "id:tokens" tokens
@@ -330,7 +330,7 @@ def server_machine(
     semantics: str,
     stats: MachineStats,
     log_dir: str | None,
-    binary_expr: str = "build_server('pr')",
+    binary_expr: str = "build_server('shared')",
 ) -> type:
     """A Hypothesis state machine class driving ``cfg`` on ``binary`` against the model in ``semantics``."""
 

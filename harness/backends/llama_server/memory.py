@@ -27,7 +27,7 @@ from harness.errors import BadAlloc
 from harness.findings import CHECKPOINT_ALLOC_TERMINATES, KnownRow
 from harness.model.sites import upstream
 from harness.targets.llama_server import RequestFailed, ServerConfig, proc_status
-from harness.trees.build import cached_binary
+from harness.trees.build import build_name, cached_binary
 
 __all__ = ["DIVERGING", "FaultTrial", "memory_and_faults", "save_fault", "save_peak"]
 
@@ -280,9 +280,9 @@ def memory_and_faults(
     section["rss_peak_bytes"] = mem["rss_peak_bytes"]
     section["memory"] = {label: mem}
     if other is None:
-        name = "pr" if semantics == "master" else "master"
-        other_bin = cached_binary(name)
-        other = None if other_bin is None else (name, other_bin, "master" if name == "master" else "shared")
+        other_sem = "shared" if semantics == "master" else "master"
+        other_bin = cached_binary(other_sem)
+        other = None if other_bin is None else (build_name(other_sem), other_bin, other_sem)
     if other is not None:
         section["memory"][other[0]] = save_peak(other[1], other[2], log_dir=logs)
     m = section["memory"]

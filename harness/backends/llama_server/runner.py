@@ -72,12 +72,11 @@ class ServerBackend(Backend):
             else:
                 if opts.asan and opts.semantics == "master":
                     raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
-                flavour = "asan" if opts.asan else ("master" if opts.semantics == "master" else "pr")
-                build = server_build(flavour=flavour, log=log)
+                build = server_build(semantics=opts.semantics or "shared", asan=opts.asan, log=log)
         except BuildError as e:
             raise BuildError(f"llama-server could not be built: {e}") from None
         semantics, how = _semantics_for(build, opts)
-        report.variant = semantics
+        report.semantics = semantics
         if opts.base is not None:
             base_sem = base.semantics or semantics
             run_change_backend(report, build, base, semantics, base_sem, opts.profile, opts.seed, opts.max_examples,
