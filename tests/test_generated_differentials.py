@@ -57,8 +57,8 @@ def test_reuse_programs_find_a_chunk_loop_off_by_one(binary: Path) -> None:
     assert _replays(fig.failure.program).name == "cache_n"
 
 
-@pytest.mark.parametrize("argv", [["reuse", "--models", "mamba"], ["reuse", "--examples", "0"],
-                                  ["slot-files", "--differential", "--models", "llama,gpt"]])  # fmt: skip
+@pytest.mark.parametrize("argv", [["reuse", "--arch", "mamba"], ["reuse", "--examples", "0"],
+                                  ["slot-files", "--differential", "--arch", "llama", "gpt"]])  # fmt: skip
 def test_bad_generated_differential_flags_get_one_line(argv: list[str]) -> None:
     r = subprocess.run([sys.executable, "-m", "harness", *argv], capture_output=True, text=True, check=False)
     assert r.returncode == 2 and "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr

@@ -12,7 +12,15 @@ from pathlib import Path
 from harness.errors import UsageError
 from harness.trees.build import ServerBuild, server_build
 
-__all__ = ["SEMANTICS", "add_semantics", "add_server_options", "models_of", "resolve_server", "semantics_of"]
+__all__ = [
+    "SEMANTICS",
+    "add_archs",
+    "add_semantics",
+    "add_server_options",
+    "archs_of",
+    "resolve_server",
+    "semantics_of",
+]
 
 SEMANTICS = ("shared", "master")
 
@@ -69,10 +77,24 @@ def resolve_server(args: argparse.Namespace, log: Callable[[str], None] | None =
     return server_build(semantics=semantics or "shared", asan=asan, log=say)
 
 
-def models_of(text: str, known: Sequence[str]) -> tuple[str, ...]:
-    """``--models A,B``: the models named, each one of ``known`` (else one line, exit 2)."""
-    archs = tuple(a for a in text.split(",") if a)
-    bad = [a for a in archs if a not in known]
-    if bad or not archs:
-        raise UsageError(f"--models: unknown model {','.join(bad) or text!r} (choose from {','.join(known)})")
-    return archs
+def add_archs(parser: argparse.ArgumentParser, known: Sequence[str], what: str) -> None:
+    """``--arch NAME [NAME ...]``: which of the generated fixture models (``known``) to run, all by default; the
+    old ``--models A,B`` is still read, with a note."""
+    parser.add_argument("--arch", nargs="+", metavar="NAME", help=f"{what} ({', '.join(known)}; default all)")
+    parser.add_argument("--models", metavar="A,B", help=argparse.SUPPRESS)  # the old spelling of --arch
+
+
+def archs_of(args: argparse.Namespace, known: Sequence[str]) -> tuple[str, ...]:
+    """The fixture models :func:`add_archs`'s flags name, each one of ``known`` (else one line, exit 2)."""
+    if args.models is not None:
+        if args.arch:
+            raise UsageError("--models is the old spelling of --arch; use --arch only")
+        print(f"note: --models is deprecated; use --arch {' '.join(a for a in args.models.split(',') if a)}",
+              file=sys.stderr)  # fmt: skip
+        names = [a for a in args.models.split(",") if a]
+    else:
+        names = list(args.arch or known)
+    bad = [a for a in names if a not in known]
+    if bad or not names:
+        raise UsageError(f"unknown --arch {' '.join(bad) or '(none)'}; choose from {', '.join(known)}")
+    return tuple(dict.fromkeys(names))

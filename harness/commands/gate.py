@@ -120,7 +120,7 @@ def _write_junit(report: GateReport, path: str) -> None:
         failures=str(sum(p["status"] == "failed" for p in props)),
     )
     names = [p["name"] for p in props]
-    # checks of a backend that are not model invariants (the server's cache_n, output, sanitizer...)
+    # properties of a backend that are not model invariants (the server's cache_n, output, sanitizer...)
     extra = sorted({f.property for f in report.failures} - set(names))
     suite.set("tests", str(len(names) + len(extra)))
     suite.set("failures", str(len({f.property for f in report.failures})))

@@ -18,7 +18,7 @@ import json
 import sys
 from pathlib import Path
 
-from harness.commands.common import add_server_options, models_of, resolve_server
+from harness.commands.common import add_archs, add_server_options, archs_of, resolve_server
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.reuse_programs import ARCHS, command_line, run_model
 
@@ -28,8 +28,7 @@ __all__ = ["add_arguments", "run"]
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, default=50, metavar="N", help="generated programs per model (50)")
     parser.add_argument("--seed", type=int, default=0, help="the programs' seed (0)")
-    parser.add_argument("--models", default=",".join(ARCHS), metavar="A,B",
-                        help=f"the models ({','.join(ARCHS)}: the model can move transformer cells only)")  # fmt: skip
+    add_archs(parser, ARCHS, "the fixture models (the model can move transformer cells only)")
     add_server_options(parser, source=False, asan=False)
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
@@ -37,7 +36,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     if not 1 <= args.examples <= 100_000:
         raise UsageError(f"--examples must be between 1 and 100000, got {args.examples}")
-    archs = models_of(args.models, ARCHS)
+    archs = archs_of(args, ARCHS)
     binary = resolve_server(args).binary
     rows, failed = [], False
     for arch in archs:

@@ -9,7 +9,7 @@ in :mod:`harness.findings`) are reported as known and do not fail the run, as in
 escapes, a name that must be refused and is not answered 4xx, or a benign name not saved is a failure.
 
 ``--differential`` runs instead the slot-file differential: ``--examples`` Hypothesis-generated programs of saves,
-restores, erases and completions per model of ``--models`` (all five by default; seeded by ``--seed``:
+restores, erases and completions per model of ``--arch`` (all five by default; seeded by ``--seed``:
 :mod:`harness.load.slot_programs`), each step against the model (statuses, token counts,
 ``timings.cache_n``) and, after every restore, a fresh evaluation (outputs); a difference a registered finding's
 exact condition explains is counted under it, any other fails with the shrunk program, the seed and the command
@@ -28,7 +28,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from harness.commands.common import add_server_options, models_of, resolve_server
+from harness.commands.common import add_archs, add_server_options, archs_of, resolve_server
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.experiments.slot_files import ACTIONS, NameResult, SlotFilesReport, run_slot_files
 from harness.experiments.slot_restore import enospc, run_differential, stale_draft
@@ -58,8 +58,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                              "then a save on a full tmpfs (root), instead of the names")  # fmt: skip
     parser.add_argument("--rounds", type=int, default=1, metavar="N",
                         help="--differential: rounds of the fixed smoke programs per model (1)")  # fmt: skip
-    parser.add_argument("--models", default=",".join(ARCHS), metavar="A,B",
-                        help=f"--differential: the models of the generated programs ({','.join(ARCHS)})")  # fmt: skip
+    add_archs(parser, ARCHS, "--differential: the fixture models of the generated programs")
 
 
 def _short(text: str, n: int) -> str:
@@ -86,7 +85,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError(f"--examples must be >= 0, got {args.examples}")
     if args.rounds < 1:
         raise UsageError(f"--rounds must be >= 1, got {args.rounds}")
-    models_of(args.models, ARCHS)
+    archs_of(args, ARCHS)  # before any build: a bad name is one line
     binary = resolve_server(args).binary
     if args.differential:
         return _differential(binary, args)
@@ -111,8 +110,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _generated(binary: Path, args: argparse.Namespace) -> tuple[list[dict[str, object]], list[str]]:
-    """The generated programs on every model of ``--models``: one line each; the figures and the failures."""
-    archs = models_of(args.models, ARCHS) if args.examples else ()
+    """The generated programs on every model of ``--arch``: one line each; the figures and the failures."""
+    archs = archs_of(args, ARCHS) if args.examples else ()
     rows, failures = [], []
     for arch in archs:
         f = run_model(arch, binary, examples=args.examples, seed=args.seed)

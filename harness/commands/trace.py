@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     rec = sub.add_parser("record", help="a traced concurrent run on a real llama-server")
     rec.add_argument("--out", type=Path, required=True, help="the trace file (round R: OUT with .R before .jsonl)")
     add_server_options(rec, source=False, asan=False)  # a --server-bin must link libllama shared
-    rec.add_argument("--model", choices=ARCHS, default="llama", help="the generated model (default llama)")
+    rec.add_argument("--arch", choices=ARCHS, help="the generated fixture model (default llama)")
+    rec.add_argument("--model", choices=ARCHS, help=argparse.SUPPRESS)  # the old spelling of --arch
     rec.add_argument("--seed", type=int, default=0, help="the workload's seed (0: the reproducer's)")
     rec.add_argument("--rounds", type=int, default=1, help="rounds on a new server each (default 1)")
     rec.add_argument("--until-wrong", action="store_true", help="stop at the first round with a wrong answer")
@@ -76,7 +78,11 @@ def _record(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
     build = resolve_server(args)
-    model = model_path(args.model)
+    if args.model is not None:
+        if args.arch is not None:
+            raise UsageError("--model is the old spelling of --arch; use --arch only")
+        print(f"note: --model is deprecated for trace record; use --arch {args.model}", file=sys.stderr)
+    model = model_path(args.arch or args.model or "llama")
     work = workload(args.seed)
     want = fresh_answers(build.binary, model, work, extra_args=["-fa", args.flash_attn] if args.flash_attn else [])
     wrong_rounds = 0
