@@ -8,9 +8,9 @@ real servers, one built from ``TREE`` and one from ``BASE``, and to the model (f
   error, a dropped connection or a dead server on one side only; or the prompt-cache events their logs show
   for that request, :data:`EVENTS`: how many of each, and each one's numbers, :data:`FIELDS`, so a checkpoint
   created at other positions or an entry saved with another length differs even when the counts agree) is
-  **the change's**: a gate failure (property ``change``; exit 3 when
-  ``TREE`` died), reported with the shortest request program that still shows it (:func:`shrink`, replayed
-  on fresh server pairs) and a script that replays it on both;
+  **the change's**: a gate failure (property ``change``; exit 3 when ``TREE`` died), reported with the
+  shortest request program that still shows it (:func:`shrink`, replayed on fresh server pairs) and a script
+  that replays it on both;
 * a difference between ``BASE`` and the model is **upstream drift** when ``BASE`` is not the pinned tree:
   reported once per configuration and never failing the gate by itself (on the pinned tree it is a
   mismatch of the model, as without ``--base``).
