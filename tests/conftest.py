@@ -180,6 +180,15 @@ Edits = dict[str, list[tuple[str, str]]]
 #: (tools/server/server-task.cpp:1814, "don't trash large prompts"): 25 % of an entry kept -> 75 %
 THRESHOLD_EDIT: Edits = {"tools/server/server-task.cpp": [("if (f_keep_cur < 0.25f) {", "if (f_keep_cur < 0.75f) {")]}
 
+#: checkpoints at other positions, as many: the prompt's last checkpoint 5 tokens before its end, not 4
+#: (tools/server/server-context.cpp:3546 at 0c1e570, ``checkpoint_offsets``, the tail processed separately)
+CHECKPOINT_EDIT: Edits = {
+    "tools/server/server-context.cpp": [
+        ("static const int checkpoint_offsets[] = {4 + n_ubatch, 4};",
+         "static const int checkpoint_offsets[] = {4 + n_ubatch, 5};")
+    ]
+}  # fmt: skip
+
 _ROUTE = "    this->post_completions = [this](const server_http_req & req) {\n        auto res = create_response();\n"
 
 #: a server that fails on demand: with ``HARNESS_TEST_FAIL=http500:N`` its Nth ``POST /completion`` answers
@@ -235,6 +244,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "pr": ("shared", None),  # a copy of the pinned tree with our patch (hashes as the pinned pr tree)
     "pinned": ("master", None),  # a copy of the pinned tree
     "threshold": ("shared", THRESHOLD_EDIT),
+    "checkpoint-offset": ("shared", CHECKPOINT_EDIT),
     "fail": ("shared", FAIL_EDIT),
     "renamed": ("shared", RENAME_EDIT),
     "layout": ("shared", LAYOUT_EDIT),
@@ -255,7 +265,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
     return tree
 
 
-BUILT = ("threshold", "fail", "renamed")
+BUILT = ("threshold", "checkpoint-offset", "fail", "renamed")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

@@ -1,7 +1,8 @@
 """The gate on the trees its users have: made from the pinned sdist (copies, our patch, edits of our own).
 
 * the change differential (``--base``): our patch against the pinned tree changes no answer and halves the
-  save's peak; a behaviour change of our own is attributed to the change, with a short program;
+  save's peak; a behaviour change of our own is attributed to the change, with a short program, and so are
+  checkpoints created at other positions, as many as the base's;
 * the driver: an HTTP 500 and a server dying mid-request are classified failures with a replay, exit 1 and
   3, the JSON written, no traceback;
 * the libllama layers on a tree's own libllama, and a library whose C API the bindings cannot drive refused;
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Callable
@@ -84,6 +86,20 @@ def test_a_behaviour_change_of_our_own_is_attributed_to_the_change_with_a_short_
                               timeout=600, check=False)  # fmt: skip
     assert replayed.returncode == 0, replayed.stderr[-2000:]
     assert "->" in replayed.stdout.strip().splitlines()[-1], replayed.stdout
+
+
+def test_checkpoints_at_other_positions_are_the_changes_though_as_many(trees: Trees, tmp_path: Path) -> None:
+    tree, base = trees("checkpoint-offset"), trees("pr")
+    out = tmp_path / "gate.json"
+    r = _harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "4",
+                 "--json", str(out))  # fmt: skip
+    _no_traceback(r)
+    assert r.returncode == 1, r.stdout[-4000:]
+    change = [f for f in json.loads(out.read_text())["failures"] if f["property"] == "change"]
+    assert change, r.stdout[-4000:]
+    message = change[0]["message"]  # the first one, shrunk: a checkpoint's numbers, not a count
+    shown = r"checkpoints_created \(\d+ of \d+\): TREE .*n_tokens \d+ where BASE .*n_tokens \d+"
+    assert re.search(shown, message), message
 
 
 # --------------------------------------------------------------------------------------------

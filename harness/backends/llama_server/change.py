@@ -6,9 +6,11 @@ real servers, one built from ``TREE`` and one from ``BASE``, and to the model (f
 
 * a difference between ``TREE`` and ``BASE`` (an answer's slot, ``cache_n`` or generated tokens; an HTTP
   error, a dropped connection or a dead server on one side only; or the prompt-cache events their logs show
-  for that request, :data:`EVENTS`) is **the change's**: a gate failure (property ``change``; exit 3 when
-  ``TREE`` died), reported with the shortest request program that still shows it (:func:`shrink`, replayed
-  on fresh server pairs) and a script that replays it on both;
+  for that request, :data:`EVENTS`: how many of each, and each one's numbers, :data:`FIELDS`, so a checkpoint
+  created at other positions or an entry saved with another length differs even when the counts agree) is
+  **the change's**: a gate failure (property ``change``; exit 3 when ``TREE`` died), reported with the
+  shortest request program that still shows it (:func:`shrink`, replayed on fresh server pairs) and a script
+  that replays it on both;
 * a difference between ``BASE`` and the model is **upstream drift** when ``BASE`` is not the pinned tree:
   reported once per configuration and never failing the gate by itself (on the pinned tree it is a
   mismatch of the model, as without ``--base``).
@@ -19,6 +21,7 @@ Both servers run with ``-lv 4``, so their logs show every save, cache load, evic
 from __future__ import annotations
 
 import dataclasses
+import re
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -33,7 +36,20 @@ from fixtures.gguf import draft_path, model_path
 from harness.backends.llama_server.differential import Differential, Program, ServerMismatch, prompt_from, request_rule
 from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
 
-__all__ = ["EVENTS", "Answer", "ChangeFound", "ChangePair", "ChangeStats", "Step", "change_machine", "shrink"]
+__all__ = [
+    "EVENTS",
+    "FIELDS",
+    "Answer",
+    "ChangeFound",
+    "ChangePair",
+    "ChangeStats",
+    "Event",
+    "Step",
+    "change_machine",
+    "difference",
+    "parse_events",
+    "shrink",
+]
 
 EVENTS: dict[str, str] = {
     "evictions": "removing oldest entry",
@@ -45,19 +61,73 @@ EVENTS: dict[str, str] = {
     "checkpoints_erased": "erasing old context checkpoint",
 }
 """The prompt-cache events a server's ``-lv 4`` log shows (name -> the line's words in
-tools/server/server-context.cpp and server-task.cpp at 0c1e570, unchanged on the PR's branch of 2026-08-20)."""
+tools/server/server-context.cpp and server-task.cpp at 0c1e570, unchanged on the PR's branch of 2026-08-20).
+The eviction's words end all three of its lines (making room for an entry, the size limit, the token limit);
+"erasing context checkpoint too close to an earlier one" is none of them."""
+
+FIELDS: dict[str, tuple[str, ...]] = {
+    "evictions": ("size",),  # "removing oldest entry (size = %.3f MiB)"
+    "saves": ("length", "size", "draft"),  # "saving prompt with length %d, total state size = %.3f MiB (draft: ...)"
+    "cache_loads": ("f_keep", "f_sim"),  # "found better prompt with f_keep = %.3f, f_sim = %.3f"
+    "checkpoints_created": ("number", "of", "pos_min", "pos_max", "n_tokens", "size"),  # "%d of %d (pos_min = ..."
+    "checkpoints_restored": ("pos_min", "pos_max", "n_tokens", "n_past", "size"),
+    "checkpoints_invalidated": ("pos_min", "pos_max", "n_tokens", "n_swa", "pos_next", "size"),
+    "checkpoints_erased": ("pos_min", "pos_max", "n_tokens", "size"),
+}
+"""The numbers each :data:`EVENTS` line carries after its words, in order (the lines' formats at 0c1e570; sizes
+in MiB). A line of another tree with fewer numbers gives fewer fields; one with more, the named ones."""
+
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+@dataclass(frozen=True)
+class Event:
+    """One :data:`EVENTS` line: its name and its numbers (:data:`FIELDS` name -> the number as logged: sizes and
+    fractions are compared as printed, ``%.3f``, both builds printing the same state the same way)."""
+
+    name: str
+    values: tuple[tuple[str, str], ...] = ()
+
+    def against(self, other: Event) -> tuple[str, str] | None:
+        """The fields both lines carry that differ, as ``(this side's, other side's)`` text; None: none does."""
+        theirs = dict(other.values)
+        diff = [(k, v, theirs[k]) for k, v in self.values if k in theirs and theirs[k] != v]
+        if not diff:
+            return None
+        return " ".join(f"{k} {a}" for k, a, _ in diff), " ".join(f"{k} {b}" for k, _, b in diff)
+
+
+def parse_events(text: str) -> list[Event]:
+    """The :data:`EVENTS` lines of a log text, in order."""
+    found = []
+    for line in text.splitlines():
+        for name, words in EVENTS.items():
+            at = line.find(words)
+            if at >= 0:
+                numbers = _NUMBER.findall(line, at + len(words))
+                found.append(Event(name, tuple(zip(FIELDS[name], numbers, strict=False))))
+                break
+    return found
+
 
 @dataclass(frozen=True)
 class Answer:
     """What one server made of one request: its answer (slot, ``cache_n``, generated tokens) or what went
-    wrong (``error``), and how many of each :data:`EVENTS` its log showed for it."""
+    wrong (``error``), and the :data:`EVENTS` its log showed for it (``records``, in the log's order;
+    ``events``: how many of each)."""
 
     slot: int | None
     cache_n: int | None
     generated: tuple[int, ...] | None
     error: str | None
-    events: tuple[tuple[str, int], ...]
+    records: tuple[Event, ...] = ()
     raw: Any = field(default=None, compare=False, repr=False)
+
+    @property
+    def events(self) -> tuple[tuple[str, int], ...]:
+        """How many of each :data:`EVENTS` (name, count), in :data:`EVENTS`' order."""
+        n = Counter(e.name for e in self.records)
+        return tuple((name, n[name]) for name in EVENTS)
 
     def describe(self) -> str:
         if self.error is not None:
@@ -80,8 +150,17 @@ def difference(tree: Answer, base: Answer) -> str | None:
             return f"{name}: TREE {_shown(a)} where BASE {_shown(b)}"
     te, be = dict(tree.events), dict(base.events)
     for name in EVENTS:
-        if te.get(name, 0) != be.get(name, 0):
-            return f"the logs show {name}: TREE {te.get(name, 0)} where BASE {be.get(name, 0)}"
+        if te[name] != be[name]:
+            return f"the logs show {name}: TREE {te[name]} where BASE {be[name]}"
+    # as many of each: the k-th event of a kind against BASE's k-th of that kind, the first in TREE's log order
+    theirs = {name: [e for e in base.records if e.name == name] for name in EVENTS}
+    k: Counter[str] = Counter()
+    for ev in tree.records:
+        other = theirs[ev.name][k[ev.name]]
+        k[ev.name] += 1
+        diff = ev.against(other)
+        if diff is not None:
+            return f"the logs show {ev.name} ({k[ev.name]} of {te[ev.name]}): TREE {diff[0]} where BASE {diff[1]}"
     return None
 
 
@@ -96,7 +175,7 @@ class _Side:
         self.name = name
         self.server = server
         self.released = 0
-        self.seen: Counter[str] = Counter()
+        self.read = 0  # the log's characters parsed so far (whole lines)
 
     def ask(self, toks: tuple[int, ...], n_predict: int) -> Answer:
         try:
@@ -108,12 +187,22 @@ class _Side:
         return Answer(int(r["id_slot"]), int(r["timings"]["cache_n"]), tuple(int(t) for t in r.get("tokens") or ()),
                       None, self._events(10.0), r)  # fmt: skip
 
-    def _events(self, timeout: float) -> tuple[tuple[str, int], ...]:
-        text = self.server.log_through(self.released, timeout) if self.server.log_path else ""
-        now = Counter({name: text.count(words) for name, words in EVENTS.items()})
-        delta = tuple((name, now[name] - self.seen[name]) for name in EVENTS)
-        self.seen = now
-        return delta
+    def _events(self, timeout: float) -> tuple[Event, ...]:
+        """The events logged since the last call: whole lines only (a line still being written, which only a
+        timeout can leave, is waited for briefly, else left to the next call)."""
+        if not self.server.log_path:
+            return ()
+        text = self.server.log_through(self.released, timeout)
+        for _ in range(25):
+            tail = text[text.rfind("\n") + 1 :]
+            if not any(words in tail for words in EVENTS.values()):
+                break
+            time.sleep(0.02)
+            text = self.server.log_path.read_text(errors="replace")
+        end = text.rfind("\n") + 1
+        new = parse_events(text[self.read : end]) if end > self.read else []
+        self.read = max(self.read, end)
+        return tuple(new)
 
 
 @dataclass(frozen=True)
