@@ -239,12 +239,32 @@ UNKNOWN_SEMANTICS_EDIT: Edits = {
     "common/common.h": [("    std::vector<uint8_t> data_tgt;", "    std::unique_ptr<std::vector<uint8_t>> data_tgt;")]
 }
 
+#: C++ mutants of the prompt cache, one line each, for the server-side properties (harness.targets.server_log):
+#: the oldest checkpoint erased only once the list is over the cap (server-context.cpp:2312) -> checkpoint_lists
+CAP_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("        while (slot.prompt.checkpoints.size() >= (size_t) params_base.n_ctx_checkpoints) {",
+     "        while (slot.prompt.checkpoints.size() > (size_t) params_base.n_ctx_checkpoints) {")]}  # fmt: skip
+#: alloc makes room for the cache as it is, not for it plus the new entry (server-task.cpp:1751) -> alloc_eviction
+ROOM_EDIT: Edits = {"tools/server/server-task.cpp": [
+    ("        while (!states.empty() && size() + state_size_new > limit_size) {",
+     "        while (!states.empty() && size() > limit_size) {")]}  # fmt: skip
+#: the token limit enforced only when a byte limit is set too (server-task.cpp:1885) -> limit
+TOKENS_EDIT: Edits = {"tools/server/server-task.cpp": [
+    ("    if (limit_tokens > 0) {", "    if (limit_size > 0 && limit_tokens > 0) {")]}
+#: the cache's size leaves the checkpoints out though each entry's counts them (server-task.cpp:1695) -> accounting
+SIZE_EDIT: Edits = {"tools/server/server-task.cpp": [
+    ("        res += state.size();", "        res += state.data.size();")]}  # fmt: skip
+
 #: the users' trees the tests make, by name: (semantics of the pinned tree it starts from, edits)
 TREES: dict[str, tuple[str, Edits | None]] = {
     "pr": ("shared", None),  # a copy of the pinned tree with our patch (hashes as the pinned pr tree)
     "pinned": ("master", None),  # a copy of the pinned tree
     "threshold": ("shared", THRESHOLD_EDIT),
     "checkpoint-offset": ("shared", CHECKPOINT_EDIT),
+    "cap": ("shared", CAP_EDIT),
+    "room": ("shared", ROOM_EDIT),
+    "tokens": ("shared", TOKENS_EDIT),
+    "size": ("shared", SIZE_EDIT),
     "fail": ("shared", FAIL_EDIT),
     "renamed": ("shared", RENAME_EDIT),
     "layout": ("shared", LAYOUT_EDIT),
@@ -265,7 +285,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
     return tree
 
 
-BUILT = ("threshold", "checkpoint-offset", "fail", "renamed")
+BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "fail", "renamed")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

@@ -21,8 +21,9 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.llama_server.differential import Differential, ServerMismatch
+from harness.backends.llama_server.differential import LIMIT_PROGRAMS, Differential, ServerMismatch, run_program
 from harness.targets.llama_server import ServerConfig
+from harness.targets.server_log import LOG_PROPERTIES
 from harness.trees.api import check_libllama
 from harness.trees.build import build_server, build_source, cache_root
 from harness.trees.pinned import sdist_source
@@ -212,3 +213,41 @@ def test_a_near_identical_tree_recompiles_only_what_differs(trees: Trees) -> Non
     assert compiled and all("server-task.cpp" in line for line in compiled), compiled
     info = json.loads((binary.parent / "build-info.json").read_text())
     assert info["staged_changes"] == 1  # only the edited file was rewritten into the stage
+
+
+# --------------------------------------------------------------------------------------------
+# the server-side properties, each killed by a C++ mutant (the server's own log, no model needed)
+# --------------------------------------------------------------------------------------------
+
+#: tree (one line of the pinned tree changed, tests/conftest.py) -> the gate's program at the limit it breaks,
+#: and the property of harness.targets.server_log the server's log must show broken
+SERVER_MUTANTS = {
+    "threshold": ("load-threshold", "load_choice"),
+    "cap": ("checkpoint-cap", "checkpoint_lists"),
+    "room": ("eviction", "alloc_eviction"),
+    "tokens": ("token-limit", "limit"),
+    "size": ("eviction", "accounting"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(SERVER_MUTANTS))
+def test_each_server_side_property_fails_on_its_cpp_mutant(trees: Trees, name: str) -> None:
+    program, prop = SERVER_MUTANTS[name]
+    binary = build_source(trees(name), log=lambda _m: None)
+    cfg, requests = LIMIT_PROGRAMS[program]()
+    with pytest.raises(ServerMismatch) as caught:
+        run_program(cfg, requests, binary, "shared", None)
+    e = caught.value
+    assert e.name == prop and e.message.startswith("the server's log: "), (e.name, e.message)
+    assert "Differential(" in e.program and "d.check(d.request(" in e.program  # the program that replays it
+
+
+def test_the_pinned_build_holds_every_server_side_property_at_every_limit() -> None:
+    """Each property of the log is checked (and holds) on the pr build, over the gate's programs at the limits."""
+    binary = build_server("shared")
+    seen: dict[str, int] = {}
+    for make in LIMIT_PROGRAMS.values():
+        rows = run_program(*make(), binary, "shared", None)
+        for k, v in rows[-1].log_checked.items():
+            seen[k] = seen.get(k, 0) + v
+    assert all(seen.get(p, 0) > 0 for p in LOG_PROPERTIES), seen

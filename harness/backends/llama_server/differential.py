@@ -26,6 +26,7 @@ example is not shrunk (each step is a real request), the full request sequence i
 
 from __future__ import annotations
 
+import dataclasses
 from collections import Counter
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -39,9 +40,11 @@ from fixtures.gguf import draft_path, model_path
 from harness.errors import PropertyFailure
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
+from harness.targets.server_log import CacheLog, LogProblem
 from properties.reuse import ReuseTracer
 
 __all__ = [
+    "LIMIT_PROGRAMS",
     "NEAR_TIE_LOGPROB",
     "SERVER_PROFILES",
     "Differential",
@@ -50,16 +53,19 @@ __all__ = [
     "Row",
     "ServerMismatch",
     "check_output",
+    "checkpoint_cap_program",
     "eviction",
     "eviction_program",
     "full_context",
     "full_context_program",
+    "load_threshold_program",
     "prompt_from",
     "request_failure",
     "request_rule",
     "run_program",
     "server_configs",
     "server_machine",
+    "token_limit_program",
 ]
 
 
@@ -79,6 +85,8 @@ class Row:
     draft_n: int = 0  # tokens the server's draft model proposed (timings.draft_n)
     best_usable: int = -1  # the model's best usable source for this request (properties/reuse.py); -1 unknown
     reuse_finding: str | None = None  # the registered finding the model's shortfall is, if it fell short
+    log_problems: tuple[LogProblem, ...] = ()  # what the server's own log showed broken (harness.targets.server_log)
+    log_checked: dict[str, int] = field(default_factory=dict)  # the server-side checks so far, per property
 
     def reuse_problem(self) -> str | None:
         """The ``reuse`` property on the server's answer: ``cache_n`` below the best usable source, unexplained."""
@@ -118,6 +126,9 @@ class Differential:
     reuse_counts: Counter[str] = field(default_factory=Counter)  # reuse findings: requests, "id:tokens" tokens
 
     def __post_init__(self) -> None:
+        if self.cfg.log_verbosity is None:  # -lv 4: the cache's own trace lines, for the server-side properties
+            self.cfg = dataclasses.replace(self.cfg, log_verbosity=4)
+        self.cache_log = CacheLog(self.cfg.ctx_checkpoints)
         self.model_file = model_path(self.cfg.arch)
         self.server = ServerProcess(
             self.binary,
@@ -200,6 +211,8 @@ class Differential:
             int(answer["timings"].get("draft_n", 0)),
             self.reuse.best_of.get(res.task, -1),
             self.reuse.finding_of.get(res.task),
+            tuple(self.cache_log.feed(log)),
+            dict(self.cache_log.checked),
         )
         self.rows.append(row)
         return row
@@ -208,7 +221,11 @@ class Differential:
         """``row`` held to what every request is: the model's slot, ``cache_n`` and evictions (``cache_n``), and
         ``cache_n`` at least the best usable source (``reuse``, :meth:`Row.reuse_problem`); a failure raises
         :class:`ServerMismatch` with the program so far. The program calls it on each row it replays, so a
-        pasted program fails where the run did (it printed ``cache_n 517 = 517`` and passed before)."""
+        pasted program fails where the run did (it printed ``cache_n 517 = 517`` and passed before). What the
+        server's own log shows broken (:mod:`harness.targets.server_log`) comes first: it needs no model."""
+        if row.log_problems:
+            first = row.log_problems[0]
+            raise ServerMismatch(first.property, f"the server's log: {first.message}", self.program())
         if not row.ok:
             raise ServerMismatch("cache_n", row.describe(), self.program())
         if (problem := row.reuse_problem()) is not None:
@@ -300,6 +317,7 @@ class MachineStats:
     cache_loads: int = 0
     near_tie_flips: int = 0  # the known finding greedy-flip-on-cache-path
     drafted: int = 0  # draft tokens the server proposed (speculative configurations)
+    log_checks: Counter[str] = field(default_factory=Counter)  # the server-side properties checked on its log
 
 
 def request_rule(f: Callable[..., None]) -> Callable[..., None]:
@@ -359,6 +377,7 @@ def server_machine(
             if cache is not None:
                 stats.evictions += cache.evictions
                 stats.cache_loads += cache.loads
+            stats.log_checks.update(self.d.cache_log.checked)
             try:
                 self.fresh.stop()
             finally:
@@ -452,13 +471,46 @@ def eviction_program() -> tuple[ServerConfig, Program]:
     return cfg, [(toks, 2) for toks in (*prompts, *tail)]
 
 
+def checkpoint_cap_program() -> tuple[ServerConfig, Program]:
+    """One slot, ``--ctx-checkpoints 2``: a prompt growing by 300 tokens a request, so the slot's checkpoint list
+    is full at every request after the second and each new checkpoint must first erase the oldest."""
+    cfg = ServerConfig("jamba", n_parallel=1, cache_ram_mib=8, ctx_checkpoints=2)
+    p = tuple(3 + (i * 7) % 250 for i in range(900))
+    return cfg, [(p[:300], 2), (p[:600], 2), (p, 2), ((*p, *(7,) * 100), 2)]
+
+
+def token_limit_program() -> tuple[ServerConfig, Program]:
+    """No byte limit (``--cache-ram -1``), so the cache's token limit (the server's ``n_ctx``, 1024) is the one that
+    binds: four distinct 900-token prompts through one slot, then the first again (evicted by then)."""
+    cfg = ServerConfig("llama", n_parallel=1, cache_ram_mib=-1, n_ctx=1024)
+    prompts = [tuple(3 + (k * 29 + i * 7) % 250 for i in range(900)) for k in range(4)]
+    return cfg, [(toks, 2) for toks in (*prompts, prompts[0])]
+
+
+def load_threshold_program() -> tuple[ServerConfig, Program]:
+    """One slot: A, then B (A is saved), then A's first 226 of 901 tokens and new ones: the entry's ``f_keep``
+    is 0.2508, just above the 0.25 below which upstream's ``load`` skips an entry (server-task.cpp:1812)."""
+    cfg = ServerConfig("jamba", n_parallel=1, cache_ram_mib=8)
+    a = tuple(3 + (i * 7) % 250 for i in range(900))
+    b = tuple(3 + (i * 11) % 250 for i in range(900))
+    return cfg, [(a, 2), (b, 2), ((*a[:226], *(5,) * 300), 2)]
+
+
+LIMIT_PROGRAMS: dict[str, Callable[[], tuple[ServerConfig, Program]]] = {
+    "eviction": eviction_program,
+    "full-context": full_context_program,
+    "checkpoint-cap": checkpoint_cap_program,
+    "token-limit": token_limit_program,
+    "load-threshold": load_threshold_program,
+}
+"""The fixed programs the gate runs besides the machines, each at one of the cache's limits (by name)."""
+
+
 def run_program(cfg: ServerConfig, program: Program, binary: Path, semantics: str, log_dir: str | None) -> list[Row]:
     """``program`` through a :class:`Differential`; the model must predict every slot, ``cache_n`` and eviction."""
     with Differential(cfg, binary, semantics, log_dir) as d:
         for toks, n in program:
-            row = d.request(toks, n)
-            if not row.ok:
-                raise ServerMismatch("cache_n", row.describe(), d.program())
+            d.check(d.request(toks, n))
         return d.rows
 
 

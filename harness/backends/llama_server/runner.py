@@ -24,13 +24,13 @@ from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec,
 from harness.backends.llama_server.campaign import campaign_machines, campaign_models
 from harness.backends.llama_server.change import ChangeFound, ChangePair, ChangeStats, change_machine, shrink
 from harness.backends.llama_server.differential import (
+    LIMIT_PROGRAMS,
     MachineStats,
     Program,
     ServerMismatch,
     eviction,
-    eviction_program,
     full_context,
-    full_context_program,
+    run_program,
     server_configs,
     server_machine,
 )
@@ -172,7 +172,9 @@ def run_server_backend(
             os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
         _machines(run, binary, semantics, hs, seed, logs)
         try:
+            t0 = time.perf_counter()
             rows = eviction(binary, semantics, logs)
+            run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
             run.section["requests"] += len(rows)
             run.section["evictions"] += rows[-1].evictions
             out(
@@ -182,12 +184,26 @@ def run_server_backend(
         except ServerMismatch as e:
             run.mismatch(e, "server-eviction")
         try:
+            t0 = time.perf_counter()
             rows = full_context(binary, semantics, logs)
+            run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
             run.section["requests"] += len(rows)
             out(f"  [ok  ] full context: jamba n_ctx=1024, {len(rows)} requests, cache_n " + ", ".join(
                 str(r.cache_n) for r in rows))  # fmt: skip
         except ServerMismatch as e:
             run.mismatch(e, "server-full-context")
+        for name in ("checkpoint-cap", "token-limit", "load-threshold"):
+            cfg, program = LIMIT_PROGRAMS[name]()
+            try:
+                t0 = time.perf_counter()
+                rows = run_program(cfg, program, binary, semantics, logs)
+                run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
+                run.section["requests"] += len(rows)
+                out(f"  [ok  ] {name}: {cfg.name} --ctx-checkpoints {cfg.ctx_checkpoints} --cache-ram "
+                    f"{cfg.cache_ram_mib} -c {cfg.n_ctx}, {len(rows)} requests, {rows[-1].evictions} evictions, "
+                    f"the log's checks {dict(sorted(rows[-1].log_checked.items()))}")  # fmt: skip
+            except ServerMismatch as e:
+                run.mismatch(e, f"server-{name}")
         if not build.asan:
             try:
                 memory_and_faults(report, run.section, build.label, semantics, binary, logs, run.fail, out)
@@ -222,7 +238,8 @@ def _machines(run: ServerRun, binary: Path, semantics: str, hs: settings, seed: 
             run.fail("server", "crash", str(e), "", f"server-{cfg.name}")
         for k in ("requests", "near_tie_flips", "evictions", "cache_loads"):
             run.section[k] += getattr(stats, k)
-        run.passed(time.perf_counter() - t0, Counter({"cache_n": stats.requests, "output": stats.output_checks}))
+        checked = Counter({"cache_n": stats.requests, "output": stats.output_checks}) + stats.log_checks
+        run.passed(time.perf_counter() - t0, checked)
         run.out(
             f"  [{status}] {cfg.name:<20} {stats.requests:>4} requests ({stats.cache_hits} reused a prefix, "
             f"{stats.cache_loads} cache loads, {stats.evictions} evictions), {stats.output_checks} outputs "
@@ -266,8 +283,8 @@ def run_change_backend(
         pair = _PairRun(run, tree, base, base_semantics, base_pinned, logs)
         for cfg in server_configs():
             pair.machine(cfg, hs, seed)
-        for name, (cfg, program) in (("eviction", eviction_program()), ("full-context", full_context_program())):
-            pair.program(name, cfg, program)
+        for name, make in LIMIT_PROGRAMS.items():
+            pair.program(name, *make())
         if not tree.asan:
             _memory_change(report, run, tree, base, semantics, base_semantics, logs, out)
         run.sanitizers(logs)

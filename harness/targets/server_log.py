@@ -1,0 +1,196 @@
+"""The prompt cache's properties read off a real ``llama-server``'s own ``-lv 4`` log, not off the model fed with
+its answers.
+
+:class:`CacheLog` reads the log as it grows (:meth:`CacheLog.feed`, whole lines only) and checks, on what the
+server itself printed, the properties of :data:`properties.invariants.INVARIANTS` the log can show; each check
+is counted under the property's name, so the gate's table says how often the server was held to it:
+
+``limit``
+    every ``cache state`` line that ``server_prompt_cache::update`` prints (tools/server/server-task.cpp:1894 at
+    0c1e570) is within the byte limit (``--cache-ram``, when set) and the token limit it computed (``est``,
+    when ``limit_tokens > 0``), and no entry it lists is alone above the byte limit;
+``accounting``
+    the state's size is the sum of the listed entries' sizes (within the log's rounding to 0.001 MiB) and its
+    prompt count is the number of entries listed;
+``checkpoint_lists``
+    ``created context checkpoint K of N`` (server-context.cpp:2349) has ``1 <= K <= N`` and ``N`` the server's
+    ``--ctx-checkpoints``; no listed entry holds more checkpoints than that;
+``load_choice``
+    ``server_prompt_cache::load`` (server-task.cpp:1795) moves exactly the entry upstream's front-to-back scan
+    picks from the candidates it printed (skip ``f_keep < 0.25``; take one that beats the best so far on both
+    ``f_keep`` and ``f_sim``; the best starts at the slot's own), or nothing: recomputed here from the printed
+    figures, independently of the server's choice;
+``alloc_eviction``
+    ``alloc`` makes room before it saves (server-task.cpp:1750), so ``update`` never finds the cache above its
+    byte limit (``cache size limit reached``) unless an allocation failure lowered the limit first.
+
+Deviations: sizes are compared as the log prints them (MiB to three decimals), so a difference below 0.0005 MiB
+per entry is not seen; the log's wording is 0c1e570's (unchanged on the PR's branch); a tree that words it
+otherwise shows fewer checks, never a false failure.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import Counter
+from dataclasses import dataclass, field
+
+__all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem"]
+
+LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction")
+"""The properties :class:`CacheLog` checks, by their names in ``properties.invariants.INVARIANTS``."""
+
+_STATE = re.compile(
+    r"cache state: (\d+) prompts, ([\d.]+) MiB \(limits: ([\d.]+) MiB, (\d+) tokens, (\d+) est\)"
+)
+_ENTRY = re.compile(r"- prompt (0x[0-9a-f]+|\(nil\)|[0-9a-fx]+):\s+(\d+) tokens, checkpoints:\s+(\d+),\s+([\d.]+) MiB")
+_CREATED = re.compile(r"created context checkpoint (\d+) of (\d+)")
+_LOOKING = re.compile(r"looking for better prompt, base f_keep = (-?[\d.]+), f_sim = ([\d.]+)")
+_CANDIDATE = re.compile(r"- prompt with length\s+(\d+), lcp =\s+(\d+), f_keep = ([\d.]+), f_sim = ([\d.]+)")
+_FOUND = re.compile(r"found better prompt with f_keep = ([\d.]+), f_sim = ([\d.]+)")
+_ROUND = 0.0005  # the log prints MiB to three decimals
+
+
+@dataclass(frozen=True)
+class LogProblem:
+    """A property the server's log shows broken: its name and what the lines say."""
+
+    property: str
+    message: str
+
+
+@dataclass
+class _Scan:
+    """One ``load``'s scan as printed: the slot's own f_keep/f_sim and the candidates, in order."""
+
+    base: tuple[float, float]
+    candidates: list[tuple[float, float]] = field(default_factory=list)
+
+    def upstream_pick(self) -> tuple[float, float] | None:
+        """The f_keep/f_sim of the entry upstream's rule takes (server-task.cpp:1812-1822), or None."""
+        keep, sim = self.base
+        best = None
+        for k, s in self.candidates:
+            if k < 0.25:
+                continue
+            if keep < k and sim < s:
+                keep, sim, best = k, s, (k, s)
+        return best
+
+
+class CacheLog:
+    """The server-side properties of one ``llama-server`` (``-lv 4``), checked line by line as its log grows."""
+
+    def __init__(self, ctx_checkpoints: int) -> None:
+        self.ctx_checkpoints = ctx_checkpoints
+        self.checked: Counter[str] = Counter()
+        self._offset = 0
+        self._state: tuple[int, float, float, int, int, int] | None = None  # the state line being listed, its line
+        self._entries: list[tuple[int, int, float]] = []
+        self._scan: _Scan | None = None
+        self._limit_lowered = False
+        self._line = 0
+
+    def feed(self, text: str) -> list[LogProblem]:
+        """Check the whole lines of ``text`` (the log so far) not seen before; the problems found, in order. A
+        block still open at the end (a state whose entries may go on, a scan without its end) waits for the
+        next call or :meth:`finish`."""
+        end = text.rfind("\n") + 1
+        problems: list[LogProblem] = []
+        for line in text[self._offset : end].splitlines():
+            self._line += 1
+            problems += self._read(line)
+        self._offset = max(self._offset, end)
+        return problems
+
+    def finish(self) -> list[LogProblem]:
+        """Check what is still open (the log has ended)."""
+        return self._close_state() + self._close_scan(None)
+
+    def _read(self, line: str) -> list[LogProblem]:
+        out: list[LogProblem] = []
+        entry = _ENTRY.search(line)
+        if entry is not None and self._state is not None:
+            self._entries.append((int(entry[2]), int(entry[3]), float(entry[4])))
+            return out
+        out += self._close_state()
+        if (m := _STATE.search(line)) is not None:
+            out += self._close_scan(None)  # update follows load: the scan found nothing
+            self._state = (int(m[1]), float(m[2]), float(m[3]), int(m[4]), int(m[5]), self._line)
+        elif (m := _CREATED.search(line)) is not None:
+            out += self._created(int(m[1]), int(m[2]))
+        elif (m := _LOOKING.search(line)) is not None:
+            out += self._close_scan(None)
+            self._scan = _Scan((float(m[1]), float(m[2])))
+        elif (m := _CANDIDATE.search(line)) is not None and self._scan is not None:
+            self._scan.candidates.append((float(m[3]), float(m[4])))
+        elif (m := _FOUND.search(line)) is not None:
+            out += self._close_scan((float(m[1]), float(m[2])))
+        elif "cache size limit reduced" in line:
+            self._limit_lowered = True
+        elif "cache size limit reached, removing oldest entry" in line:
+            if not self._limit_lowered:
+                out.append(LogProblem("alloc_eviction", f"log line {self._line}: update evicted for size "
+                                      f"({line.split('srv', 1)[-1].strip()}) though no allocation failure lowered "
+                                      "the limit: alloc saved without making room first"))  # fmt: skip
+        elif "prompt cache update took" in line:
+            out += self._close_scan(None)
+        return out
+
+    def _created(self, k: int, n: int) -> list[LogProblem]:
+        self.checked["checkpoint_lists"] += 1
+        if n != self.ctx_checkpoints or not 1 <= k <= n:
+            return [LogProblem("checkpoint_lists", f"log line {self._line}: created context checkpoint {k} of {n} "
+                               f"with --ctx-checkpoints {self.ctx_checkpoints}")]  # fmt: skip
+        return []
+
+    def _close_scan(self, found: tuple[float, float] | None) -> list[LogProblem]:
+        scan, self._scan = self._scan, None
+        if scan is None:
+            return []
+        self.checked["load_choice"] += 1
+        want = scan.upstream_pick()
+        if want == found or (want is not None and found is not None and _close(want, found)):
+            return []
+        said = "nothing" if found is None else f"the entry with f_keep {found[0]:.3f}, f_sim {found[1]:.3f}"
+        should = "nothing" if want is None else f"the entry with f_keep {want[0]:.3f}, f_sim {want[1]:.3f}"
+        cands = ", ".join(f"({k:.3f}, {s:.3f})" for k, s in scan.candidates)
+        return [LogProblem("load_choice", f"by log line {self._line}: load took {said} where upstream's scan takes "
+                           f"{should} (slot f_keep {scan.base[0]:.3f}, f_sim {scan.base[1]:.3f}; candidates "
+                           f"(f_keep, f_sim) in order: {cands or 'none'})")]  # fmt: skip
+
+    def _close_state(self) -> list[LogProblem]:
+        state, self._state = self._state, None
+        entries, self._entries = self._entries, []
+        if state is None:
+            return []
+        n, mib, limit_mib, limit_tokens, est, line = state
+        out: list[LogProblem] = []
+        self.checked["limit"] += 1
+        self.checked["alloc_eviction"] += 1  # an update: it evicted for size only after a lowered limit
+        tokens = sum(t for t, _c, _m in entries)
+        if limit_mib > 0 and mib > limit_mib + _ROUND:
+            out.append(LogProblem("limit", f"log line {line}: the cache holds {mib:.3f} MiB over its limit "
+                                  f"{limit_mib:.3f} MiB"))  # fmt: skip
+        elif limit_tokens > 0 and tokens > est:
+            out.append(LogProblem("limit", f"log line {line}: the cache's entries hold {tokens} tokens over its "
+                                  f"token limit {est} (limit_tokens {limit_tokens})"))  # fmt: skip
+        elif limit_mib > 0 and any(m > limit_mib + _ROUND for _t, _c, m in entries):
+            big = max(m for _t, _c, m in entries)
+            out.append(LogProblem("limit", f"log line {line}: an entry of {big:.3f} MiB alone exceeds the limit "
+                                  f"{limit_mib:.3f} MiB"))  # fmt: skip
+        self.checked["accounting"] += 1
+        total = sum(m for _t, _c, m in entries)
+        if n != len(entries) or abs(total - mib) > _ROUND * (len(entries) + 1):
+            out.append(LogProblem("accounting", f"log line {line}: the cache state says {n} prompts, {mib:.3f} MiB; "
+                                  f"it lists {len(entries)} entries of {total:.3f} MiB"))  # fmt: skip
+        self.checked["checkpoint_lists"] += len(entries)
+        over = [c for _t, c, _m in entries if c > self.ctx_checkpoints]
+        if over:
+            out.append(LogProblem("checkpoint_lists", f"log line {line}: an entry holds {max(over)} checkpoints, "
+                                  f"over --ctx-checkpoints {self.ctx_checkpoints}"))  # fmt: skip
+        return out
+
+
+def _close(a: tuple[float, float], b: tuple[float, float]) -> bool:
+    return abs(a[0] - b[0]) < 0.001 and abs(a[1] - b[1]) < 0.001

@@ -1,0 +1,103 @@
+"""The server-side properties read off a llama-server's -lv 4 log (harness.targets.server_log), on log lines written
+as the pinned tree prints them: each property holds on a well-formed log and fails, with the line, on one that
+breaks it. The same properties on real servers, each failing on a C++ mutant: tests/test_user_trees.py."""
+
+from __future__ import annotations
+
+from harness.targets.server_log import LOG_PROPERTIES, CacheLog, LogProblem
+
+_T = "0.00.100.000 I srv        update: "
+
+
+def _state(n: int, mib: float, limit: float, tokens: int, est: int, entries: list[tuple[int, int, float]]) -> str:
+    lines = [f"{_T} - cache state: {n} prompts, {mib:.3f} MiB (limits: {limit:.3f} MiB, {tokens} tokens, {est} est)"]
+    lines += [f"{_T}   - prompt 0x55{i:010x}: {t:7d} tokens, checkpoints: {c:2d}, {m:9.3f} MiB"
+              for i, (t, c, m) in enumerate(entries)]  # fmt: skip
+    return "\n".join(lines) + "\n0.00.100.001 I srv  get_availabl: prompt cache update took 0.02 ms\n"
+
+
+def _scan(base: tuple[float, float], candidates: list[tuple[float, float]], found: tuple[float, float] | None) -> str:
+    out = f"0.1 I srv          load:  - looking for better prompt, base f_keep = {base[0]:.3f}, f_sim = {base[1]:.3f}\n"
+    for k, s in candidates:
+        out += f"0.1 I srv  load:    - prompt with length     901, lcp =     226, f_keep = {k:.3f}, f_sim = {s:.3f}\n"
+    if found is not None:
+        out += f"0.1 I srv          load:  - found better prompt with f_keep = {found[0]:.3f}, f_sim = {found[1]:.3f}\n"
+    return out
+
+
+def _problems(text: str, ctx_checkpoints: int = 4) -> tuple[list[LogProblem], CacheLog]:
+    log = CacheLog(ctx_checkpoints)
+    return log.feed(text) + log.finish(), log
+
+
+def test_a_well_formed_log_holds_every_property_and_counts_each() -> None:
+    text = (
+        "0.0 I slot create_check: id  1 | task 0 | created context checkpoint 2 of 4 (pos_min = 831, pos_max = 831, "
+        "n_tokens = 832, size = 0.009 MiB)\n"
+        + _scan((0.0, 0.0), [(0.251, 0.430), (0.9, 0.2)], (0.251, 0.430))
+        + _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])
+    )
+    problems, log = _problems(text)
+    assert problems == []
+    assert all(log.checked[p] > 0 for p in LOG_PROPERTIES), log.checked
+
+
+def test_over_the_byte_limit_over_the_token_limit_and_an_entry_alone_over_it_fail_limit() -> None:
+    over = _problems(_state(2, 1.2, 1.0, 2048, 6070, [(901, 2, 0.6), (901, 2, 0.6)]))[0]
+    assert [p.property for p in over] == ["limit"] and "1.200 MiB over its limit 1.000 MiB" in over[0].message
+    tokens = _problems(_state(2, 0.46, 0.0, 1024, 1024, [(901, 0, 0.23), (901, 0, 0.23)]))[0]
+    assert [p.property for p in tokens] == ["limit"] and "1802 tokens over its token limit 1024" in tokens[0].message
+    rounding = _problems(_state(1, 1.0004, 1.0, 2048, 6070, [(901, 2, 1.0004)]))[0]
+    assert rounding == []  # within the log's rounding
+
+
+def test_a_total_that_is_not_the_sum_of_the_entries_fails_accounting() -> None:
+    problems = _problems(_state(2, 0.279, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)]))[0]
+    assert [p.property for p in problems] == ["accounting"]
+    assert "it lists 2 entries of 0.296 MiB" in problems[0].message
+    count = _problems(_state(3, 0.296, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)]))[0]
+    assert [p.property for p in count] == ["accounting"]
+
+
+def test_a_checkpoint_over_the_cap_fails_checkpoint_lists() -> None:
+    created = "0.0 I slot create_check: id  0 | task 3 | created context checkpoint 3 of 2 (pos_min = 1, pos_max = 1)\n"
+    problems = _problems(created, ctx_checkpoints=2)[0]
+    assert [p.property for p in problems] == ["checkpoint_lists"] and "3 of 2" in problems[0].message
+    listed = _problems(_state(1, 0.148, 1.0, 2048, 6070, [(901, 3, 0.148)]), ctx_checkpoints=2)[0]
+    assert [p.property for p in listed] == ["checkpoint_lists"]
+    other_cap = _problems(created.replace("3 of 2", "1 of 8"), ctx_checkpoints=2)[0]
+    assert [p.property for p in other_cap] == ["checkpoint_lists"]  # not the server's --ctx-checkpoints
+
+
+def test_a_load_other_than_upstreams_scan_fails_load_choice() -> None:
+    # f_keep 0.251 clears the 0.25 floor and beats the slot on both: upstream takes it; the server took nothing
+    skipped = _problems(_scan((0.0, 0.0), [(0.251, 0.430)], None) + _state(0, 0.0, 1.0, 2048, 6070, []))[0]
+    assert [p.property for p in skipped] == ["load_choice"]
+    assert "load took nothing where upstream's scan takes the entry with f_keep 0.251" in skipped[0].message
+    # below the floor: upstream takes nothing; a server that took it is wrong too
+    took = _problems(_scan((0.0, 0.0), [(0.249, 0.430)], (0.249, 0.430)))[0]
+    assert [p.property for p in took] == ["load_choice"]
+    # the first that beats the best so far on both, front to back, then only a better one
+    later = _scan((0.1, 0.1), [(0.5, 0.5), (0.6, 0.4), (0.7, 0.7)], (0.7, 0.7))
+    assert _problems(later)[0] == []
+    first = _scan((0.1, 0.1), [(0.5, 0.5), (0.6, 0.4), (0.7, 0.7)], (0.5, 0.5))
+    assert [p.property for p in _problems(first)[0]] == ["load_choice"]
+
+
+def test_an_update_that_evicts_for_size_fails_alloc_eviction_unless_an_allocation_failure_lowered_the_limit() -> None:
+    evict = "0.1 W srv        update:  - cache size limit reached, removing oldest entry (size = 0.148 MiB)\n"
+    problems = _problems(evict)[0]
+    assert [p.property for p in problems] == ["alloc_eviction"]
+    assert "alloc saved without making room" in problems[0].message
+    lowered = "0.1 W srv         alloc:  - cache size limit reduced to 0.400 MiB\n" + evict
+    assert _problems(lowered)[0] == []
+
+
+def test_lines_arrive_in_pieces_and_are_read_once() -> None:
+    text = _state(2, 0.279, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])
+    log = CacheLog(4)
+    half = len(text) // 2
+    first = log.feed(text[:half])  # a partial line is not read
+    rest = log.feed(text) + log.feed(text) + log.finish()  # the whole log again: nothing read twice
+    assert first == [] and [p.property for p in rest] == ["accounting"]
+    assert log.checked["accounting"] == 1
