@@ -7,8 +7,10 @@ failing row carries a :class:`Failure` with its program and replay line), its ``
 rows (:class:`~harness.findings.KnownRow`) and its own JSON section (a :class:`Section` in
 ``report.sections``, keyed by its JSON key).
 
-``Backend.flags`` names the backend-specific options it reads; ``python -m harness gate`` rejects
-an option no selected backend reads, naming the backend that would.
+A backend declares the options only it reads (``Backend.options``, one :class:`Option` each, as gcovr's
+format handlers declare theirs): ``python -m harness gate`` adds them to its ``--help`` under the backend's
+name, fills the :class:`GateOptions` field each names, and rejects an option no selected backend reads,
+naming the backend that would.
 
 Campaigns too: a backend says which state machines a fuzz campaign runs on it
 (:meth:`Backend.campaign_machines`, one :class:`MachineSpec` per machine, for a campaign's
@@ -22,7 +24,7 @@ May import: ``harness.model``, ``harness.targets``, ``properties``, ``faults``, 
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
@@ -35,6 +37,7 @@ from properties.machine import MachineConfig, machine_class
 from properties.run import Failure, MachineResult, program_of
 
 __all__ = [
+    "SOURCE",
     "Backend",
     "Ended",
     "Failure",
@@ -42,6 +45,7 @@ __all__ = [
     "GateReport",
     "MachineResult",
     "MachineSpec",
+    "Option",
     "Out",
     "Plan",
     "Section",
@@ -223,14 +227,37 @@ def model_spec(cfg: MachineConfig, backend: str, steps: int, batch: int) -> Mach
     )
 
 
+@dataclass(frozen=True)
+class Option:
+    """One option of the gate that only some backends read: the :class:`GateOptions` field it fills, its
+    spelling on the command line, and the keywords of ``argparse``'s ``add_argument`` (``dest`` is the field)."""
+
+    field: str
+    flag: str
+    kwargs: Mapping[str, Any]
+
+
+SOURCE = Option("source", "--source", {
+    "metavar": "DIR", "type": Path,
+    "help": "your llama.cpp tree: the server backend builds its llama-server and tests it (the semantics are "
+    "inferred from the tree unless --semantics is given); the llama backend runs on the tree's own libllama "
+    "(built with it, its C API checked against llama-cpp-python's bindings first)"})  # fmt: skip
+"""``--source DIR``: read by the llama and the server backends."""
+
+
 class Backend:
-    """One backend of the gate. Subclasses set ``name`` (the ``--backend`` value) and ``flags`` (the
-    backend-specific options it reads) and implement :meth:`run`; a backend with fuzz-campaign
+    """One backend of the gate. Subclasses set ``name`` (the ``--backend`` value) and ``options`` (the
+    options only some backends read, :class:`Option`) and implement :meth:`run`; a backend with fuzz-campaign
     machines also implements :meth:`campaign_machines` (and :meth:`campaign_models` if they load models)."""
 
     name: ClassVar[str]
-    flags: ClassVar[frozenset[str]] = frozenset()
+    options: ClassVar[tuple[Option, ...]] = ()
     semantics_axis: ClassVar[bool] = True  # False: the target has no master/PR axis
+
+    @property
+    def flags(self) -> frozenset[str]:
+        """The :class:`GateOptions` fields of the options it reads."""
+        return frozenset(o.field for o in self.options)
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         raise NotImplementedError

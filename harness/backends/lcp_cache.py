@@ -28,7 +28,17 @@ from hypothesis.stateful import RuleBasedStateMachine
 from faults.kinds import Outcome
 from faults.lcp_cache import run_rlimit, sweep_pymem
 from faults.pymem import pymem_unavailable
-from harness.backends.base import Backend, Failure, GateOptions, GateReport, MachineResult, MachineSpec, Out, Plan
+from harness.backends.base import (
+    Backend,
+    Failure,
+    GateOptions,
+    GateReport,
+    MachineResult,
+    MachineSpec,
+    Option,
+    Out,
+    Plan,
+)
 from harness.findings import KnownRow, finding
 from harness.targets.lcp_cache import CACHES, CacheAdapter, ModelEnv
 from properties.lcp_machine import (
@@ -275,7 +285,7 @@ def _run_lcp(report: GateReport, semantics: str, cache: str, seed: int, max_exam
 
 class LcpCacheBackend(Backend):
     name = "llama-cpp-python-cache"
-    flags = frozenset({"cache"})
+    options = (Option("cache", "--cache", {"choices": ["ram", "disk"], "help": "which cache (default: ram)"}),)
     semantics_axis = False
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:

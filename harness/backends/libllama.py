@@ -39,12 +39,14 @@ from faults.kinds import Outcome
 from faults.llama_native import OPS, sweep_llama_native
 from fixtures.gguf import ARCHS, draft_path, model_path
 from harness.backends.base import (
+    SOURCE,
     Backend,
     Failure,
     GateOptions,
     GateReport,
     MachineResult,
     MachineSpec,
+    Option,
     Out,
     Plan,
     model_spec,
@@ -178,7 +180,11 @@ def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
 
 class LlamaBackend(Backend):
     name = "llama"
-    flags = frozenset({"archs", "source"})
+    options = (
+        Option("archs", "--arch", {"nargs": "+", "metavar": "NAME",
+                                   "help": "the fixtures models to run (default: all five)"}),
+        SOURCE,
+    )
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         replay = f"python -m harness gate --semantics {opts.semantics} --profile {opts.profile} --seed {opts.seed}"

@@ -22,11 +22,11 @@ import os
 import sys
 import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
-from pathlib import Path
+from typing import Any
 
 from fixtures.gguf import ARCHS
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
-from harness.backends.base import Backend, Ended, GateOptions, GateReport
+from harness.backends.base import Backend, Ended, GateOptions, GateReport, Option
 from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_INTERRUPTED, EXIT_OK, EXIT_USAGE, HarnessError, UsageError
 from harness.load.gate_step import server_concurrent_step
 from properties.run import PROFILES, commit
@@ -40,15 +40,15 @@ FOLLOW_UPS: dict[str, tuple[Callable[[GateReport, GateOptions, Callable[[str], N
 }
 
 SEMANTICS = ("shared", "master")
-# flag (GateOptions field) -> the command-line spelling, for messages
-_FLAG_NAMES = {
-    "archs": "--arch",
-    "cache": "--cache",
-    "asan": "--asan",
-    "source": "--source",
-    "server_bin": "--server-bin",
-    "base": "--base",
-}
+
+
+def _backend_options() -> dict[str, tuple[Option, list[str]]]:
+    """Every backend's declared options by field, each with the backends that read it (in BACKENDS' order)."""
+    out: dict[str, tuple[Option, list[str]]] = {}
+    for name, backend in BACKENDS.items():
+        for o in backend.options:
+            out.setdefault(o.field, (o, []))[1].append(name)
+    return out
 
 
 def run_gate(
@@ -150,40 +150,17 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         choices=list(BACKENDS),
         help="run one backend (default: " + " and ".join(DEFAULT_BACKENDS) + ")",
     )
-    parser.add_argument(
-        "--arch", nargs="+", metavar="NAME", help="llama backend: the fixtures models to run (default: all five)"
-    )
-    parser.add_argument(
-        "--cache", choices=["ram", "disk"], help="llama-cpp-python-cache backend: which cache (default: ram)"
-    )
-    parser.add_argument("--asan", action="store_true", help="server backend: the AddressSanitizer build (shared)")
-    parser.add_argument(
-        "--source",
-        metavar="DIR",
-        type=Path,
-        help="your llama.cpp tree: the server backend builds its llama-server and tests it (the semantics are "
-        "inferred from the tree unless --semantics is given); the llama backend runs on the tree's own libllama "
-        "(built with it, its C API checked against llama-cpp-python's bindings first)",
-    )
-    parser.add_argument(
-        "--base",
-        metavar="TREE|REV",
-        help="server backend, with --source: the tree the change starts from (a directory, or a revision of the "
-        "git checkout --source names); both are built and driven request for request, and every difference "
-        "between them is attributed to the change",
-    )
-    parser.add_argument(
-        "--server-bin",
-        metavar="PATH",
-        type=Path,
-        help="server backend: test this llama-server binary (built elsewhere); needs --semantics",
-    )
     parser.add_argument("--profile", default="ci", choices=sorted(PROFILES))
     parser.add_argument("--seed", type=int, default=0, help="Hypothesis seed (default 0)")
     parser.add_argument("--db", metavar="DIR", help="example database directory (fuzz profile)")
     parser.add_argument("--max-examples", type=int, help="override the profile's examples per machine")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--junit", metavar="PATH", help="write a JUnit XML report")
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for option, readers in _backend_options().values():  # each backend's own, under its name (--help)
+        title = " and ".join(readers) + (" backends" if len(readers) > 1 else " backend")
+        group = groups.setdefault(title, parser.add_argument_group(title))
+        group.add_argument(option.flag, dest=option.field, **option.kwargs)
 
 
 def _semantics(args: argparse.Namespace, warn: Callable[[str], None]) -> tuple[str | None, bool]:
@@ -212,22 +189,15 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         raise UsageError("--max-examples must be >= 1")
     backends = [args.backend] if args.backend else list(DEFAULT_BACKENDS)
     semantics, asan = _semantics(args, warn)
-    if args.arch:
-        bad = [a for a in args.arch if a not in ARCHS]
+    if args.archs:
+        bad = [a for a in args.archs if a not in ARCHS]
         if bad:
             raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
-    given = {
-        "archs": bool(args.arch),
-        "cache": args.cache is not None,
-        "asan": asan,
-        "source": args.source is not None,
-        "server_bin": args.server_bin is not None,
-        "base": args.base is not None,
-    }
-    for flag, on in given.items():
-        if on and not any(flag in BACKENDS[b].flags for b in backends):
-            owner = next(n for n, b in BACKENDS.items() if flag in b.flags)
-            raise UsageError(f"{_FLAG_NAMES[flag]} applies to the {owner} backend; add --backend {owner}")
+    args.asan = asan  # --flavour asan folded in
+    declared = _backend_options()
+    for field, (option, readers) in declared.items():
+        if getattr(args, field) not in (None, False) and not any(b in readers for b in backends):
+            raise UsageError(f"{option.flag} applies to the {readers[0]} backend; add --backend {readers[0]}")
     if semantics is not None and not any(BACKENDS[b].semantics_axis for b in backends):
         raise UsageError(
             f"--semantics does not apply to the {' and '.join(backends)} backend (no master/PR axis); drop it"
@@ -239,14 +209,13 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         seed=args.seed,
         db=args.db,
         max_examples=args.max_examples,
-        archs=tuple(args.arch) if args.arch else None,
-        cache=args.cache or "ram",
-        asan=asan,
-        source=args.source,
-        server_bin=args.server_bin,
-        base=args.base,
+        **{f: _value(getattr(args, f)) for f in declared if getattr(args, f) is not None},
     )
     return opts, backends
+
+
+def _value(v: Any) -> Any:
+    return tuple(v) if isinstance(v, list) else v  # GateOptions is frozen: --arch's list as a tuple
 
 
 def run(args: argparse.Namespace) -> int:

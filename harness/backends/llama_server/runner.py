@@ -20,7 +20,7 @@ from pathlib import Path
 from hypothesis import settings
 from hypothesis.errors import FlakyFailure
 
-from harness.backends.base import Backend, GateOptions, GateReport, MachineSpec, Out, Plan
+from harness.backends.base import SOURCE, Backend, GateOptions, GateReport, MachineSpec, Option, Out, Plan
 from harness.backends.llama_server.campaign import campaign_machines, campaign_models
 from harness.backends.llama_server.change import ChangeFound, ChangePair, ChangeStats, change_machine, shrink
 from harness.backends.llama_server.differential import (
@@ -48,7 +48,18 @@ __all__ = ["ServerBackend", "run_change_backend", "run_server_backend"]
 
 class ServerBackend(Backend):
     name = "server"
-    flags = frozenset({"asan", "source", "server_bin", "base"})
+    options = (
+        Option("asan", "--asan", {"action": "store_true", "help": "the AddressSanitizer build (shared)"}),
+        SOURCE,
+        Option("base", "--base", {
+            "metavar": "TREE|REV",
+            "help": "with --source: the tree the change starts from (a directory, or a revision of the git checkout "
+            "--source names); both are built and driven request for request, and every difference between them "
+            "is attributed to the change"}),
+        Option("server_bin", "--server-bin", {
+            "metavar": "PATH", "type": Path,
+            "help": "test this llama-server binary (built elsewhere); needs --semantics"}),
+    )
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         log = lambda m: out("  build: " + m)  # noqa: E731
