@@ -22,11 +22,14 @@ from pathlib import Path
 import pytest
 
 from harness.backends.llama_server.differential import LIMIT_PROGRAMS, Differential, ServerMismatch, run_program
+from harness.backends.llama_server.limits import LimitStats, limits_machine
+from harness.backends.llama_server.section import hypothesis_settings
 from harness.targets.llama_server import ServerConfig
 from harness.targets.server_log import LOG_PROPERTIES
 from harness.trees.api import check_libllama
 from harness.trees.build import build_server, build_source, cache_root
 from harness.trees.pinned import sdist_source
+from properties.run import run_seeded
 
 pytestmark = [pytest.mark.llama_server_builds, pytest.mark.user_trees]  # built before the first test (conftest)
 
@@ -251,3 +254,34 @@ def test_the_pinned_build_holds_every_server_side_property_at_every_limit() -> N
         for k, v in rows[-1].log_checked.items():
             seen[k] = seen.get(k, 0) + v
     assert all(seen.get(p, 0) > 0 for p in LOG_PROPERTIES), seen
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("name", ["threshold", "size", "cap"])
+def test_the_drawn_configurations_kill_the_cpp_mutants_on_any_seed(trees: Trees, name: str, seed: int) -> None:
+    """The gate's drawn configurations (harness.backends.llama_server.limits) reach these mutants' limits without a
+    fixed program (the token-limit and make-room mutants are the fixed programs' to kill: a drawn cache rarely holds
+    enough tokens or MiB within the ci profile's budget)."""
+    binary = build_source(trees(name), log=lambda _m: None)
+    stats = LimitStats()
+    with pytest.raises(ServerMismatch) as caught:
+        run_seeded(limits_machine(binary, stats, None), hypothesis_settings("ci", None), seed)
+    assert caught.value.name == SERVER_MUTANTS[name][1], caught.value.message
+    assert "LimitRun(ServerConfig(" in caught.value.program and stats.examples >= 1
+
+
+def test_the_server_gate_fails_a_cpp_mutant_by_the_property_it_breaks(trees: Trees, tmp_path: Path) -> None:
+    """As a user would see it: gate --backend server on a llama-server whose token limit is enforced only with a byte
+    limit too exits 1 with the property limit failed in the table and the JSON, the others checked and held."""
+    binary = build_source(trees("tokens"), log=lambda _m: None)
+    out = tmp_path / "gate.json"
+    r = _harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared", "--json", str(out))
+    _no_traceback(r)
+    assert r.returncode == 1, r.stdout[-3000:]
+    report = json.loads(out.read_text())
+    props = {p["name"]: p for p in report["properties"]}
+    assert props["limit"]["status"] == "failed"
+    assert any(f["property"] == "limit" and "token limit" in f["message"] for f in report["failures"])
+    held = [n for n in ("accounting", "checkpoint_lists", "load_choice", "alloc_eviction") if props[n]["examples"] > 0]
+    assert held == ["accounting", "checkpoint_lists", "load_choice", "alloc_eviction"], props
+    assert "FAILED limit" in r.stdout and ("LimitRun(" in r.stdout or "Differential(" in r.stdout)

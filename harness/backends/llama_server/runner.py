@@ -34,6 +34,7 @@ from harness.backends.llama_server.differential import (
     server_configs,
     server_machine,
 )
+from harness.backends.llama_server.limits import LimitStats, limits_machine
 from harness.backends.llama_server.memory import memory_and_faults
 from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
 from harness.errors import BuildError, ServerStartError, UsageError
@@ -182,6 +183,7 @@ def run_server_backend(
             # leaks are reported at exit, into the server's log
             os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
         _machines(run, binary, semantics, hs, seed, logs)
+        _limits(run, binary, hs, seed, logs)
         try:
             t0 = time.perf_counter()
             rows = eviction(binary, semantics, logs)
@@ -222,6 +224,33 @@ def run_server_backend(
                 run.mismatch(e, "server-memory")
         run.sanitizers(logs)
     run.known_near_ties()
+
+
+def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str) -> None:
+    """The drawn configurations (:mod:`harness.backends.llama_server.limits`): the server's own log at each step."""
+    stats = LimitStats()
+    t0 = time.perf_counter()
+    status = "ok  "
+    try:
+        run_seeded(limits_machine(binary, stats, logs, run.build.replay_expr), hs, seed)
+        run.passed(time.perf_counter() - t0, stats.checked)
+    except ServerMismatch as e:
+        status = "FAIL"
+        run.mismatch(e, "server-limits")
+    except FlakyFailure as group:
+        found = unflaked(group, ServerMismatch)
+        if found is None:
+            raise
+        status = "FAIL"  # what the server's log showed once is filed, said to be flaky
+        flaky = f"{found.message} [flaky: Hypothesis' second run of the same program did not show it]"
+        run.mismatch(ServerMismatch(found.name, flaky, found.program, found.kind), "server-limits")
+    except ServerStartError as e:
+        status = "FAIL"
+        run.section["server_crashes"] += 1
+        run.fail("server", "crash", str(e), "", "server-limits")
+    run.section["requests"] += stats.requests
+    run.out(f"  [{status}] drawn configurations {stats.examples:>3} servers, {stats.requests} requests, {stats.erases} "
+            f"slot erases; the log's checks {dict(sorted(stats.checked.items()))} {time.perf_counter() - t0:5.1f}s")
 
 
 def _machines(run: ServerRun, binary: Path, semantics: str, hs: settings, seed: int, logs: str) -> None:
