@@ -275,7 +275,8 @@ def test_the_server_gate_fails_a_cpp_mutant_by_the_property_it_breaks(trees: Tre
     limit too exits 1 with the property limit failed in the table and the JSON, the others checked and held."""
     binary = build_source(trees("tokens"), log=lambda _m: None)
     out = tmp_path / "gate.json"
-    r = _harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared", "--json", str(out))
+    r = _harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared",
+                 "--json", str(out))  # fmt: skip
     _no_traceback(r)
     assert r.returncode == 1, r.stdout[-3000:]
     report = json.loads(out.read_text())
