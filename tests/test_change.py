@@ -4,6 +4,7 @@ lines: no server, no model (the default tier). The gate on real trees is in ``te
 from __future__ import annotations
 
 from harness.backends.llama_server.change import EVENTS, Answer, Event, difference, parse_events
+from harness.targets.server_log import LogProblem
 
 # the lines as the pinned tree logs them at -lv 4 (tools/server/server-context.cpp, server-task.cpp at 0c1e570)
 LOG = """\
@@ -87,3 +88,12 @@ def test_a_field_one_side_does_not_log_is_not_a_difference() -> None:
 def test_the_answer_still_shows_its_counts() -> None:
     a = _answer(_created(63, 64), _created(127, 128, 2))
     assert a.describe() == "slot 0 cache_n 64 generated [5, 6] (checkpoints_created 2)"
+
+
+def test_a_server_side_property_broken_on_trees_log_only_is_the_changes() -> None:
+    broken = LogProblem("checkpoint_lists", "log line 7: created context checkpoint 3 of 2 with --ctx-checkpoints 2")
+    tree = Answer(0, 64, (5, 6), None, (), None, (broken,))
+    said = difference(tree, _answer())
+    assert said is not None and said.startswith("TREE's log breaks checkpoint_lists where BASE's holds it: log line 7")
+    base = Answer(0, 64, (5, 6), None, (), None, (broken,))
+    assert difference(tree, base) is None  # broken on both sides: upstream's, not the change's

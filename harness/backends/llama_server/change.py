@@ -7,7 +7,8 @@ real servers, one built from ``TREE`` and one from ``BASE``, and to the model (f
 * a difference between ``TREE`` and ``BASE`` (an answer's slot, ``cache_n`` or generated tokens; an HTTP
   error, a dropped connection or a dead server on one side only; or the prompt-cache events their logs show
   for that request, :data:`EVENTS`: how many of each, and each one's numbers, :data:`FIELDS`, so a checkpoint
-  created at other positions or an entry saved with another length differs even when the counts agree) is
+  created at other positions or an entry saved with another length differs even when the counts agree; or a
+  server-side property, :mod:`harness.targets.server_log`, that ``TREE``'s own log breaks and ``BASE``'s holds) is
   **the change's**: a gate failure (property ``change``; exit 3 when ``TREE`` died), reported with the
   shortest request program that still shows it (:func:`shrink`, replayed on fresh server pairs) and a script
   that replays it on both;
@@ -35,6 +36,7 @@ from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 from fixtures.gguf import draft_path, model_path
 from harness.backends.llama_server.differential import Differential, Program, ServerMismatch, prompt_from, request_rule
 from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
+from harness.targets.server_log import CacheLog, LogProblem
 
 __all__ = [
     "EVENTS",
@@ -122,6 +124,7 @@ class Answer:
     error: str | None
     records: tuple[Event, ...] = ()
     raw: Any = field(default=None, compare=False, repr=False)
+    log_problems: tuple[LogProblem, ...] = field(default=(), compare=False)  # the server-side properties it broke
 
     @property
     def events(self) -> tuple[tuple[str, int], ...]:
@@ -144,6 +147,10 @@ def difference(tree: Answer, base: Answer) -> str | None:
         return f"TREE {tree.error or 'answered'} where BASE {base.error or 'answered'}"
     if tree.error is not None:
         return None  # the same failure on both sides: not the change's
+    held = {p.property for p in base.log_problems}
+    broken = [p for p in tree.log_problems if p.property not in held]
+    if broken:
+        return f"TREE's log breaks {broken[0].property} where BASE's holds it: {broken[0].message}"
     for name in ("slot", "cache_n", "generated"):
         a, b = getattr(tree, name), getattr(base, name)
         if a != b:
@@ -171,21 +178,24 @@ def _shown(v: Any) -> Any:
 class _Side:
     """One server of a pair, and the events its log has shown so far."""
 
-    def __init__(self, name: str, server: ServerProcess) -> None:
+    def __init__(self, name: str, server: ServerProcess, ctx_checkpoints: int) -> None:
         self.name = name
         self.server = server
         self.released = 0
         self.read = 0  # the log's characters parsed so far (whole lines)
+        self.log = CacheLog(ctx_checkpoints)  # the server-side properties on its own log
+        self.problems: tuple[LogProblem, ...] = ()  # what the last read of the log showed broken
 
     def ask(self, toks: tuple[int, ...], n_predict: int) -> Answer:
         try:
             r = self.server.completion(list(toks), n_predict, ignore_eos=True, return_tokens=True)
         except RequestFailed as e:
             what = ("died" if not e.alive else e.kind + (f" {e.status}" if e.status else ""))
-            return Answer(None, None, None, f"{what} ({e.describe()})", self._events(0.5))
+            return Answer(None, None, None, f"{what} ({e.describe()})", self._events(0.5), None, self.problems)
         self.released += 1
+        events = self._events(10.0)
         return Answer(int(r["id_slot"]), int(r["timings"]["cache_n"]), tuple(int(t) for t in r.get("tokens") or ()),
-                      None, self._events(10.0), r)  # fmt: skip
+                      None, events, r, self.problems)  # fmt: skip
 
     def _events(self, timeout: float) -> tuple[Event, ...]:
         """The events logged since the last call: whole lines only (a line still being written, which only a
@@ -200,6 +210,7 @@ class _Side:
             time.sleep(0.02)
             text = self.server.log_path.read_text(errors="replace")
         end = text.rfind("\n") + 1
+        self.problems = tuple(self.log.feed(text[:end]))
         new = parse_events(text[self.read : end]) if end > self.read else []
         self.read = max(self.read, end)
         return tuple(new)
@@ -251,8 +262,8 @@ class ChangePair:
             else None
         )
         base_server = self.base_model.server if self.base_model is not None else self._server(base, log_dir, "base")
-        self.base = _Side("BASE", base_server)
-        self.tree = _Side("TREE", self._server(tree, log_dir, "tree"))
+        self.base = _Side("BASE", base_server, self.cfg.ctx_checkpoints)
+        self.tree = _Side("TREE", self._server(tree, log_dir, "tree"), self.cfg.ctx_checkpoints)
 
     def _server(self, binary: Path, log_dir: str | None, side: str) -> ServerProcess:
         c = self.cfg
