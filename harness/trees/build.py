@@ -78,7 +78,7 @@ from harness.trees.stage import (
     stage_root,
     sync_stage,
 )
-from harness.trees.tree import cache_root, check_tree, file_lock, tree_hash, walk_tree
+from harness.trees.tree import cache_root, check_tree, file_lock, registry_origin, tree_hash, walk_tree
 
 __all__ = [
     "EXIT_BUILD_FAILED",
@@ -370,6 +370,7 @@ def build_source(
             "semantics_why": inferred.why,
             "asan": asan,
             "tree_sha256": digest,
+            **({"registry": origin} if (origin := registry_origin(src)) else {}),  # an upstream build by name
         }
         return _build_locked("source", args, dict(walk_tree(src)), str(src), final, cmake, compiler, jobs, log, info)
 
@@ -514,9 +515,12 @@ def server_build(
         tree = check_tree(source, flag)
         inferred: SemanticsInference = infer_semantics(tree)
         instrumented = b"__asan_init" in path.read_bytes()
-        return ServerBuild(path, f"source {tree}", inferred.semantics, instrumented,
-                           f"build_source(Path({str(tree)!r}){', asan=True' if asan else ''})",
-                           f"{flag} {shlex.quote(str(tree))}" + (" --asan" if asan else ""), tree, False,
+        origin = registry_origin(tree)
+        named = str(source) if origin is not None else str(tree)  # an upstream build replays by its name
+        said = f" [{origin['package']}=={origin['version']}, sdist sha256 {origin['sha256']}]" if origin else ""
+        return ServerBuild(path, f"source {tree}{said}", inferred.semantics, instrumented,
+                           f"build_source(Path({named!r}){', asan=True' if asan else ''})",
+                           f"{flag} {shlex.quote(named)}" + (" --asan" if asan else ""), tree, False,
                            inferred.why, _lib_dir(path))  # fmt: skip
     assert semantics is not None
     instrumentation = "asan" if asan else "plain"

@@ -41,7 +41,7 @@ from harness.errors import BuildError, ServerStartError, UsageError
 from harness.targets.llama_server import ServerConfig
 from harness.trees.build import PINNED_COMMIT, ServerBuild, server_build
 from harness.trees.semantics import infer_semantics
-from harness.trees.tree import check_tree, tree_at_revision
+from harness.trees.tree import check_tree, registry_spec, tree_at_revision
 from properties.run import run_seeded
 
 __all__ = ["ServerBackend", "run_change_backend", "run_server_backend"]
@@ -54,9 +54,9 @@ class ServerBackend(Backend):
         SOURCE,
         Option("base", "--base", {
             "metavar": "TREE|REV",
-            "help": "with --source: the tree the change starts from (a directory, or a revision of the git checkout "
-            "--source names); both are built and driven request for request, and every difference between them "
-            "is attributed to the change"}),
+            "help": "with --source: the tree the change starts from (a directory, an upstream build by name as for "
+            "--source, or a revision of the git checkout --source names); both are built and driven request for "
+            "request, and every difference between them is attributed to the change"}),
         Option("server_bin", "--server-bin", {
             "metavar": "PATH", "type": Path,
             "help": "test this llama-server binary (built elsewhere); needs --semantics"}),
@@ -104,9 +104,10 @@ class ServerBackend(Backend):
 
 
 def _base_tree(base: str, tree: Path) -> Path:
-    """``--base``: a directory holding a llama.cpp tree, or a revision of the git checkout ``tree``."""
+    """``--base``: a directory holding a llama.cpp tree, an upstream build of the package index (``b11434``,
+    ``pypi:xllamacpp==2026.10.11549``), or a revision of the git checkout ``tree``."""
     p = Path(base).expanduser()
-    if p.is_dir():
+    if p.is_dir() or registry_spec(base) is not None:
         return check_tree(p, "--base")
     return check_tree(tree_at_revision(tree, base), "--base")
 
