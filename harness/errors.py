@@ -14,6 +14,9 @@ message as one line, never a traceback). The codes are the same for every comman
 4     :data:`EXIT_BUILD_FAILED`    fetching, patching, configuring or compiling llama-server failed
 5     :data:`EXIT_NO_MEMLIMIT`     no memory limit can be set here (no writable cgroup v1 ``memory``
                                    nor cgroup v2 memory controller)
+6     :data:`EXIT_SKIPPED`         a layer of the harness cannot run on this tree (a limit of the harness, not
+                                   the user's mistake nor the tree's failure): ``ci/fork_gate.sh`` says it
+                                   skipped the step, and why, and goes on green
 130   :data:`EXIT_INTERRUPTED`     Ctrl-C; children are cleaned up, findings so far are printed
 ====  ===========================  ==============================================================
 
@@ -25,6 +28,8 @@ The tree, from the root down:
   HTTP error, or not at all (connection dropped, no answer in time, not JSON). Its callers classify it
   into a failure with the request sequence that replays it; escaping a command it is one line.
 * :class:`BuildError` (4).
+* :class:`HarnessLimit` (6): a layer cannot run on this tree for a limit of the harness (the bindings cannot
+  drive the tree's libllama): one line naming what to run instead.
 * :class:`NoMemoryLimit` (5): a run that needs a real memory limit (``python -m harness oom``) on a
   machine where neither cgroup version's memory controller can be written.
 * :class:`PropertyFailure` (1): the one base of every exception that means "a property failed"; it is
@@ -62,11 +67,13 @@ __all__ = [
     "EXIT_INTERRUPTED",
     "EXIT_NO_MEMLIMIT",
     "EXIT_OK",
+    "EXIT_SKIPPED",
     "EXIT_USAGE",
     "BadAlloc",
     "BuildError",
     "GgmlAbort",
     "HarnessError",
+    "HarnessLimit",
     "ModelLoadError",
     "NoMemoryLimit",
     "PropertyFailure",
@@ -84,6 +91,7 @@ EXIT_USAGE = 2
 EXIT_CRASH = 3
 EXIT_BUILD_FAILED = 4
 EXIT_NO_MEMLIMIT = 5
+EXIT_SKIPPED = 6
 EXIT_INTERRUPTED = 130
 
 
@@ -103,6 +111,14 @@ class Unavailable(HarnessError):
     """A fault layer or tool cannot run on this machine (no compiler, no ``_testcapi``): one line."""
 
     exit_code = EXIT_USAGE
+
+
+class HarnessLimit(HarnessError):
+    """A layer of the harness cannot run on this tree (the bindings cannot drive its libllama): the harness's
+    limit, not the user's mistake (exit 2) nor the tree's failure (exit 1); one line, exit 6, naming what still
+    runs on the tree. ``ci/fork_gate.sh`` reports the step as skipped."""
+
+    exit_code = EXIT_SKIPPED
 
 
 class ModelLoadError(HarnessError):

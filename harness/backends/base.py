@@ -49,6 +49,7 @@ __all__ = [
     "Out",
     "Plan",
     "Section",
+    "Skipped",
     "model_spec",
 ]
 
@@ -82,6 +83,16 @@ class Section(Protocol):
     ones (each backend's is a small dataclass in its module: the server's, libllama's, llama-cpp-python's)."""
 
     def to_json(self) -> dict[str, Any]: ...
+
+
+@dataclass
+class Skipped:
+    """The backends a limit of the harness kept from running on this tree (``skipped``: backend -> why)."""
+
+    why: dict[str, str] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return {"skipped": dict(self.why)}
 
 
 @dataclass(frozen=True)

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import UsageError
+from harness.errors import HarnessLimit, UsageError
 from harness.trees.build import server_build
 from harness.trees.pinned import SDIST_VERSION, sdist_source
 from harness.trees.semantics import blank_comments
@@ -293,14 +293,14 @@ def use_libllama(lib_dir: Path) -> None:
 def libllama_of(tree: Path, *, log: Callable[[str], None] = lambda _m: None, flag: str = "--source") -> str:
     """Build ``tree``'s libllama (with its llama-server: one cached build), check its C API against the
     bindings, and point this process at it; one line saying which library runs. A library the bindings
-    cannot drive is one :class:`UsageError` line naming what differs (exit 2)."""
+    cannot drive is one :class:`HarnessLimit` line naming what differs (exit 6: a skip, not the user's mistake)."""
     src = check_tree(tree, flag)
     build = server_build(source=src, log=log, flag=flag)
     if build.lib_dir is None:
         raise UsageError(f"the build of {src} has no libllama.so beside {build.binary}")
     check = check_libllama(build.lib_dir, src, sdist_source(log))
     if check.differences:
-        raise UsageError(
+        raise HarnessLimit(
             f"llama-cpp-python {SDIST_VERSION} cannot drive the libllama of {src}: {check.line()}; the server "
             f"backend still tests this tree (--backend server {flag} {src})"
         )
