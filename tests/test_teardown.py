@@ -18,10 +18,10 @@ from hypothesis import settings
 from hypothesis import strategies as st
 from hypothesis.stateful import INVARIANT_MARKER, RULE_MARKER, RuleBasedStateMachine, invariant, rule
 
-from harness.backends.base import GateOptions
+from harness.backends.base import Backend, GateOptions, GateReport, Out
 from harness.backends.synthetic import SyntheticBackend
 from harness.commands.gate import run_gate
-from harness.errors import PropertyFailure
+from harness.errors import HarnessLimit, PropertyFailure
 from properties.invariants import Violation
 from properties.lcp_machine import LcpCacheMachine
 from properties.machine import PromptCacheMachine, machine_class
@@ -163,3 +163,26 @@ def test_every_rule_and_invariant_of_the_machines_is_noted() -> None:
                 found += 1
                 assert marked.function.__code__ is step, f"{cls.__name__}.{name} is not @noted"
         assert found >= 5, cls
+
+
+class _CannotDrive(Backend):
+    """A backend the harness cannot run on the tree at hand (as the llama backend on a libllama the bindings
+    cannot drive)."""
+
+    name = "cannot-drive"
+
+    def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        raise HarnessLimit("llama-cpp-python cannot drive the libllama of TREE: 1 difference; --backend server runs")
+
+
+def test_a_backend_the_harness_cannot_run_here_is_skipped_and_the_others_still_run() -> None:
+    lines: list[str] = []
+    machine = [mutant_config(MUTANT)]
+    report = run_gate(GateOptions(seed=0), [_CannotDrive(), SyntheticBackend(machine, known=False)], lines.append)
+    assert report.failures and report.failures[0].property == "refcount"  # the next backend ran, and failed
+    data = json.loads(json.dumps(report.to_json()))
+    assert data["skipped"] == {"cannot-drive backend": "llama-cpp-python cannot drive the libllama of TREE: 1 "
+                               "difference; --backend server runs"}  # fmt: skip
+    text = "\n".join(lines)
+    assert "  [skip] cannot-drive backend: llama-cpp-python cannot drive" in text
+    assert "SKIPPED cannot-drive backend (a limit of the harness on this tree, exit 6 if nothing failed)" in text

@@ -189,7 +189,7 @@ def test_a_libllama_the_bindings_cannot_drive_is_a_skip_in_one_line(trees: Trees
     line = next(x for x in r.stdout.splitlines() if x.startswith("SKIPPED llama backend"))
     assert "cannot drive the libllama" in line and "llama_adapter_meta_count is not exported" in line, r.stdout
     assert "--backend server" in line  # what still runs on this tree
-    assert "cannot drive the libllama" in json.loads(out.read_text())["skipped"]["llama"]
+    assert "cannot drive the libllama" in json.loads(out.read_text())["skipped"]["llama backend"]
 
 
 def test_the_fork_script_reports_a_skip_and_stays_green(trees: Trees, tmp_path: Path) -> None:

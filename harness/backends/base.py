@@ -125,6 +125,13 @@ class GateReport:
     def passed(self) -> bool:
         return not self.failures
 
+    def skip(self, what: str, why: str) -> None:
+        """Record that ``what`` (a backend, or a check of one) could not run on this tree for a limit of the
+        harness; the gate says it and, when nothing failed, exits 6 (:data:`~harness.errors.EXIT_SKIPPED`)."""
+        skipped = self.sections.setdefault("skipped", Skipped())
+        assert isinstance(skipped, Skipped)
+        skipped.why[what] = why
+
     def properties(self) -> list[dict[str, Any]]:
         """Per property: status, examples checked, seconds spent checking: an estimate, as one wrapping
         in four of each operation and one step in four are timed (``properties.invariants.TIMING_SAMPLE``)."""

@@ -77,9 +77,7 @@ def run_gate(
         try:
             b.run(report, opts, out)
         except HarnessLimit as e:  # this backend cannot run on this tree: the others still do
-            skipped = report.sections.setdefault("skipped", Skipped())
-            assert isinstance(skipped, Skipped)
-            skipped.why[b.name] = str(e)
+            report.skip(f"{b.name} backend", str(e))
             out(f"  [skip] {b.name} backend: {e}")
             continue
         for step in FOLLOW_UPS.get(b.name, ()):
@@ -127,7 +125,7 @@ def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
         out(f"{f.replay}    # commit {report.commit}")
     skipped = report.sections.get("skipped")
     for name, why in (skipped.why.items() if isinstance(skipped, Skipped) else ()):
-        out(f"SKIPPED {name} backend (a limit of the harness on this tree, exit 6 if nothing failed): {why}")
+        out(f"SKIPPED {name} (a limit of the harness on this tree, exit 6 if nothing failed): {why}")
     out("PASS" if report.passed else "FAIL")
 
 

@@ -223,8 +223,20 @@ def run_server_backend(
                 memory_and_faults(report, run.section, build.label, semantics, binary, logs, run.fail, out)
             except ServerMismatch as e:
                 run.mismatch(e, "server-memory")
+            except ServerStartError as e:
+                if pinned:  # the pinned builds start on the big-state model: a start failure is the environment's
+                    raise
+                _skip_memory(report, e, out)
         run.sanitizers(logs)
     run.known_near_ties()
+
+
+def _skip_memory(report: GateReport, e: ServerStartError, out: Callable[[str], None]) -> None:
+    """The memory checks' server (the generated big-state model, MiBs of checkpoints) did not start on this
+    tree's build: a check that cannot run on a tree is a skip with its reason, never the verdict."""
+    why = f"the memory checks' llama-server did not start on this tree's build with the big-state model: {e}"
+    report.skip("server backend: memory checks", why)
+    out(f"  [skip] memory checks: {why}")
 
 
 def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str) -> None:
@@ -436,6 +448,8 @@ def _memory_change(report: GateReport, run: ServerRun, tree: ServerBuild, base: 
                           other=("base", base.binary, base_semantics))  # fmt: skip
     except ServerMismatch as e:
         run.mismatch(e, "server-memory")
+    except ServerStartError as e:
+        _skip_memory(report, e, out)
     m = run.section.get("memory", {})
     if "base" in m and tree.label in m and m[tree.label]["rss_peak_bytes"] > 0:
         ratio = m["base"]["rss_peak_bytes"] / m[tree.label]["rss_peak_bytes"]
