@@ -254,6 +254,9 @@ TOKENS_EDIT: Edits = {"tools/server/server-task.cpp": [
 #: the cache's size leaves the checkpoints out though each entry's counts them (server-task.cpp:1695) -> accounting
 SIZE_EDIT: Edits = {"tools/server/server-task.cpp": [
     ("        res += state.size();", "        res += state.data.size();")]}  # fmt: skip
+#: load moves the entry's prompt into the slot, the entry stays in the cache (server-task.cpp:1864) -> load_transfer
+TRANSFER_EDIT: Edits = {"tools/server/server-task.cpp": [
+    ("        states.erase(it_best);", "        // states.erase(it_best);")]}  # fmt: skip
 
 #: the users' trees the tests make, by name: (semantics of the pinned tree it starts from, edits)
 TREES: dict[str, tuple[str, Edits | None]] = {
@@ -265,6 +268,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "room": ("shared", ROOM_EDIT),
     "tokens": ("shared", TOKENS_EDIT),
     "size": ("shared", SIZE_EDIT),
+    "transfer": ("shared", TRANSFER_EDIT),
     "fail": ("shared", FAIL_EDIT),
     "renamed": ("shared", RENAME_EDIT),
     "layout": ("shared", LAYOUT_EDIT),
@@ -285,7 +289,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
     return tree
 
 
-BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "fail", "renamed")
+BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

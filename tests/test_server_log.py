@@ -36,6 +36,7 @@ def test_a_well_formed_log_holds_every_property_and_counts_each() -> None:
         "n_tokens = 832, size = 0.009 MiB)\n"
         + _scan((0.0, 0.0), [(0.251, 0.430), (0.9, 0.2)], (0.251, 0.430))
         + _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])
+        + _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])  # nothing left, nothing came
     )
     problems, log = _problems(text)
     assert problems == []
@@ -101,3 +102,33 @@ def test_lines_arrive_in_pieces_and_are_read_once() -> None:
     rest = log.feed(text) + log.feed(text) + log.finish()  # the whole log again: nothing read twice
     assert first == [] and [p.property for p in rest] == ["accounting"]
     assert log.checked["accounting"] == 1
+
+
+def _listing(ids: list[str]) -> str:
+    head = f"{_T} - cache state: {len(ids)} prompts, {0.1 * len(ids):.3f} MiB"
+    lines = [head + " (limits: 8.000 MiB, 2048 tokens, 99 est)"]
+    lines += [f"{_T}   - prompt {i}:       9 tokens, checkpoints:  0,     0.100 MiB" for i in ids]
+    return "\n".join(lines) + "\n0.1 I srv  get_availabl: prompt cache update took 0.02 ms\n"
+
+
+_SAVE = "0.1 I srv   prompt_save:  - saving prompt with length 9, total state size = 0.100 MiB (draft: 0.000 MiB)\n"
+_LOAD = "0.1 I srv          load:  - found better prompt with f_keep = 0.900, f_sim = 0.900\n"
+
+
+def test_entries_leave_the_cache_only_by_a_logged_removal_and_appear_only_by_a_save() -> None:
+    # a save adds B, a load moves A into the slot: A leaves, B appears
+    ok = _listing(["0xa"]) + _SAVE + _LOAD + _listing(["0xb"])
+    problems, log = _problems(ok)
+    assert problems == [] and log.checked["load_transfer"] == 1
+    # the same, the freed address of A reused by B's save: no entry seems to leave or appear
+    assert _problems(_listing(["0xa"]) + _SAVE + _LOAD + _listing(["0xa"]))[0] == []
+    # a load whose entry stays in the cache
+    kept = _problems(_listing(["0xa"]) + _SAVE + _LOAD + _listing(["0xa", "0xb"]))[0]
+    assert [p.property for p in kept] == ["load_transfer"]
+    assert "the log shows 1 removals (obsolete, load, eviction) but 0 entries left the cache" in kept[0].message
+    # an entry gone without a logged removal, and one appearing without a save
+    gone = _problems(_listing(["0xa", "0xb"]) + _listing(["0xb"]))[0]
+    assert [p.property for p in gone] == ["load_transfer"] and "1 entries left the cache where the log shows 0" in (
+        gone[0].message)
+    born = _problems(_listing(["0xa"]) + _listing(["0xa", "0xc"]))[0]
+    assert [p.property for p in born] == ["load_transfer"] and "1 entries appeared where 0 saves" in born[0].message

@@ -253,6 +253,7 @@ SERVER_MUTANTS = {
     "room": ("eviction", "alloc_eviction"),
     "tokens": ("token-limit", "limit"),
     "size": ("eviction", "accounting"),
+    "transfer": ("load-threshold", "load_transfer"),
 }
 
 
@@ -280,7 +281,7 @@ def test_the_pinned_build_holds_every_server_side_property_at_every_limit() -> N
 
 
 @pytest.mark.parametrize("seed", [0, 1])
-@pytest.mark.parametrize("name", ["threshold", "size", "cap"])
+@pytest.mark.parametrize("name", ["threshold", "size", "cap", "transfer"])
 def test_the_drawn_configurations_kill_the_cpp_mutants_on_any_seed(trees: Trees, name: str, seed: int) -> None:
     """The gate's drawn configurations (harness.backends.llama_server.limits) reach these mutants' limits without a
     fixed program (the token-limit and make-room mutants are the fixed programs' to kill: a drawn cache rarely holds

@@ -22,7 +22,12 @@ is counted under the property's name, so the gate's table says how often the ser
     figures, independently of the server's choice;
 ``alloc_eviction``
     ``alloc`` makes room before it saves (server-task.cpp:1750), so ``update`` never finds the cache above its
-    byte limit (``cache size limit reached``) unless an allocation failure lowered the limit first.
+    byte limit (``cache size limit reached``) unless an allocation failure lowered the limit first;
+``load_transfer``
+    between two states the entries that left are the logged removals (an obsolete prefix, server-task.cpp:1742;
+    the entry a load moved into the slot, :1864; an eviction) and each logged removal took one, and no entry
+    appears without a save that added it. Entries are told apart by the address the state lists; a freed
+    address a save reuses can hide one removal per save, so the count allows exactly that.
 
 Deviations: sizes are compared as the log prints them (MiB to three decimals), so a difference below 0.0005 MiB
 per entry is not seen; the log's wording is 0c1e570's (unchanged on the PR's branch); a tree that words it
@@ -37,7 +42,7 @@ from dataclasses import dataclass, field
 
 __all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem"]
 
-LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction")
+LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction", "load_transfer")
 """The properties :class:`CacheLog` checks, by their names in ``properties.invariants.INVARIANTS``."""
 
 _STATE = re.compile(
@@ -87,6 +92,9 @@ class CacheLog:
         self._offset = 0
         self._state: tuple[int, float, float, int, int, int] | None = None  # the state line being listed, its line
         self._entries: list[tuple[int, int, float]] = []
+        self._ids: list[str] = []  # the addresses the state being read lists
+        self._prev_ids: list[str] | None = None  # the last state's
+        self._cycle: Counter[str] = Counter()  # since the last state: saves, skipped saves, logged removals
         self._scan: _Scan | None = None
         self._limit_lowered = False
         self._line = 0
@@ -112,6 +120,7 @@ class CacheLog:
         entry = _ENTRY.search(line)
         if entry is not None and self._state is not None:
             self._entries.append((int(entry[2]), int(entry[3]), float(entry[4])))
+            self._ids.append(entry[1])
             return out
         out += self._close_state()
         if (m := _STATE.search(line)) is not None:
@@ -135,7 +144,28 @@ class CacheLog:
                                       "the limit: alloc saved without making room first"))  # fmt: skip
         elif "prompt cache update took" in line:
             out += self._close_scan(None)
+        self._count_cycle(line)
         return out
+
+    def _count_cycle(self, line: str) -> None:
+        """The saves and the logged removals between two states (:data:`LOG_PROPERTIES`' ``load_transfer``)."""
+        if "saving prompt with length" in line:
+            self._cycle["saves"] += 1
+        elif "already in the cache, skipping" in line or "exceeds cache size limit, skipping" in line or (
+            "failed to allocate memory for prompt cache state" in line
+        ):
+            self._cycle["unsaved"] += 1
+        elif "removing obsolete cached prompt" in line or "removing oldest entry" in line or _FOUND.search(line):
+            self._cycle["removals"] += 1
+
+    def _transfers(self, ids: list[str], line: int) -> list[LogProblem]:
+        prev, self._prev_ids = self._prev_ids, ids
+        cycle, self._cycle = self._cycle, Counter()
+        if prev is None:
+            return []
+        self.checked["load_transfer"] += 1
+        problem = _transfers_problem(prev, ids, cycle)
+        return [] if problem is None else [LogProblem("load_transfer", f"log line {line}: {problem}")]
 
     def _created(self, k: int, n: int) -> list[LogProblem]:
         self.checked["checkpoint_lists"] += 1
@@ -162,10 +192,11 @@ class CacheLog:
     def _close_state(self) -> list[LogProblem]:
         state, self._state = self._state, None
         entries, self._entries = self._entries, []
+        ids, self._ids = self._ids, []
         if state is None:
             return []
         n, mib, limit_mib, limit_tokens, est, line = state
-        out: list[LogProblem] = []
+        out: list[LogProblem] = self._transfers(ids, line)
         self.checked["limit"] += 1
         self.checked["alloc_eviction"] += 1  # an update: it evicted for size only after a lowered limit
         tokens = sum(t for t, _c, _m in entries)
@@ -190,6 +221,21 @@ class CacheLog:
             out.append(LogProblem("checkpoint_lists", f"log line {line}: an entry holds {max(over)} checkpoints, "
                                   f"over --ctx-checkpoints {self.ctx_checkpoints}"))  # fmt: skip
         return out
+
+
+def _transfers_problem(prev: list[str], ids: list[str], cycle: Counter[str]) -> str | None:
+    """What the entries that left or appeared between two states say against the logged removals and saves."""
+    removed = len(set(prev) - set(ids))
+    added = len(set(ids) - set(prev))
+    adds = max(0, cycle["saves"] - cycle["unsaved"])
+    logged = cycle["removals"]
+    if added > adds:
+        return f"{added} entries appeared where {adds} saves added any"
+    if removed > logged:
+        return f"{removed} entries left the cache where the log shows {logged} removals (obsolete, load, eviction)"
+    if removed + (adds - added) < logged:  # a save reusing a freed address hides at most one removal
+        return f"the log shows {logged} removals (obsolete, load, eviction) but {removed} entries left the cache"
+    return None
 
 
 def _close(a: tuple[float, float], b: tuple[float, float]) -> bool:
