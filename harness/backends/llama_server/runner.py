@@ -78,9 +78,11 @@ class ServerBackend(Backend):
                 base_tree = _base_tree(opts.base, tree) if opts.base is not None else None
                 if not opts.semantics_given:  # before a build of many minutes: can the tree be read?
                     _semantics_or_refuse(tree, "tree")
-                build = server_build(source=tree, asan=opts.asan, log=log)
+                named = opts.source if registry_spec(str(opts.source)) is not None else tree  # replays by its name
+                build = server_build(source=named, asan=opts.asan, log=log)
                 if base_tree is not None:
-                    base = server_build(source=base_tree, asan=opts.asan, log=log, flag="--base")
+                    base_named = Path(str(opts.base)) if registry_spec(str(opts.base)) is not None else base_tree
+                    base = server_build(source=base_named, asan=opts.asan, log=log, flag="--base")
             else:
                 if opts.asan and opts.semantics == "master":
                     raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
