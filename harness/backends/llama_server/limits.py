@@ -22,7 +22,7 @@ import tempfile
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
@@ -85,7 +85,11 @@ class LimitRun:
         )
 
     def __enter__(self) -> LimitRun:
-        self.server.start()
+        try:
+            self.server.start()
+        except BaseException:
+            self._slots.cleanup()  # a server that did not start leaves nothing behind either
+            raise
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -120,7 +124,7 @@ class LimitRun:
         if problems:
             raise ServerMismatch(problems[0].property, f"the server's log: {problems[0].message}", self.program())
 
-    def _failed(self, e: RequestFailed) -> None:
+    def _failed(self, e: RequestFailed) -> NoReturn:
         what = f"step {len(self.steps)} ({self.steps[-1][:60]}...): {e.describe()}"
         if not e.alive:
             raise ServerMismatch("server_crash", what, self.program(), kind="crash") from None
