@@ -142,7 +142,9 @@ def test_the_gate_classifies_them_and_writes_its_json(
     assert r.returncode == rc, r.stdout[-3000:]
     rep = json.loads(out.read_text())
     mine = [f for f in rep["failures"] if f["property"] == prop]
-    assert mine and all(f["program"].count("d.request(") == 4 for f in mine), rep["failures"]
+    # each program ends with the request that failed: the differential's d.request(), the drawn limits' r.request()
+    assert mine and all(f["program"].count(".request(") == 4 for f in mine), rep["failures"]
+    assert any(f["machine"] == "server-limits" and "LimitRun(" in f["program"] for f in mine), rep["failures"]
     assert all(f["replay"].startswith("python -m harness gate --backend server --source ") for f in mine)
     assert f"FAILED {prop}" in r.stdout and "--- replay ---" in r.stdout
 
