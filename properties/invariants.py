@@ -1,4 +1,5 @@
-"""The eleven invariants, each a named function that raises :class:`Violation` when broken.
+"""The gate's properties (:data:`INVARIANTS`, one line each), each checked by a named function that raises
+:class:`Violation` when broken.
 
 Two kinds of checks:
 
