@@ -187,39 +187,7 @@ def run_server_backend(
             os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
         _machines(run, binary, semantics, hs, seed, logs)
         _limits(run, binary, hs, seed, logs)
-        try:
-            t0 = time.perf_counter()
-            rows = eviction(binary, semantics, logs)
-            run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
-            run.section["requests"] += len(rows)
-            run.section["evictions"] += rows[-1].evictions
-            out(
-                f"  [ok  ] eviction: jamba --cache-ram 1, {len(rows)} requests, {rows[-1].evictions} evictions "
-                f"seen in the log and predicted, cache_n {[r.cache_n for r in rows[-3:]]} for the returning prompts"
-            )
-        except ServerMismatch as e:
-            run.mismatch(e, "server-eviction")
-        try:
-            t0 = time.perf_counter()
-            rows = full_context(binary, semantics, logs)
-            run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
-            run.section["requests"] += len(rows)
-            out(f"  [ok  ] full context: jamba n_ctx=1024, {len(rows)} requests, cache_n " + ", ".join(
-                str(r.cache_n) for r in rows))  # fmt: skip
-        except ServerMismatch as e:
-            run.mismatch(e, "server-full-context")
-        for name in ("checkpoint-cap", "token-limit", "load-threshold"):
-            cfg, program = LIMIT_PROGRAMS[name]()
-            try:
-                t0 = time.perf_counter()
-                rows = run_program(cfg, program, binary, semantics, logs)
-                run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
-                run.section["requests"] += len(rows)
-                out(f"  [ok  ] {name}: {cfg.name} --ctx-checkpoints {cfg.ctx_checkpoints} --cache-ram "
-                    f"{cfg.cache_ram_mib} -c {cfg.n_ctx}, {len(rows)} requests, {rows[-1].evictions} evictions, "
-                    f"the log's checks {dict(sorted(rows[-1].log_checked.items()))}")  # fmt: skip
-            except ServerMismatch as e:
-                run.mismatch(e, f"server-{name}")
+        _programs(run, binary, semantics, logs)
         if not build.asan:
             try:
                 memory_and_faults(report, run.section, build.label, semantics, binary, logs, run.fail, out)
@@ -231,6 +199,43 @@ def run_server_backend(
                 _skip_memory(report, e, out)
         run.sanitizers(logs)
     run.known_near_ties()
+
+
+def _programs(run: ServerRun, binary: Path, semantics: str, logs: str) -> None:
+    """The fixed programs, each at one of the cache's limits (:data:`LIMIT_PROGRAMS`), one row each."""
+    try:
+        t0 = time.perf_counter()
+        rows = eviction(binary, semantics, logs)
+        run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
+        run.section["requests"] += len(rows)
+        run.section["evictions"] += rows[-1].evictions
+        run.out(
+            f"  [ok  ] eviction: jamba --cache-ram 1, {len(rows)} requests, {rows[-1].evictions} evictions "
+            f"seen in the log and predicted, cache_n {[r.cache_n for r in rows[-3:]]} for the returning prompts"
+        )
+    except ServerMismatch as e:
+        run.mismatch(e, "server-eviction")
+    try:
+        t0 = time.perf_counter()
+        rows = full_context(binary, semantics, logs)
+        run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
+        run.section["requests"] += len(rows)
+        run.out(f"  [ok  ] full context: jamba n_ctx=1024, {len(rows)} requests, cache_n " + ", ".join(
+            str(r.cache_n) for r in rows))  # fmt: skip
+    except ServerMismatch as e:
+        run.mismatch(e, "server-full-context")
+    for name in ("checkpoint-cap", "token-limit", "load-threshold"):
+        cfg, program = LIMIT_PROGRAMS[name]()
+        try:
+            t0 = time.perf_counter()
+            rows = run_program(cfg, program, binary, semantics, logs)
+            run.passed(time.perf_counter() - t0, Counter(rows[-1].log_checked))
+            run.section["requests"] += len(rows)
+            run.out(f"  [ok  ] {name}: {cfg.name} --ctx-checkpoints {cfg.ctx_checkpoints} --cache-ram "
+                f"{cfg.cache_ram_mib} -c {cfg.n_ctx}, {len(rows)} requests, {rows[-1].evictions} evictions, "
+                f"the log's checks {dict(sorted(rows[-1].log_checked.items()))}")  # fmt: skip
+        except ServerMismatch as e:
+            run.mismatch(e, f"server-{name}")
 
 
 def _skip_memory(report: GateReport, e: ServerStartError, out: Callable[[str], None]) -> None:
