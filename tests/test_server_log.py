@@ -132,3 +132,10 @@ def test_entries_leave_the_cache_only_by_a_logged_removal_and_appear_only_by_a_s
         gone[0].message)
     born = _problems(_listing(["0xa"]) + _listing(["0xa", "0xc"]))[0]
     assert [p.property for p in born] == ["load_transfer"] and "1 entries appeared where 0 saves" in born[0].message
+
+
+def test_a_line_of_an_http_thread_inside_a_states_list_is_passed_over() -> None:
+    text = _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])
+    first, rest = text.split("\n", 1)
+    interleaved = first + "\n0.1 I srv  server_strea: conv_id= (empty=1)\n" + rest
+    assert _problems(interleaved)[0] == []  # not "the cache state says 2 prompts; it lists 0 entries"

@@ -54,6 +54,7 @@ _LOOKING = re.compile(r"looking for better prompt, base f_keep = (-?[\d.]+), f_s
 _CANDIDATE = re.compile(r"- prompt with length\s+(\d+), lcp =\s+(\d+), f_keep = ([\d.]+), f_sim = ([\d.]+)")
 _FOUND = re.compile(r"found better prompt with f_keep = ([\d.]+), f_sim = ([\d.]+)")
 _ROUND = 0.0005  # the log prints MiB to three decimals
+_OTHER_THREADS = ("server_strea", "log_server_r")  # the HTTP threads log (server-stream.cpp:599, server-http.cpp:53)
 
 
 @dataclass(frozen=True)
@@ -117,6 +118,8 @@ class CacheLog:
 
     def _read(self, line: str) -> list[LogProblem]:
         out: list[LogProblem] = []
+        if any(other in line for other in _OTHER_THREADS):
+            return out  # the HTTP threads' lines carry nothing checked here and may land inside a state's list
         entry = _ENTRY.search(line)
         if entry is not None and self._state is not None:
             self._entries.append((int(entry[2]), int(entry[3]), float(entry[4])))
