@@ -33,9 +33,15 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from fixtures.gguf import draft_path, model_path
-from harness.backends.llama_server.differential import Differential, Program, ServerMismatch, prompt_from, request_rule
-from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
+from harness.backends.llama_server.differential import (
+    Differential,
+    Program,
+    ServerMismatch,
+    launch_of,
+    prompt_from,
+    request_rule,
+)
+from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog, LogProblem
 
 __all__ = [
@@ -266,21 +272,8 @@ class ChangePair:
         self.tree = _Side("TREE", self._server(tree, log_dir, "tree"), self.cfg.ctx_checkpoints)
 
     def _server(self, binary: Path, log_dir: str | None, side: str) -> ServerProcess:
-        c = self.cfg
-        return ServerProcess(
-            binary,
-            Launch(
-                model=model_path(c.arch),
-                draft=draft_path() if c.draft else None,
-                n_parallel=c.n_parallel,
-                ctx_size=c.n_ctx,
-                cache_ram=c.cache_ram_mib,
-                ctx_checkpoints=c.ctx_checkpoints,
-                kv_unified=c.kv_unified,
-                args=c.server_args(),
-            ),
-            log_path=None if log_dir is None else unique_log(log_dir, f"{c.name}-{side}"),
-        )
+        log_path = None if log_dir is None else unique_log(log_dir, f"{self.cfg.name}-{side}")
+        return ServerProcess(binary, launch_of(self.cfg), log_path=log_path)
 
     def __enter__(self) -> ChangePair:
         try:

@@ -58,6 +58,7 @@ __all__ = [
     "eviction_program",
     "full_context",
     "full_context_program",
+    "launch_of",
     "load_threshold_program",
     "prompt_from",
     "request_failure",
@@ -110,6 +111,14 @@ class Row:
         )
 
 
+def launch_of(cfg: ServerConfig, *extra: str) -> Launch:
+    """How a server of ``cfg`` is started: its fixture model (and the draft model), its slots, context, cache and
+    checkpoints, ``cfg``'s own flags, then ``extra``."""
+    return Launch(model=model_path(cfg.arch), draft=draft_path() if cfg.draft else None, n_parallel=cfg.n_parallel,
+                  ctx_size=cfg.n_ctx, cache_ram=cfg.cache_ram_mib, ctx_checkpoints=cfg.ctx_checkpoints,
+                  kv_unified=cfg.kv_unified, args=[*cfg.server_args(), *extra])  # fmt: skip
+
+
 @dataclass
 class Differential:
     """A live server and the reference model, fed the same requests."""
@@ -132,16 +141,7 @@ class Differential:
         self.model_file = model_path(self.cfg.arch)
         self.server = ServerProcess(
             self.binary,
-            Launch(
-                model=self.model_file,
-                draft=draft_path() if self.cfg.draft else None,
-                n_parallel=self.cfg.n_parallel,
-                ctx_size=self.cfg.n_ctx,
-                cache_ram=self.cfg.cache_ram_mib,
-                ctx_checkpoints=self.cfg.ctx_checkpoints,
-                kv_unified=self.cfg.kv_unified,
-                args=self.cfg.server_args(),
-            ),
+            launch_of(self.cfg),
             log_path=None if self.log_dir is None else unique_log(self.log_dir, self.cfg.name),
             env=self.env,
         )

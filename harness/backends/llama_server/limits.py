@@ -27,9 +27,9 @@ from typing import Any, NoReturn
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
-from fixtures.gguf import ARCHS, draft_path, model_path
-from harness.backends.llama_server.differential import ServerMismatch, prompt_from, request_rule
-from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
+from fixtures.gguf import ARCHS
+from harness.backends.llama_server.differential import ServerMismatch, launch_of, prompt_from, request_rule
+from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog
 
 __all__ = ["LimitRun", "LimitStats", "configs", "limits_machine"]
@@ -74,14 +74,10 @@ class LimitRun:
         self.log = CacheLog(self.cfg.ctx_checkpoints)
         self.released = 0
         self._slots = tempfile.TemporaryDirectory(prefix="harness-limits-slots-")
-        c = self.cfg
         self.server = ServerProcess(
             binary,
-            Launch(model=model_path(c.arch), draft=draft_path() if c.draft else None, n_parallel=c.n_parallel,
-                   ctx_size=c.n_ctx, cache_ram=c.cache_ram_mib, ctx_checkpoints=c.ctx_checkpoints,
-                   kv_unified=c.kv_unified,
-                   args=[*c.server_args(), "--slot-save-path", self._slots.name]),  # the slot actions need it
-            log_path=None if log_dir is None else unique_log(log_dir, f"limits-{c.name}"),
+            launch_of(self.cfg, "--slot-save-path", self._slots.name),  # the slot actions need it
+            log_path=None if log_dir is None else unique_log(log_dir, f"limits-{self.cfg.name}"),
         )
 
     def __enter__(self) -> LimitRun:
