@@ -50,6 +50,7 @@ class Finding:
     upstream: str | None = None  # where upstream's code is at fault, file:line at 0c1e570, when not in the title
     condition: ContractCondition | None = None  # the contract machine's: the state that shows it
     detail: str = ""  # the long explanation (the title is one line)
+    takes_binary: bool = False  # its reproducer takes a llama-server binary as its first argument (``history``)
 
 
 @dataclass

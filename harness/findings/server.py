@@ -130,6 +130,7 @@ SLOT_FILE_FOLLOWS_SYMLINK = Finding(
         "files are written); Linux's fs.protected_symlinks stops it only in a sticky world-writable directory "
         "for a link owned by another user"
     ),
+    takes_binary=True,
 )
 
 SLOT_ACTION_BAD_BODY_500 = Finding(
@@ -146,6 +147,7 @@ SLOT_ACTION_BAD_BODY_500 = Finding(
         "(server.cpp:64-67): a filename with a lone surrogate escape or bytes that are not UTF-8 (overlong '/' "
         "and '.'), a raw control byte, no filename, a filename that is not a string, a body that is not JSON"
     ),
+    takes_binary=True,
 )
 
 IDLE_STATELESS_SLOT_CACHED = Finding(
@@ -163,6 +165,7 @@ IDLE_STATELESS_SLOT_CACHED = Finding(
         "100 /embeddings calls alone leave 99 entries (2.567 MiB, 26 KiB per 101-token call); none with "
         "--no-cache-idle-slots"
     ),
+    takes_binary=True,
 )
 
 LFM2_POOLED_COMPLETION_SEGV = Finding(
@@ -179,6 +182,7 @@ LFM2_POOLED_COMPLETION_SEGV = Finding(
         "pooling mean/none and the other fixtures models answer. LFM2's graph alone depends on cparams.embeddings "
         "(src/models/lfm2.cpp:287)"
     ),
+    takes_binary=True,
 )
 
 SLOT_SAVE_PARTIAL_FILE = Finding(
@@ -243,6 +247,7 @@ SLOT_RESTORE_DROPS_CHECKPOINTS = Finding(
         "--cache-ram 8 too: the RAM cache holds the prompt with its checkpoints, but the restored slot matches 80 of "
         "88 tokens, f_keep >= 0.5, and the cache is never consulted)"
     ),
+    takes_binary=True,
 )
 
 SLOT_RESTORE_STALE_DRAFT = Finding(
@@ -259,6 +264,7 @@ SLOT_RESTORE_STALE_DRAFT = Finding(
         "draft batch starts at the restored position, the draft memory ends at the old prompt: inconsistent "
         "sequence positions). After an erase the restore works, with an empty draft state"
     ),
+    takes_binary=True,
 )
 
 CACHE_REUSE_RECURRENT_STALE = Finding(
@@ -276,6 +282,7 @@ CACHE_REUSE_RECURRENT_STALE = Finding(
         "reaches the old end the slot resumes from the recurrent state of the old, undeleted conversation: "
         "cache_n counts the deleted tokens as gone, the answer is the old conversation's, no error"
     ),
+    takes_binary=True,
 )
 
 SERVER = [

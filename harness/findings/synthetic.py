@@ -30,6 +30,7 @@ BUSY_SLOT_BY_ID = Finding(
         "that slot by id (server-context.cpp:1532-1633, with slot_prompt_similarity != 0); on the real server "
         "the request being generated in that slot goes on from the loaded prompt: a wrong answer, no error"
     ),
+    takes_binary=True,
 )
 
 BUSY_SLOT_BY_ID_LIVELOCK = Finding(
