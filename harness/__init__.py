@@ -40,8 +40,8 @@ FLOORS: tuple[Floor, ...] = (
     ("experiments", ("harness.experiments",), "the server experiments beside the gate: slot files, reuse"),
     (
         "work",
-        ("harness.campaign", "harness.load", "harness.report", "harness.bench", "harness.coverage"),
-        "work built on the backends: fuzz campaigns, load, the memory report, the bench, coverage",
+        ("harness.campaign", "harness.load", "harness.report", "harness.bench", "harness.coverage", "harness.history"),
+        "work built on the backends: fuzz campaigns, load, the memory report, the bench, coverage, history",
     ),
     ("commands", ("harness.commands",), "one module per python -m harness subcommand"),
     ("entry", ("harness.cli", "harness.__main__", "harness"), "the entry point; this table"),

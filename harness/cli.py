@@ -24,6 +24,7 @@ from harness.commands import (
     demo,
     fuzz,
     gate,
+    history,
     mutants,
     native,
     oom,
@@ -61,6 +62,7 @@ COMMANDS: dict[str, tuple[ModuleType, str]] = {
     "reuse": (reuse, "generated --cache-reuse and context-shift programs on a real llama-server against the model"),
     "trace": (trace, "trace llama-server's libllama calls, replay them in one process, shrink a divergence"),
     "coverage": (coverage, "line and branch coverage of the C++ under test (gcov build): gate, concurrent, soak, fuzz"),
+    "history": (history, "bisect a finding, program or property over upstream's builds; the findings x history table"),
     "bench": (bench, "the performance table: speed ratios with goals, as JSON and docs/bench.md"),
 }
 

@@ -258,6 +258,17 @@ SIZE_EDIT: Edits = {"tools/server/server-task.cpp": [
 TRANSFER_EDIT: Edits = {"tools/server/server-task.cpp": [
     ("        states.erase(it_best);", "        // states.erase(it_best);")]}  # fmt: skip
 
+
+
+def merged(*edits: Edits) -> Edits:
+    """Several trees' edits in one tree (a row of trees that each add one change: ``history``'s tests)."""
+    out: Edits = {}
+    for e in edits:
+        for rel, pairs in e.items():
+            out[rel] = [*out.get(rel, []), *pairs]
+    return out
+
+
 #: the users' trees the tests make, by name: (semantics of the pinned tree it starts from, edits)
 TREES: dict[str, tuple[str, Edits | None]] = {
     "pr": ("shared", None),  # a copy of the pinned tree with our patch (hashes as the pinned pr tree)
@@ -272,6 +283,9 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "fail": ("shared", FAIL_EDIT),
     "renamed": ("shared", RENAME_EDIT),
     "layout": ("shared", LAYOUT_EDIT),
+    # a row of trees, each one change on the one before (pr, checkpoint-offset, then these): history's tests
+    "offset-cap": ("shared", merged(CHECKPOINT_EDIT, CAP_EDIT)),
+    "offset-cap-threshold": ("shared", merged(CHECKPOINT_EDIT, CAP_EDIT, THRESHOLD_EDIT)),
     "unknown-sem": ("master", UNKNOWN_SEMANTICS_EDIT),
 }
 
@@ -289,7 +303,8 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
     return tree
 
 
-BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed")
+BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "offset-cap",
+         "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

@@ -1,0 +1,176 @@
+"""What ``history`` asks of each build: is the behaviour there (:data:`PRESENT`), not there (:data:`ABSENT`), or can
+this build not tell (:data:`SKIPPED`, with why: ``git bisect skip``)?
+
+Three kinds of check, each run on a built ``llama-server``:
+
+* :class:`ReproducerCheck` (``history FINDING``, a finding's id): the finding's standalone reproducer under
+  ``fixtures/findings/`` with the binary as its first argument (a finding whose ``takes_binary`` is set). Exit 1
+  is present, 0 absent; any other end (exit 2 "not shown", an exception such as a server that will not start with
+  the reproducer's flags on an old build) is skipped with its last line. The reproducer runs through
+  :mod:`harness.history.reproducer`, so a traceback is never read as the exit 1 of a finding.
+* :class:`ProgramCheck` (``program:NAME``): one of the gate's fixed programs at the cache's limits
+  (:data:`~harness.backends.llama_server.differential.LIMIT_PROGRAMS`), checked only by the server's own ``-lv 4``
+  log (:class:`~harness.targets.server_log.CacheLog`), never by the model: the model knows one commit, the log's
+  properties hold on every tree. Present when a property fails (``program:NAME:PROPERTY``: when that one does).
+* :class:`PropertyCheck` (``property:NAME``): the whole server gate on the build (``gate --backend server
+  --source``), present when it reports that property failed, absent when it checked it and it held. Away from the
+  pinned commit the model's drift may fail model-based properties: the log's six (``limit``, ``accounting``,
+  ``checkpoint_lists``, ``load_choice``, ``alloc_eviction``, ``load_transfer``) are the ones that mean the same
+  everywhere.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import sys
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Protocol
+
+from harness.backends.llama_server.differential import LIMIT_PROGRAMS, launch_of
+from harness.child import run_child
+from harness.errors import HarnessError, RequestFailed, UsageError
+from harness.findings import FINDINGS, Finding
+from harness.targets.llama_server import ServerProcess
+from harness.targets.server_log import CacheLog
+
+__all__ = ["ABSENT", "PRESENT", "SKIPPED", "Check", "ProgramCheck", "PropertyCheck", "ReproducerCheck", "Verdict",
+           "check_of", "history_checks"]  # fmt: skip
+
+PRESENT = "present"
+ABSENT = "absent"
+SKIPPED = "skipped"
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What one build showed: :data:`PRESENT`, :data:`ABSENT` or :data:`SKIPPED`, and the line that says so."""
+
+    state: str
+    why: str
+
+
+class Check(Protocol):
+    """A question put to one build; ``name`` is how ``history`` takes it again on its command line."""
+
+    @property
+    def name(self) -> str: ...
+
+    def run(self, binary: Path, log: Callable[[str], None]) -> Verdict: ...
+
+
+@dataclass(frozen=True)
+class ReproducerCheck:
+    finding: Finding
+    timeout: float = 900.0
+
+    @property
+    def name(self) -> str:
+        return self.finding.id
+
+    def run(self, binary: Path, log: Callable[[str], None]) -> Verdict:
+        assert self.finding.reproducer is not None
+        argv = [sys.executable, "-m", "harness.history.reproducer", str(ROOT / self.finding.reproducer), str(binary)]
+        res = run_child(argv, timeout=self.timeout)
+        said = [ln for ln in (res.stdout + "\n" + res.stderr).splitlines() if ln.strip()]
+        last = said[-1].strip()[:300] if said else res.describe()
+        if res.status == "exited" and res.returncode == 1:
+            return Verdict(PRESENT, last)
+        if res.status == "exited" and res.returncode == 0:
+            return Verdict(ABSENT, last)
+        return Verdict(SKIPPED, f"the reproducer {res.describe()}: {last}")
+
+
+@dataclass(frozen=True)
+class ProgramCheck:
+    program: str
+    prop: str | None = None
+
+    @property
+    def name(self) -> str:
+        return f"program:{self.program}" + (f":{self.prop}" if self.prop else "")
+
+    def run(self, binary: Path, log: Callable[[str], None]) -> Verdict:
+        cfg, requests = LIMIT_PROGRAMS[self.program]()
+        cfg = dataclasses.replace(cfg, log_verbosity=4)  # the cache's own trace lines
+        cache_log = CacheLog(cfg.ctx_checkpoints)
+        with tempfile.TemporaryDirectory(prefix="harness-history-") as tmp:
+            server = ServerProcess(binary, launch_of(cfg), log_path=str(Path(tmp) / "server.log"))
+            try:
+                try:
+                    server.start()
+                except HarnessError as e:
+                    return Verdict(SKIPPED, f"the program's llama-server did not start: {e}")
+                for i, (toks, n) in enumerate(requests, 1):
+                    try:
+                        server.completion(list(toks), n, ignore_eos=True)
+                    except RequestFailed as e:
+                        crash = self.prop in (None, "server_crash") and not e.alive
+                        return Verdict(PRESENT if crash else SKIPPED, f"request {i} of {len(requests)}: {e.describe()}")
+                    for p in cache_log.feed(server.log_through(i)):
+                        if self.prop is None or p.property == self.prop:
+                            return Verdict(PRESENT, f"request {i} of {len(requests)}: {p.property}: {p.message}")
+            finally:
+                server.stop()
+        checked = ", ".join(f"{k} {v}" for k, v in sorted(cache_log.checked.items()))
+        if self.prop is not None and not cache_log.checked.get(self.prop):
+            return Verdict(SKIPPED, f"{self.prop} was never checked by this program on this build ({checked})")
+        return Verdict(ABSENT, f"{len(requests)} requests, the log's properties held ({checked})")
+
+
+@dataclass(frozen=True)
+class PropertyCheck:
+    prop: str
+    timeout: float = 3600.0
+
+    @property
+    def name(self) -> str:
+        return f"property:{self.prop}"
+
+    def run(self, binary: Path, log: Callable[[str], None]) -> Verdict:
+        with tempfile.TemporaryDirectory(prefix="harness-history-") as tmp:
+            out = Path(tmp) / "gate.json"
+            argv = [sys.executable, "-m", "harness", "gate", "--backend", "server", "--server-bin", str(binary),
+                    "--semantics", "master", "--json", str(out)]  # fmt: skip
+            res = run_child(argv, timeout=self.timeout)
+            try:
+                data = json.loads(out.read_text())
+            except (OSError, ValueError):
+                tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [res.describe()]
+                return Verdict(SKIPPED, f"the gate wrote no report ({res.describe()}): {tail[0][:300]}")
+        status = data.get("properties", {}).get(self.prop, {})
+        if status.get("status") == "failed":
+            return Verdict(PRESENT, f"the gate failed {self.prop}: {str(status.get('message', ''))[:300]}")
+        if status.get("checks", 0) > 0:
+            return Verdict(ABSENT, f"the gate checked {self.prop} {status['checks']} times; it held")
+        return Verdict(SKIPPED, f"the gate did not check {self.prop} on this build")
+
+
+def history_checks() -> list[Finding]:
+    """The registered findings ``history`` can test on any build: a reproducer that takes a binary."""
+    return [f for f in FINDINGS.values() if f.takes_binary and f.reproducer is not None]
+
+
+def check_of(text: str) -> Check:
+    """``FINDING`` (a finding's id), ``program:NAME[:PROPERTY]`` or ``property:NAME``; one line if it is none."""
+    kind, _, rest = text.partition(":")
+    if kind == "program" and rest:
+        name, _, prop = rest.partition(":")
+        if name not in LIMIT_PROGRAMS:
+            raise UsageError(f"history {text}: the programs are {', '.join(LIMIT_PROGRAMS)}")
+        return ProgramCheck(name, prop or None)
+    if kind == "property" and rest:
+        return PropertyCheck(rest)
+    f = FINDINGS.get(text)
+    if f is None:
+        raise UsageError(f"history {text}: not a finding's id, program:NAME or property:NAME "
+                         f"(findings it can test: {', '.join(x.id for x in history_checks())})")  # fmt: skip
+    if not f.takes_binary or f.reproducer is None:
+        raise UsageError(f"history {text}: its reproducer does not take a llama-server binary, so no build but the "
+                         f"pinned one can run it (findings it can test: {', '.join(x.id for x in history_checks())})")
+    return ReproducerCheck(f)
