@@ -147,6 +147,8 @@ def test_the_gate_classifies_them_and_writes_its_json(
     assert any(f["machine"] == "server-limits" and "LimitRun(" in f["program"] for f in mine), rep["failures"]
     assert all(f["replay"].startswith("python -m harness gate --backend server --source ") for f in mine)
     assert f"FAILED {prop}" in r.stdout and "--- replay ---" in r.stdout
+    # not the pinned tree, no --base: the gate offers the line that bisects the failure over history
+    assert f"where it came from: python -m harness history property:{prop} --trees OLDER_TREE,{tree}" in r.stdout
 
 
 def test_unreadable_semantics_stop_before_building(trees: Trees, tmp_path: Path) -> None:
