@@ -31,10 +31,11 @@ from pathlib import Path
 from typing import Any
 
 from harness.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SKIPPED, UsageError
+from harness.findings import HISTORY_PATH
 from harness.history.bisect import Bisection, Tested, Tester, bisect
 from harness.history.checks import ReproducerCheck, check_of
 from harness.history.points import Point, index_points, revision_points, spread, tree_points, within
-from harness.history.table import HistoryRow, all_findings, markdown, scan, since_line
+from harness.history.table import HistoryRow, all_findings, markdown, record, scan, since_line
 
 __all__ = ["add_arguments", "run"]
 
@@ -52,6 +53,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--spread", type=int, metavar="N", help="test N points spread over the range, no bisection")
     parser.add_argument("--table", action="store_true", help="every registered finding on the spread (default 5)")
     parser.add_argument("--markdown", metavar="PATH", help="with --table: write the table as Markdown")
+    parser.add_argument("--record", action="store_true",
+                        help="with --table: keep the result in harness/findings/history.json, which the reports read")
     parser.add_argument("--json", metavar="PATH", help="write what was tested and concluded as JSON")
 
 
@@ -144,6 +147,8 @@ def _report(args: argparse.Namespace, rows: Sequence[HistoryRow], points: Sequen
     if args.markdown:
         Path(args.markdown).write_text(table)
     _write(args.json, {"points": [p.label for p in points], "findings": [r.to_json() for r in rows]})
+    if args.record:
+        _write(str(HISTORY_PATH), record(rows, points, " ".join(["python -m harness history", *sys.argv[2:]])))
 
 
 def run(args: argparse.Namespace) -> int:
@@ -151,8 +156,8 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("history --table tests every finding; give no CHECK with it")
     if not args.table and not args.check:
         raise UsageError("history: give a CHECK (a finding's id, program:NAME, property:NAME) or --table")
-    if args.markdown and not args.table:
-        raise UsageError("history --markdown: with --table")
+    if (args.markdown or args.record) and not args.table:
+        raise UsageError("history --markdown and --record: with --table")
     if not args.table and not args.spread:
         check_of(args.check)  # a bad CHECK is one line before the index is listed
     points = _points(args)

@@ -17,6 +17,9 @@ Imports nothing of the project outside it: every floor may use it.
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from harness.findings.lcp_cache import (
     DISK_LOOKUP_REMOVES_ENTRY,
     FAULT_LEAVES_OVER_CAPACITY,
@@ -95,6 +98,7 @@ __all__ = [
     "FINDINGS",
     "GRAPH_COMPUTE_SEGV",
     "GREEDY_FLIP_ON_CACHE_PATH",
+    "HISTORY_PATH",
     "IDLE_STATELESS_SLOT_CACHED",
     "ID_SLOT_EMPTY_SKIPS_CACHE",
     "KV_LAYOUT_DEPENDENT_LOGITS",
@@ -130,6 +134,7 @@ __all__ = [
     "Finding",
     "KnownRow",
     "finding",
+    "history_of",
 ]
 
 #: Per model, the widest gap a greedy choice can flip across by batch shape alone (issue #41): at the first
@@ -154,3 +159,19 @@ if len(FINDINGS) != len(_ALL):  # one id, one finding: a second row under an id 
 def finding(id: str) -> Finding:
     """The registered finding ``id`` (a KeyError names a finding nobody registered: a harness bug)."""
     return FINDINGS[id]
+
+
+HISTORY_PATH = Path(__file__).with_name("history.json")
+"""What ``python -m harness history --table --record`` measured last: each finding on upstream's builds (the builds
+tested, each one's state, the line a report prints, the date and the harness commit). Data, not code: the
+command rewrites it; a finding it does not list was not measured."""
+
+
+def history_of(id: str) -> str | None:
+    """The line the reports print of finding ``id`` on upstream's history (None: not measured, or no record)."""
+    try:
+        data = json.loads(HISTORY_PATH.read_text())
+    except (OSError, ValueError):
+        return None
+    row = data.get("findings", {}).get(id) if isinstance(data, dict) else None
+    return str(row["line"]) if isinstance(row, dict) and "line" in row else None

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from typing import Any
 
 from harness.findings import FINDINGS, Finding
@@ -18,8 +19,9 @@ from harness.history.bisect import Tested
 from harness.history.checks import ABSENT, PRESENT, SKIPPED, ReproducerCheck
 from harness.history.points import Point
 from harness.interrupt import check as check_interrupt
+from properties.run import commit
 
-__all__ = ["HistoryRow", "markdown", "not_applicable", "scan", "since_line"]
+__all__ = ["HistoryRow", "all_findings", "markdown", "not_applicable", "record", "scan", "since_line"]
 
 _MARK = {PRESENT: "present", ABSENT: "absent", SKIPPED: "skipped"}
 
@@ -104,3 +106,20 @@ def markdown(rows: Sequence[HistoryRow], points: Sequence[Point]) -> str:
 
 def all_findings() -> list[Finding]:
     return list(FINDINGS.values())
+
+
+def record(rows: Sequence[HistoryRow], points: Sequence[Point], command: str) -> dict[str, Any]:
+    """What :data:`~harness.findings.HISTORY_PATH` keeps of a table: the line each report prints, each build's
+    state and why, when, with which harness commit and command."""
+    return {
+        "measured": datetime.now(UTC).strftime("%Y-%m-%d"),
+        "commit": commit(),
+        "command": command,
+        "points": [p.label for p in points],
+        "findings": {
+            r.finding.id: {"line": since_line(r, points),
+                           "builds": {k: {"state": t.verdict.state, "why": t.verdict.why} for k, t in r.cells.items()}}
+            for r in rows if r.why_not is None
+        },
+        "not_applicable": {r.finding.id: r.why_not for r in rows if r.why_not is not None},
+    }  # fmt: skip

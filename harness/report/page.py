@@ -383,8 +383,8 @@ def render(report: dict[str, Any]) -> str:
         [[r["name"], "yes" if r["killed"] else "SURVIVED", r.get("by") or "-", r.get("expected"), r.get("seconds"),
           r.get("steps")] for r in mut.get("rows", [])])))  # fmt: skip
     parts.append(_section("findings", _table(
-        ["id", "backend", "property", "title", "reproducer"],
-        [[f["id"], f["backend"], f["property"], f["title"], f.get("reproducer") or "-"]
+        ["id", "backend", "property", "title", "reproducer", "on upstream's builds"],
+        [[f["id"], f["backend"], f["property"], f["title"], f.get("reproducer") or "-", f.get("history") or "-"]
          for f in report.get("findings", [])], "findings")))  # fmt: skip
     parts.append(_section("environment", _table(["", ""], [[k, v if isinstance(v, str) else json.dumps(v)]
                                                            for k, v in env.items()])))  # fmt: skip

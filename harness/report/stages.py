@@ -38,7 +38,7 @@ from faults.sweep import run_sweep
 from harness.backends.llama_server.memory import save_peak
 from harness.backends.llama_server.oom import OomSettings, expected, run_oom
 from harness.errors import HarnessError, UsageError
-from harness.findings import FINDINGS
+from harness.findings import FINDINGS, history_of
 from harness.memlimit import cgroup_support
 from harness.model.semantics import get_semantics
 from harness.report.flame import flame_svg
@@ -340,7 +340,7 @@ def build_report(opts: Options, progress: Callable[[str], None] = print) -> dict
     def findings() -> None:
         report["findings"] = [
             {"id": f.id, "backend": f.backend, "property": f.property, "title": f.title, "detail": f.detail,
-             "reproducer": f.reproducer}
+             "reproducer": f.reproducer, "history": history_of(f.id)}
             for f in FINDINGS.values()
         ]
 
