@@ -139,3 +139,19 @@ def test_a_line_of_an_http_thread_inside_a_states_list_is_passed_over() -> None:
     first, rest = text.split("\n", 1)
     interleaved = first + "\n0.1 I srv  server_strea: conv_id= (empty=1)\n" + rest
     assert _problems(interleaved)[0] == []  # not "the cache state says 2 prompts; it lists 0 entries"
+
+
+def test_an_entry_that_is_a_prefix_of_another_fails_no_prefix_entries() -> None:
+    scan = (
+        "0.1 I srv          load:  - looking for better prompt, base f_keep = 0.000, f_sim = 0.000\n"
+        "0.1 I srv  load:    - prompt with length    1000, lcp =     200, f_keep = 0.200, f_sim = 0.667\n"
+        "0.1 I srv  load:    - prompt with length     200, lcp =     200, f_keep = 1.000, f_sim = 0.667\n"
+    )
+    problems, log = _problems(scan + "0.1 I srv   update: - cache state: 0 prompts, 0.000 MiB (limits: 8.000 MiB, "
+                              "2048 tokens, 6070 est)\n")  # fmt: skip
+    prefix = [p for p in problems if p.property == "no_prefix_entries"]
+    assert len(prefix) == 1 and "an entry of 200 tokens that is a prefix of another of 1000" in prefix[0].message
+    # the same lengths, the shorter one not matched to its end: no relation between them
+    fine = _problems(scan.replace("lcp =     200, f_keep = 1.000", "lcp =     150, f_keep = 0.750"))[0]
+    assert not [p for p in fine if p.property == "no_prefix_entries"]
+    assert log.checked["no_prefix_entries"] == 1

@@ -258,6 +258,7 @@ SERVER_MUTANTS = {
     "tokens": ("token-limit", "limit"),
     "size": ("eviction", "accounting"),
     "transfer": ("load-threshold", "load_transfer"),
+    "contained": ("prefix-entry", "no_prefix_entries"),
 }
 
 

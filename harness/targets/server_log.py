@@ -27,7 +27,12 @@ is counted under the property's name, so the gate's table says how often the ser
     between two states the entries that left are the logged removals (an obsolete prefix, server-task.cpp:1742;
     the entry a load moved into the slot, :1864; an eviction) and each logged removal took one, and no entry
     appears without a save that added it. Entries are told apart by the address the state lists; a freed
-    address a save reuses can hide one removal per save, so the count allows exactly that.
+    address a save reuses can hide one removal per save, so the count allows exactly that;
+``no_prefix_entries``
+    no entry is a prefix of another, nor two entries one prompt (``alloc`` refuses a prompt the cache holds
+    already and removes the entries the new one contains, server-task.cpp:1713 and :1740): read off ``load``'s
+    scan, which prints each entry's length and its common prefix with the request (:1808): an entry matched to
+    its end and another matched at least as far hold the same first tokens.
 
 Deviations: sizes are compared as the log prints them (MiB to three decimals), so a difference below 0.0005 MiB
 per entry is not seen; the log's wording is 0c1e570's (unchanged on the PR's branch); a tree that words it
@@ -42,7 +47,8 @@ from dataclasses import dataclass, field
 
 __all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem"]
 
-LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction", "load_transfer")
+LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction", "load_transfer",
+                  "no_prefix_entries")
 """The properties :class:`CacheLog` checks, by their names in ``properties.invariants.INVARIANTS``."""
 
 _STATE = re.compile(
@@ -71,6 +77,18 @@ class _Scan:
 
     base: tuple[float, float]
     candidates: list[tuple[float, float]] = field(default_factory=list)
+    spans: list[tuple[int, int]] = field(default_factory=list)  # each candidate's length and lcp with the request
+
+    def prefix_pair(self) -> tuple[int, int] | None:
+        """Two candidates of which one is a prefix of the other (or both one prompt), as their lengths: an entry
+        whose lcp with the request is all of it (its tokens are the request's first ``n``) and another that
+        matches the request at least that far holds those same ``n`` tokens first."""
+        for i, (n, lcp) in enumerate(self.spans):
+            if n > 0 and lcp == n:
+                for j, (m, lcp_j) in enumerate(self.spans):
+                    if j != i and m >= n and lcp_j >= n:
+                        return n, m
+        return None
 
     def upstream_pick(self) -> tuple[float, float] | None:
         """The f_keep/f_sim of the entry upstream's rule takes (server-task.cpp:1812-1822), or None."""
@@ -136,6 +154,7 @@ class CacheLog:
             self._scan = _Scan((float(m[1]), float(m[2])))
         elif (m := _CANDIDATE.search(line)) is not None and self._scan is not None:
             self._scan.candidates.append((float(m[3]), float(m[4])))
+            self._scan.spans.append((int(m[1]), int(m[2])))
         elif (m := _FOUND.search(line)) is not None:
             out += self._close_scan((float(m[1]), float(m[2])))
         elif "cache size limit reduced" in line:
@@ -181,16 +200,23 @@ class CacheLog:
         scan, self._scan = self._scan, None
         if scan is None:
             return []
+        out = []
+        if len(scan.spans) > 1:
+            self.checked["no_prefix_entries"] += 1
+            if (pair := scan.prefix_pair()) is not None:
+                out.append(LogProblem("no_prefix_entries", f"by log line {self._line}: the cache holds an entry of "
+                                      f"{pair[0]} tokens that is a prefix of another of {pair[1]} (load's scan: both "
+                                      f"match the request's first {pair[0]} tokens)"))  # fmt: skip
         self.checked["load_choice"] += 1
         want = scan.upstream_pick()
         if want == found or (want is not None and found is not None and _close(want, found)):
-            return []
+            return out
         said = "nothing" if found is None else f"the entry with f_keep {found[0]:.3f}, f_sim {found[1]:.3f}"
         should = "nothing" if want is None else f"the entry with f_keep {want[0]:.3f}, f_sim {want[1]:.3f}"
         cands = ", ".join(f"({k:.3f}, {s:.3f})" for k, s in scan.candidates)
-        return [LogProblem("load_choice", f"by log line {self._line}: load took {said} where upstream's scan takes "
-                           f"{should} (slot f_keep {scan.base[0]:.3f}, f_sim {scan.base[1]:.3f}; candidates "
-                           f"(f_keep, f_sim) in order: {cands or 'none'})")]  # fmt: skip
+        return [*out, LogProblem("load_choice", f"by log line {self._line}: load took {said} where upstream's scan "
+                                 f"takes {should} (slot f_keep {scan.base[0]:.3f}, f_sim {scan.base[1]:.3f}; "
+                                 f"candidates (f_keep, f_sim) in order: {cands or 'none'})")]  # fmt: skip
 
     def _close_state(self) -> list[LogProblem]:
         state, self._state = self._state, None

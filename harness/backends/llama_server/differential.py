@@ -496,12 +496,25 @@ def load_threshold_program() -> tuple[ServerConfig, Program]:
     return cfg, [(a, 2), (b, 2), ((*a[:226], *(5,) * 300), 2)]
 
 
+def prefix_entry_program() -> tuple[ServerConfig, Program]:
+    """One slot, one generated token a request (a saved entry is then exactly its prompt): Y (1000 tokens) is saved,
+    X (Y's first 200) is processed afresh (Y's f_keep 0.2 is below load's 0.25), and when the slot moves on X is
+    not saved, being a prefix of Y (server-task.cpp:1713); a request starting with X then scans the cache, whose
+    entries' lengths and common prefixes show any entry that is a prefix of another (``no_prefix_entries``)."""
+    cfg = ServerConfig("llama", n_parallel=1, cache_ram_mib=8, n_ctx=2048)
+    y = tuple(3 + (i * 7) % 250 for i in range(1000))
+    u = tuple(3 + (i * 11 + 5) % 250 for i in range(300))
+    v = tuple(3 + (i * 13 + 9) % 250 for i in range(300))
+    return cfg, [(y, 1), (u, 1), (y[:200], 1), (v, 1), ((*y[:200], *(9,) * 100), 1)]
+
+
 LIMIT_PROGRAMS: dict[str, Callable[[], tuple[ServerConfig, Program]]] = {
     "eviction": eviction_program,
     "full-context": full_context_program,
     "checkpoint-cap": checkpoint_cap_program,
     "token-limit": token_limit_program,
     "load-threshold": load_threshold_program,
+    "prefix-entry": prefix_entry_program,
 }
 """The fixed programs the gate runs besides the machines, each at one of the cache's limits (by name)."""
 

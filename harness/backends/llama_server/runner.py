@@ -224,7 +224,7 @@ def _programs(run: ServerRun, binary: Path, semantics: str, logs: str) -> None:
             str(r.cache_n) for r in rows))  # fmt: skip
     except ServerMismatch as e:
         run.mismatch(e, "server-full-context")
-    for name in ("checkpoint-cap", "token-limit", "load-threshold"):
+    for name in ("checkpoint-cap", "token-limit", "load-threshold", "prefix-entry"):
         cfg, program = LIMIT_PROGRAMS[name]()
         try:
             t0 = time.perf_counter()
