@@ -19,7 +19,7 @@ from harness.errors import UsageError
 from harness.findings import BUSY_SLOT_BY_ID, SLOT_RESTORE_DROPS_CHECKPOINTS, Finding
 from harness.history.bisect import Bisection, Tested, bisect
 from harness.history.checks import ABSENT, PRESENT, SKIPPED, ProgramCheck, ReproducerCheck, Verdict, check_of
-from harness.history.points import Point, index_points, spread, tree_points, within
+from harness.history.points import Point, index_points, revision_points, spread, tree_points, within
 from harness.history.table import HistoryRow, markdown, not_applicable, since_line
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -201,3 +201,28 @@ def test_ctrl_c_in_a_bisection_prints_the_range_and_leaves_no_server(trees: Call
     assert "go on with: python -m harness history program:checkpoint-cap --from pr --to offset-cap-threshold" in rest
     time.sleep(1)
     assert not (_servers() - before), "a llama-server outlived the interrupted bisection"
+
+
+def test_a_checkouts_revisions_are_its_first_parent_line_oldest_first(tmp_path: Path) -> None:
+    repo = tmp_path / "llama.cpp"
+    repo.mkdir()
+
+    def git(*args: str) -> str:
+        return subprocess.run(["git", "-C", str(repo), *args], capture_output=True, text=True, check=True,
+                              env={**os.environ, "GIT_AUTHOR_NAME": "t", "GIT_AUTHOR_EMAIL": "t@t",
+                                   "GIT_COMMITTER_NAME": "t", "GIT_COMMITTER_EMAIL": "t@t"}).stdout.strip()  # fmt: skip
+
+    git("init", "-q")
+    revs = []
+    for i in range(4):
+        (repo / "f").write_text(str(i))
+        git("add", "f")
+        git("commit", "-qm", f"c{i}")
+        revs.append(git("rev-parse", "HEAD"))
+    points = revision_points(repo, revs[0], revs[3])
+    assert [p.revision for p in points] == revs and [p.label for p in points] == [r[:10] for r in revs]
+    assert all(p.checkout == repo for p in points)
+    with pytest.raises(UsageError, match="not a range"):
+        revision_points(repo, "no-such-rev", revs[3])
+    with pytest.raises(UsageError, match="not a git checkout"):
+        revision_points(tmp_path, revs[0], revs[3])
