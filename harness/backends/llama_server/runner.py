@@ -141,7 +141,7 @@ def _semantics_for(build: ServerBuild, opts: GateOptions) -> tuple[str, str]:
             f"cannot tell the semantics of the {what} {build.label} ({why}): "
             "pass --semantics shared (PR #27451) or --semantics master"
         )
-    if build.origin.startswith("flavour "):
+    if build.by_name:
         return build.semantics, f"the {build.label} build; --semantics overrides"
     where = "inferred from the tree" if build.tree is not None else "from its build-info.json"
     return build.semantics, f"{where}: {build.semantics_why}; --semantics overrides"
@@ -159,7 +159,7 @@ def run_server_backend(
 ) -> None:
     """``gate --backend server``: differential machines, full context, memory, faults, sanitizers."""
     replay = f"python -m harness gate --backend server {build.replay_flags}"
-    if not build.origin.startswith("flavour "):
+    if not build.by_name:
         replay += f" --semantics {semantics}"
     replay += f" --profile {profile} --seed {seed}"
     binary = build.binary
@@ -169,7 +169,7 @@ def run_server_backend(
     if how:
         out(f"  semantics {semantics}: {how}")
     pinned = describe(build, out)
-    if build.origin == "flavour asan" and not build.asan:
+    if build.origin == "build asan" and not build.asan:
         raise UsageError(
             f"{binary} is not built with AddressSanitizer; rebuild: python -m harness build-server --asan --force"
         )
