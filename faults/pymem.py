@@ -143,7 +143,7 @@ def _run_points(
     while points:
         spec = {
             "scenario": report.scenario,
-            "variant": report.semantics,
+            "semantics": report.semantics,
             "mode": mode,
             "points": points,
             "trial_timeout": trial_timeout,
@@ -243,7 +243,7 @@ def _child_main(spec_text: str) -> int:
     for nth in spec["points"]:
         # a per-trial watchdog: a hook that hangs the interpreter ends the child with the stacks
         faulthandler.dump_traceback_later(spec["trial_timeout"], exit=True, file=child_stacks_file())
-        t = _child_trial(capi, spec["scenario"], spec["variant"], spec["mode"], nth)
+        t = _child_trial(capi, spec["scenario"], spec["semantics"], spec["mode"], nth)
         faulthandler.cancel_dump_traceback_later()
         print(json.dumps({**t.row(), "reached": t.reached}), flush=True)
         if not t.reached:

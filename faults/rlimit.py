@@ -188,7 +188,7 @@ def _child_main(spec_text: str) -> int:
     # and the process group kill still apply)
     child_setup(watchdog=False)
     spec = json.loads(spec_text)
-    server, s, c, cram = _build(spec["variant"], spec["rs_bytes"])
+    server, s, c, cram = _build(spec["semantics"], spec["rs_bytes"])
     gc.collect()
 
     def save() -> None:  # the saving process: forked, so its VmPeak starts at the size of this one
@@ -207,8 +207,9 @@ def _child_main(spec_text: str) -> int:
         }
     else:
         res = json.loads(text)
+    sem = spec["semantics"]
     out = RlimitResult(
-        spec["variant"], Outcome(res["outcome"]), res["peak"], res["baseline"], res["limit"], s, c, cram, res["detail"]
+        sem, Outcome(res["outcome"]), res["peak"], res["baseline"], res["limit"], s, c, cram, res["detail"]
     )
     print(json.dumps(asdict(out)), flush=True)
     return 0
@@ -222,7 +223,7 @@ def measure(semantics: str, *, headroom: int | None, rs_bytes: int, timeout: flo
     env = dict(os.environ)
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_ROOT, env.get("PYTHONPATH")) if p)
     env["MALLOC_ARENA_MAX"] = "1"  # one glibc arena: no reserved arena space to fall back on
-    spec = {"variant": semantics, "headroom": headroom, "rs_bytes": rs_bytes, "timeout": timeout * 0.8}
+    spec = {"semantics": semantics, "headroom": headroom, "rs_bytes": rs_bytes, "timeout": timeout * 0.8}
     child = run_child([sys.executable, "-m", "faults.rlimit", "--child", json.dumps(spec)], env=env, timeout=timeout)
     line = next((ln for ln in child.stdout.splitlines() if ln.startswith("{")), None)
     if child.crashed or line is None:
@@ -348,7 +349,7 @@ class SeedRun:
 
 
 def _row(r: RlimitResult) -> dict[str, object]:
-    """A result in the JSON: the key ``variant`` stays beside ``semantics`` for one release (docs/measurements.md)."""
+    """A result in the JSON: the key ``variant`` stays beside ``semantics`` for one release (docs/mechanism.md)."""
     return {**asdict(r), "variant": r.semantics, "peak_excess_bytes": r.peak_excess}
 
 

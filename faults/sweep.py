@@ -22,7 +22,7 @@ not observe (the process is gone): a violation there is noted in the detail only
 counts, since the model must unwind its temporaries as C++ stack unwinding would.
 
 A case id ``SCENARIO.KIND.NTH`` (``save-with-checkpoints.oom-transient.7``) is a reproducer:
-``python -m harness sweep --variant V --case ID`` replays exactly that trial and prints its detail.
+``python -m harness sweep --semantics S --case ID`` replays exactly that trial and prints its detail.
 
 Pass criterion (exit 0): no ``violation`` and no ``crash``. ``crash-out-of-scope`` trials are
 printed and counted separately: they are upstream's behaviour in both semantics, outside what PR

@@ -108,7 +108,7 @@ class UsageError(HarnessError):
 
 
 class Unavailable(HarnessError):
-    """A fault layer or tool cannot run on this machine (no compiler, no ``_testcapi``): one line."""
+    """A fault layer or tool cannot run on this host (no compiler, no ``_testcapi``): one line."""
 
     exit_code = EXIT_USAGE
 

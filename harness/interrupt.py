@@ -101,7 +101,7 @@ def check() -> None:
 def exit_now(code: int) -> NoReturn:
     """End an interrupted process whose cleanup is done: its ``atexit`` handlers, its output flushed, and then
     ``os._exit``, without the interpreter's teardown of every imported library (0.4 s of CPU, seconds on a
-    loaded machine: the larger part of a Ctrl-C's latency)."""
+    loaded host: the larger part of a Ctrl-C's latency)."""
     gc.disable()  # no collection of a large heap now: it would free nothing the exit needs
     with contextlib.suppress(Exception):
         atexit._run_exitfuncs()

@@ -223,7 +223,7 @@ def test_kill_9_of_the_campaign_loses_no_reported_failure_and_leaves_no_worker(t
 
 
 SIGTERM_BIT = 1 << (signal.SIGTERM - 1)
-ENDED_WITHIN = 5.0  # the promise on a loaded machine; the tests allow generous slack for a busier one
+ENDED_WITHIN = 5.0  # the promise on a loaded host; the tests allow generous slack for a busier one
 SLACK = 25.0
 
 

@@ -96,7 +96,7 @@ def test_script_runs_the_gate_on_a_local_tree(tmp_path: Path) -> None:
 def test_memory_summary_exit_codes(tmp_path: Path, missing: bool) -> None:
     src = tmp_path / "gate-server.json"
     if not missing:
-        src.write_text(json.dumps({"passed": True, "server": {"build": "flavour pr", "memory": {}}}))
+        src.write_text(json.dumps({"passed": True, "server": {"build": "build pr", "memory": {}}}))
     r = subprocess.run(
         [sys.executable, "-m", "ci.memory_summary", str(src), str(tmp_path / "o")],
         capture_output=True, text=True, cwd=REPO, check=False,

@@ -49,7 +49,7 @@ def pr_binary() -> Path:
 
 def test_gate_step_follows_the_servers_order_and_finds_no_mismatch(pr_binary: Path) -> None:
     report = GateReport("shared", "server", "ci", 0, "test")
-    section = ServerSection({"binary": str(pr_binary), "semantics": "shared", "flavour": "pr"})
+    section = ServerSection({"binary": str(pr_binary), "semantics": "shared", "build_name": "pr"})
     report.sections["server"] = section
     lines: list[str] = []
     server_concurrent_step(report, GateOptions(seed=3), lines.append)

@@ -28,7 +28,7 @@ CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
 # The tolerances, stated once. The same save measured two ways:
 # - the gate's save_peak and the report's breakdown run the same requests on the same binary: the model's
 #   prediction must be equal to the byte; the VmHWM readings within 5 % + 256 KiB (two server processes,
-#   page and allocator noise on a loaded machine);
+#   page and allocator noise on a loaded host);
 # - the server's peak of a save followed by a prompt that creates no checkpoint: S within 10 % + 128 KiB;
 # - libllama under memray: the model's prediction plus the harness's two copies of S within 1 % + 64 KiB.
 HWM_REL, HWM_ABS = 0.05, 256 << 10

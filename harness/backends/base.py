@@ -149,7 +149,7 @@ class GateReport:
         worst = max(peaks, key=lambda p: p[0] - p[1], default=None)
         return {
             "passed": self.passed,
-            "variant": self.semantics,
+            "variant": self.semantics,  # the old key of "semantics", kept for one release (docs/mechanism.md)
             "semantics": self.semantics,
             "backend": self.backend,
             "profile": self.profile,

@@ -7,7 +7,7 @@ Hypothesis' rule markers) with empty bodies and an empty invariant, so they cann
   always valid, so its programs are not the gate machine's: where a configuration's preconditions
   leave mostly ``request`` valid (no byte limit, a transformer: three steps in four), the machine
   draws ~17 choices a step against the trivial machine's ~9, and Hypothesis' own cost per choice
-  (~60 us on this machine) is then a cost no rule body can remove.
+  (~60 us on this host) is then a cost no rule body can remove.
 * :func:`empty_machine` with a :class:`PreconditionTape`: **the same programs**. A gate machine run
   through :func:`recording` writes, in order, every answer its preconditions gave Hypothesis. The
   empty machine has the same rules, argument strategies and number of preconditions, and its

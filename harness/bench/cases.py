@@ -23,7 +23,7 @@
    requests/s with the model's prediction on, and the model's share of the time.
 6. ``state-io``: libllama state get/set bytes/s against ``ctypes.memmove`` of the same bytes.
 7. ``gate``: the default gate's wall time (``python -m harness gate``, builds cached); full bench only.
-   ``ci``: ``.ci/run``'s wall time on a clean clone of HEAD with this machine's caches warm; only when
+   ``ci``: ``.ci/run``'s wall time on a clean clone of HEAD with this host's caches warm; only when
    named (``--only ci``: half an hour).
 
 ``targeting`` (beside 3): a campaign's reach with ``hypothesis.target`` against without, same examples.

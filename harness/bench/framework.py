@@ -13,7 +13,7 @@ direction (``higher`` is better for rates and ratios, ``lower`` for times). A fi
 when it is worse by more than the noise measured, the larger relative spread ``(max - min) / median``
 of the two runs, and never by less than :data:`MIN_NOISE` (a figure measured once has no spread of its
 own, unless it declares one: ``noise``, as a statistic over repetitions does). A ratio of two speeds
-measured side by side (interleaved) is much steadier on a loaded machine than either speed: the goals
+measured side by side (interleaved) is much steadier on a loaded host than either speed: the goals
 are ratios wherever the issue allows.
 """
 

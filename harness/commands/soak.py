@@ -16,8 +16,8 @@ limit, a crash or a request error with faults off, an OOM kill under ``--memory-
 memory cgroup; the requests that led to it written beside its log), an output unlike a fresh server's, a
 sanitizer report from an ASan build given by ``--server-bin``, which has no RSS bound of its own), 2 on a
 usage error, 4 when llama-server does not build, 5 when ``--memory-limit`` finds no memory cgroup to make.
-The figures come from a shared machine: compare
-runs made on the same machine only.
+The figures come from a shared host: compare
+runs made on the same host only.
 """
 
 from __future__ import annotations

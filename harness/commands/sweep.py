@@ -36,15 +36,15 @@ def _write_json(path: str, data: dict[str, object]) -> None:
         raise UsageError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _replay(args: argparse.Namespace) -> int:
+def _replay(args: argparse.Namespace, semantics: str) -> int:
     scenario, mode, nth = parse_case_id(args.case)
-    r = run_trial(scenario, args.variant, mode, nth)
-    print(f"case {r.id} ({args.variant}): {scenario.summary}")
+    r = run_trial(scenario, semantics, mode, nth)
+    print(f"case {r.id} ({semantics}): {scenario.summary}")
     print(f"  fault {'fired at ' + ', '.join(r.sites) if r.fired else 'did not fire'}")
     print(f"  outcome: {r.outcome}: {r.detail}")
     if r.trace:
         print("  " + r.trace.rstrip().replace("\n", "\n  "))
-    report = SweepReport(args.variant, [r])
+    report = SweepReport(semantics, [r])
     if args.json:
         _write_json(args.json, report.to_json())
     if r.outcome == Outcome.CRASH_OUT_OF_SCOPE:
@@ -53,9 +53,9 @@ def _replay(args: argparse.Namespace) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
-    args.variant = semantics_of(args)
+    semantics = semantics_of(args)
     if args.case:
-        return _replay(args)
+        return _replay(args, semantics)
     modes = ["transient", "persistent"] if args.mode == "both" else [args.mode]
     scenarios = None
     if args.scenario:
@@ -63,8 +63,8 @@ def run(args: argparse.Namespace) -> int:
         if unknown:
             raise UsageError(f"unknown scenario {unknown[0]!r}: choose one of {', '.join(SCENARIOS)}")
         scenarios = [SCENARIOS[s] for s in args.scenario]
-    print(f"allocation-failure sweep, semantics {args.variant}, modes {'+'.join(modes)}")
-    report = run_sweep(args.variant, modes, scenarios, progress=print)
+    print(f"allocation-failure sweep, semantics {semantics}, modes {'+'.join(modes)}")
+    report = run_sweep(semantics, modes, scenarios, progress=print)
     s = report.summary()
     for outcome, title in (
         (Outcome.CRASH, "crashes"),
@@ -89,5 +89,5 @@ def run(args: argparse.Namespace) -> int:
     code = report.exit_code()
     first = next((c for c in report.cases if c.outcome in (Outcome.CRASH, Outcome.VIOLATION)), None)
     if first is not None:
-        print(f"replay: python -m harness sweep --semantics {args.variant} --case {first.id}")
+        print(f"replay: python -m harness sweep --semantics {semantics} --case {first.id}")
     return code

@@ -104,7 +104,7 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
     section["concurrent"]["sanitizer_reports"] = len(reports)
     section["concurrent"]["traces_kept"] = [str(p) for p in traces.kept]
     section["concurrent"]["traced"] = traces.enabled
-    machine = f"llama-server {section.get('flavour', binary)}, concurrent clients"
+    machine = f"llama-server {section.get('build_name', binary)}, concurrent clients"
     busy = BUSY_SLOT_BY_ID
     status = "reproduced" if total.busy_slot_by_id else "not-reproduced"
     program = total.busy_program or None  # the trace that showed it, when it showed

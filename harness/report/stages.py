@@ -85,7 +85,7 @@ FULL = Plan(
     counts=(1, 2, 4, 8, 12, 16),
     sizes=tuple(checkpoint_size(d) for d in (8, 32, 128, 512, 2048, 8192)),
     server_counts=(1, 2, 4, 8, 12, 16),
-    # the 64 MiB model decodes at ~1 token/s on a loaded 2-core machine, in the server and the model both
+    # the 64 MiB model decodes at ~1 token/s on a loaded 2-core host, in the server and the model both
     server_sizes=tuple(checkpoint_size(d) for d in (8, 32, 128, 512, 2048)),
     diverging=(3, 60, 300),
     mutants=tuple(MUTANTS),

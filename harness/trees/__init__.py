@@ -5,6 +5,8 @@
 * :mod:`harness.trees.pinned`: the sdist's tree, our PR patch, is a tree the pinned one.
 * :mod:`harness.trees.stage`: the one staging directory and ccache every build compiles in.
 * :mod:`harness.trees.build`: CMake, instrumentations, cache keys: ``llama-server`` with its shared ``libllama.so``.
+* :mod:`harness.trees.choose`: which build(s) the server gate runs, from ``--server-bin``, ``--source``/``--base``,
+  ``--semantics`` and ``--asan`` as plain values.
 * :mod:`harness.trees.gcov`: the ``coverage`` instrumentation: gcov flags, its notes and sources kept in the cache
   entry, the environment that sends a run's counters into the run's directory.
 * :mod:`harness.trees.api`: can llama-cpp-python's bindings drive a tree's libllama.

@@ -150,9 +150,9 @@ _BASE_CMAKE_ARGS = (
 def cmake_args(semantics: str = "shared", instrumentation: str = "plain") -> list[str]:
     """The ``-D`` arguments of a build (the generator, the compiler launcher and the paths are added by the
     build; they do not change what is compiled). The semantics changes the source, not the arguments."""
-    flavour = build_name(semantics, instrumentation)
+    name = build_name(semantics, instrumentation)
     args = list(_BASE_CMAKE_ARGS)
-    if flavour == "asan":
+    if name == "asan":
         args += [
             f"-DCMAKE_C_FLAGS={_SANITIZE}",
             f"-DCMAKE_CXX_FLAGS={_SANITIZE}",
@@ -163,7 +163,7 @@ def cmake_args(semantics: str = "shared", instrumentation: str = "plain") -> lis
             "-DCMAKE_EXE_LINKER_FLAGS=-fsanitize=address,undefined",
             "-DCMAKE_SHARED_LINKER_FLAGS=-fsanitize=address,undefined",
         ]
-    return args + (coverage_cmake_args() if flavour == "coverage" else [])
+    return args + (coverage_cmake_args() if name == "coverage" else [])
 
 
 def _uses_patch(name: str) -> bool:
@@ -183,6 +183,7 @@ def _compiler_id() -> str:
 
 def _build_key(src_hash: str, patch: bytes | None, name: str, args: Sequence[str], compiler: str) -> str:
     h = hashlib.sha256()
+    # "flavour": the word the first release hashed; another word would change every key and orphan the cache
     h.update(f"source {src_hash}\nflavour {name}\ncompiler {compiler}\n".encode())
     h.update(b"patch " + (hashlib.sha256(patch).hexdigest().encode() if patch is not None else b"none") + b"\n")
     for a in args:
@@ -221,14 +222,14 @@ def _cmake() -> str:
 def cached_binary(semantics: str = "shared", instrumentation: str = "plain") -> Path | None:
     """The pinned tree's cached ``llama-server`` of ``semantics`` with ``instrumentation`` if it was already
     built, else None (never builds)."""
-    flavour = build_name(semantics, instrumentation)
-    args = cmake_args(flavour)
+    name = build_name(semantics, instrumentation)
+    args = cmake_args(name)
     vendored = sdist_extracted()
     if vendored is None:
         return None
     try:
-        patch = PATCH_PATH.read_bytes() if _uses_patch(flavour) else None
-        key = _build_key(source_hash(vendored), patch, flavour, args, _compiler_id())
+        patch = PATCH_PATH.read_bytes() if _uses_patch(name) else None
+        key = _build_key(source_hash(vendored), patch, name, args, _compiler_id())
     except (OSError, UsageError):
         return None
     binary = cache_root() / "llama-server" / key / BINARY
@@ -249,26 +250,27 @@ def build_server(
     Raises :class:`~harness.errors.UsageError` for a bad semantics or instrumentation or missing tools and
     :class:`BuildError` (one line, naming the log file) when the build fails.
     """
-    flavour = build_name(semantics, instrumentation)
-    args = cmake_args(flavour)
+    name = build_name(semantics, instrumentation)
+    args = cmake_args(name)
     cmake = _cmake()
     compiler = _compiler_id()
     patch: bytes | None = None
-    if _uses_patch(flavour):
+    if _uses_patch(name):
         try:
             patch = PATCH_PATH.read_bytes()
         except OSError as e:
             raise UsageError(f"cannot read the PR patch {PATCH_PATH}: {e}") from e
 
     vendored = sdist_source(log)
-    key = _build_key(source_hash(vendored), patch, flavour, args, compiler)
+    key = _build_key(source_hash(vendored), patch, name, args, compiler)
     servers = cache_root() / "llama-server"
     final = servers / key
     binary = final / BINARY
     with file_lock(servers / f".{key}.lock"):
         if not binary.is_file() or force:
             info = {
-                "flavour": flavour,
+                "flavour": name,  # build-info.json's key since the first release (older entries have only it)
+                "build_name": name,
                 "semantics": "shared" if patch is not None else "master",
                 "sdist": f"{SDIST_NAME}=={SDIST_VERSION}",
                 "source_sha256": source_hash(vendored),
@@ -276,7 +278,7 @@ def build_server(
                 "patch_sha256": hashlib.sha256(patch).hexdigest() if patch is not None else None,
             }
             files = pinned_files(patch is not None, log)
-            _build_locked(flavour, args, files, str(vendored), final, cmake, compiler, jobs, log, info)
+            _build_locked(name, args, files, str(vendored), final, cmake, compiler, jobs, log, info)
         _ensure_tree_recorded(final, patch, compiler, log)
     return binary
 
@@ -364,7 +366,8 @@ def build_source(
             return binary
         inferred = infer_semantics(src)
         info = {
-            "flavour": None,
+            "flavour": None,  # build-info.json's key since the first release (older entries have only it)
+            "build_name": None,
             "source": str(src),
             "semantics": inferred.semantics,
             "semantics_why": inferred.why,
@@ -462,7 +465,7 @@ class ServerBuild:
     and the directory of its shared libllama (None when it links libllama statically)."""
 
     binary: Path
-    origin: str  # "flavour NAME" (a pinned build, by its :func:`build_name`), "source DIR", "binary PATH"
+    origin: str  # "build NAME" (a pinned build, by its :func:`build_name`), "source DIR", "binary PATH"
     semantics: str | None
     asan: bool
     replay_expr: str  # a Python expression giving the binary in a replay program
@@ -474,7 +477,12 @@ class ServerBuild:
 
     @property
     def label(self) -> str:
-        return self.origin.split(" ", 1)[1] if self.origin.startswith("flavour ") else self.origin
+        return self.origin.split(" ", 1)[1] if self.by_name else self.origin
+
+    @property
+    def by_name(self) -> bool:
+        """A build of the pinned tree, by the name the cache gives it (``--semantics``/``--asan``)."""
+        return self.origin.startswith("build ")
 
 
 def _lib_dir(binary: Path) -> Path | None:
@@ -528,6 +536,6 @@ def server_build(
     path = build_server(semantics, instrumentation, log=log)
     flags = f"--semantics {semantics}" + (" --asan" if asan else "")
     expr = f"build_server({semantics!r}" + (", 'asan')" if asan else ")")
-    return ServerBuild(path, f"flavour {name}", semantics, asan, expr, flags,
+    return ServerBuild(path, f"build {name}", semantics, asan, expr, flags,
                        semantics_why=f"the pinned {semantics} build", lib_dir=_lib_dir(path))  # fmt: skip
 

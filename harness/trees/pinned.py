@@ -186,7 +186,7 @@ def apply_patch(src: Path, patch_path: Path, log_path: Path) -> None:
         run_logged(["git", "apply", "--check", "-p1", str(patch_path)], log_path, not_applying, cwd=src)
         run_logged(["git", "apply", "-p1", str(patch_path)], log_path, f"applying {patch_path.name} failed", cwd=src)
     else:
-        # a fresh machine may have neither: patch-ng (a dependency) applies unified diffs in Python
+        # a fresh host may have neither: patch-ng (a dependency) applies unified diffs in Python
         import patch_ng  # type: ignore[import-untyped]
 
         pset = patch_ng.fromfile(str(patch_path))

@@ -7,7 +7,7 @@ One run (:func:`run_oom`) is one ``llama-server`` build under one kind of limit:
    and how long it took). The weights are mapped from the file (11-90 MB: page cache, which the kernel
    reclaims before it OOM-kills, and which the baseline leaves out).
    In ``cgroup`` mode it runs inside a :class:`~harness.memlimit.MemoryCgroup` from its first
-   instruction, capped at a ceiling that only protects the machine until the limit is set.
+   instruction, capped at a ceiling that only protects the host until the limit is set.
 2. A 16-token prompt, then extensions of 16 tokens each on the same slot: two checkpoints a request
    (``-ub 8``: the server makes them 12 and 4 tokens before a prompt's end), until the slot holds K. Their
    size C1 and total C are read from the server's log; the state S the save allocates is one C1 (a pure
@@ -63,7 +63,7 @@ class OomSettings:
     size_mib: int = 128
     mode: str = "cgroup"  # or "rlimit", or "none" (no limit: the save's whole peak and time)
     headroom: float = 0.5  # of C, above baseline + S
-    ceiling_gib: float = 10.0  # the cgroup's limit until the real one is set: the machine is shared
+    ceiling_gib: float = 10.0  # the cgroup's limit until the real one is set: the host is shared
     n_ubatch: int = 8
     extend: int = 16  # tokens per build-up request
     request_timeout: float = 900.0

@@ -1,7 +1,8 @@
 """The server backend's runner: from the gate's options to a built server, its semantics and the run.
 
-:class:`ServerBackend` (what :mod:`harness.backends` registers) chooses the server (``--server-bin``, ``--source``
-with ``--base``, or a pinned build), the semantics the model runs in, and runs either
+:class:`ServerBackend` (what :mod:`harness.backends` registers) has the server chosen in one call
+(:func:`harness.trees.choose.choose_builds`: ``--server-bin``, ``--source`` with ``--base``, or a pinned build),
+chooses the semantics the model runs in, and runs either
 :func:`run_server_backend` (the differential machines, the eviction and full-context programs, the memory
 properties, the sanitizers) or :func:`run_change_backend` (``TREE`` against ``BASE``: the change differential,
 each difference shrunk on fresh servers, then the memory properties of both). What the checks are: the package's
@@ -37,11 +38,10 @@ from harness.backends.llama_server.differential import (
 from harness.backends.llama_server.limits import LimitStats, limits_machine
 from harness.backends.llama_server.memory import memory_and_faults
 from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
-from harness.errors import BuildError, ServerStartError, UsageError
+from harness.errors import ServerStartError, UsageError
 from harness.targets.llama_server import ServerConfig
-from harness.trees.build import PINNED_COMMIT, ServerBuild, server_build
-from harness.trees.semantics import infer_semantics
-from harness.trees.tree import check_tree, registry_spec, tree_at_revision
+from harness.trees.build import PINNED_COMMIT, ServerBuild
+from harness.trees.choose import choose_builds
 from properties.run import run_seeded
 
 __all__ = ["ServerBackend", "run_change_backend", "run_server_backend"]
@@ -63,35 +63,18 @@ class ServerBackend(Backend):
     )
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
-        log = lambda m: out("  build: " + m)  # noqa: E731
-        if opts.base is not None and opts.source is None:
-            raise UsageError("--base names the tree a change starts from; it needs --source TREE (the changed tree)")
-        try:
-            if opts.source is not None and opts.server_bin is not None:
-                raise UsageError("--source and --server-bin both name the server to test; give one")
-            if opts.server_bin is not None:
-                if opts.asan:
-                    raise UsageError("--asan builds llama-server; a --server-bin runs as built (sanitizers detected)")
-                build = server_build(binary=opts.server_bin, log=log)
-            elif opts.source is not None:
-                tree = check_tree(opts.source)
-                base_tree = _base_tree(opts.base, tree) if opts.base is not None else None
-                if not opts.semantics_given:  # before a build of many minutes: can the tree be read?
-                    _semantics_or_refuse(tree, "tree")
-                named = opts.source if registry_spec(str(opts.source)) is not None else tree  # replays by its name
-                build = server_build(source=named, asan=opts.asan, log=log)
-                if base_tree is not None:
-                    base_named = Path(str(opts.base)) if registry_spec(str(opts.base)) is not None else base_tree
-                    base = server_build(source=base_named, asan=opts.asan, log=log, flag="--base")
-            else:
-                if opts.asan and opts.semantics == "master":
-                    raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
-                build = server_build(semantics=opts.semantics or "shared", asan=opts.asan, log=log)
-        except BuildError as e:
-            raise BuildError(f"llama-server could not be built: {e}") from None
+        build, base = choose_builds(
+            source=opts.source,
+            base=opts.base,
+            server_bin=opts.server_bin,
+            asan=opts.asan,
+            semantics=opts.semantics,
+            semantics_given=opts.semantics_given,
+            log=lambda m: out("  build: " + m),
+        )
         semantics, how = _semantics_for(build, opts)
         report.semantics = semantics
-        if opts.base is not None:
+        if base is not None:
             base_sem = base.semantics or semantics
             run_change_backend(report, build, base, semantics, base_sem, opts.profile, opts.seed, opts.max_examples,
                                out, how)  # fmt: skip
@@ -103,25 +86,6 @@ class ServerBackend(Backend):
 
     def campaign_models(self, plan: Plan) -> tuple[frozenset[str], bool]:
         return campaign_models(), True
-
-
-def _base_tree(base: str, tree: Path) -> Path:
-    """``--base``: a directory holding a llama.cpp tree, an upstream build of the package index (``b11434``,
-    ``pypi:xllamacpp==2026.10.11549``), or a revision of the git checkout ``tree``."""
-    p = Path(base).expanduser()
-    if p.is_dir() or registry_spec(base) is not None:
-        return check_tree(p, "--base")
-    return check_tree(tree_at_revision(tree, base), "--base")
-
-
-def _semantics_or_refuse(tree: Path, what: str) -> str:
-    inferred = infer_semantics(tree)
-    if inferred.semantics is None:
-        raise UsageError(
-            f"cannot tell the semantics of the {what} {tree} ({inferred.why}): "
-            "pass --semantics shared (PR #27451) or --semantics master"
-        )
-    return inferred.semantics
 
 
 def _semantics_for(build: ServerBuild, opts: GateOptions) -> tuple[str, str]:
@@ -141,7 +105,7 @@ def _semantics_for(build: ServerBuild, opts: GateOptions) -> tuple[str, str]:
             f"cannot tell the semantics of the {what} {build.label} ({why}): "
             "pass --semantics shared (PR #27451) or --semantics master"
         )
-    if build.origin.startswith("flavour "):
+    if build.by_name:
         return build.semantics, f"the {build.label} build; --semantics overrides"
     where = "inferred from the tree" if build.tree is not None else "from its build-info.json"
     return build.semantics, f"{where}: {build.semantics_why}; --semantics overrides"
@@ -159,7 +123,7 @@ def run_server_backend(
 ) -> None:
     """``gate --backend server``: differential machines, full context, memory, faults, sanitizers."""
     replay = f"python -m harness gate --backend server {build.replay_flags}"
-    if not build.origin.startswith("flavour "):
+    if not build.by_name:
         replay += f" --semantics {semantics}"
     replay += f" --profile {profile} --seed {seed}"
     binary = build.binary
@@ -169,7 +133,7 @@ def run_server_backend(
     if how:
         out(f"  semantics {semantics}: {how}")
     pinned = describe(build, out)
-    if build.origin == "flavour asan" and not build.asan:
+    if build.origin == "build asan" and not build.asan:
         raise UsageError(
             f"{binary} is not built with AddressSanitizer; rebuild: python -m harness build-server --asan --force"
         )

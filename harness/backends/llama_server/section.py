@@ -81,7 +81,8 @@ class ServerRun:
         self.note = note  # appended to every failure message (a tree that is not the pinned one)
         self.first = True
         self.section: dict[str, Any] = {
-            "flavour": build.label,
+            "flavour": build.label,  # the old key of build_name, kept for one release (docs/mechanism.md)
+            "build_name": build.label,
             "build": build.origin,
             "binary": str(build.binary),
             "semantics": semantics,
@@ -160,6 +161,6 @@ def describe(build: ServerBuild, out: Out) -> bool:
         out(f"  {build.label}: {line}")
     elif not pinned:
         out(f"  the binary's source is unknown; the model is pinned to llama.cpp {PINNED_COMMIT}")
-    elif not build.origin.startswith("flavour "):
+    elif not build.by_name:
         out(f"  the binary's build-info.json says it was built from llama.cpp {PINNED_COMMIT}, the pinned tree")
     return pinned

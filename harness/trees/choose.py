@@ -1,0 +1,85 @@
+"""Which ``llama-server`` the server gate runs, from its flags as plain values: one function, :func:`choose_builds`.
+
+The server backend's flags name the server one of three ways: ``--server-bin PATH`` (a binary as it is),
+``--source TREE`` with an optional ``--base TREE|REV`` (a tree, and the tree its change starts from, both built
+and cached) or neither (the pinned tree's build of ``--semantics``, ``--asan`` its sanitizer build). A
+contradiction is a :class:`~harness.errors.UsageError` (exit 2) before anything is built; a tree whose semantics
+cannot be read is refused before a build of many minutes unless ``--semantics`` was given; a failed build is one
+:class:`~harness.errors.BuildError` (exit 4).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+
+from harness.errors import BuildError, UsageError
+from harness.trees.build import ServerBuild, server_build
+from harness.trees.semantics import infer_semantics
+from harness.trees.tree import check_tree, registry_spec, tree_at_revision
+
+__all__ = ["choose_builds"]
+
+
+def choose_builds(
+    *,
+    source: Path | None,
+    base: str | None,
+    server_bin: Path | None,
+    asan: bool,
+    semantics: str,
+    semantics_given: bool,
+    log: Callable[[str], None],
+) -> tuple[ServerBuild, ServerBuild | None]:
+    """The build the gate tests and, with ``base``, the build of the tree its change starts from (else None)."""
+    if base is not None and source is None:
+        raise UsageError("--base names the tree a change starts from; it needs --source TREE (the changed tree)")
+    try:
+        if source is not None and server_bin is not None:
+            raise UsageError("--source and --server-bin both name the server to test; give one")
+        if server_bin is not None:
+            if asan:
+                raise UsageError("--asan builds llama-server; a --server-bin runs as built (sanitizers detected)")
+            return server_build(binary=server_bin, log=log), None
+        if source is not None:
+            return _from_source(source, base, asan, semantics_given, log)
+        if asan and semantics == "master":
+            raise UsageError("--asan builds the PR semantics only; drop --semantics master or --asan")
+        return server_build(semantics=semantics or "shared", asan=asan, log=log), None
+    except BuildError as e:
+        raise BuildError(f"llama-server could not be built: {e}") from None
+
+
+def _from_source(
+    source: Path, base: str | None, asan: bool, semantics_given: bool, log: Callable[[str], None]
+) -> tuple[ServerBuild, ServerBuild | None]:
+    """``--source TREE`` (and ``--base``): both trees checked, then built; an upstream build replays by its name."""
+    tree = check_tree(source)
+    base_tree = _base_tree(base, tree) if base is not None else None
+    if not semantics_given:  # before a build of many minutes: can the tree be read?
+        _semantics_or_refuse(tree, "tree")
+    named = source if registry_spec(str(source)) is not None else tree  # replays by its name
+    build = server_build(source=named, asan=asan, log=log)
+    if base_tree is None:
+        return build, None
+    base_named = Path(str(base)) if registry_spec(str(base)) is not None else base_tree
+    return build, server_build(source=base_named, asan=asan, log=log, flag="--base")
+
+
+def _base_tree(base: str, tree: Path) -> Path:
+    """``--base``: a directory holding a llama.cpp tree, an upstream build of the package index (``b11434``,
+    ``pypi:xllamacpp==2026.10.11549``), or a revision of the git checkout ``tree``."""
+    p = Path(base).expanduser()
+    if p.is_dir() or registry_spec(base) is not None:
+        return check_tree(p, "--base")
+    return check_tree(tree_at_revision(tree, base), "--base")
+
+
+def _semantics_or_refuse(tree: Path, what: str) -> str:
+    inferred = infer_semantics(tree)
+    if inferred.semantics is None:
+        raise UsageError(
+            f"cannot tell the semantics of the {what} {tree} ({inferred.why}): "
+            "pass --semantics shared (PR #27451) or --semantics master"
+        )
+    return inferred.semantics
