@@ -58,19 +58,22 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--json", metavar="PATH", help="write what was tested and concluded as JSON")
 
 
-def _points(args: argparse.Namespace) -> list[Point]:
+def _points(args: argparse.Namespace) -> tuple[list[Point], str | None]:
+    """The history's points, oldest first, and the label of the package index's newest build (None: not the
+    index's history)."""
     if args.checkout is not None or args.good or args.bad:
         if args.checkout is None or not args.good or not args.bad:
             raise UsageError("history: --checkout, --good and --bad go together")
         if args.trees:
             raise UsageError("history: --trees and --checkout name two histories; give one")
-        return revision_points(args.checkout.expanduser().resolve(), args.good, args.bad)
+        return revision_points(args.checkout.expanduser().resolve(), args.good, args.bad), None
     if args.trees:
         points = tree_points([t for t in args.trees.split(",") if t])
         if len(points) < 2:
             raise UsageError("history --trees: at least two trees")
-        return within(points, args.first, args.last) if args.first or args.last else points
-    return within(index_points(), args.first, args.last)
+        return (within(points, args.first, args.last) if args.first or args.last else points), None
+    index = index_points()
+    return within(index, args.first, args.last), index[-1].label
 
 
 def _replay(args: argparse.Namespace, first: str, last: str) -> str:
@@ -85,7 +88,7 @@ def _write(path: str | None, data: dict[str, Any]) -> None:
         Path(path).write_text(json.dumps(data, indent=2) + "\n")
 
 
-def _bisect(args: argparse.Namespace, points: list[Point]) -> int:
+def _bisect(args: argparse.Namespace, points: list[Point], newest: str | None) -> int:
     check = check_of(args.check)
     tester = Tester(check, lambda m: print("  build: " + m, file=sys.stderr))
     b = Bisection(check.name, points)
@@ -99,6 +102,10 @@ def _bisect(args: argparse.Namespace, points: list[Point]) -> int:
         _write(args.json, b.to_json())
         return EXIT_INTERRUPTED
     print(b.conclusion())
+    last = len(points) - 1
+    if b.lo is None and points[last].label == newest and last in b.tested and b.state(last) == "present":
+        print(f"history: {points[-1].label} is the newest build the package index ships: a change after it (a fix "
+              "upstream lists for a later build) cannot be seen from here")  # fmt: skip
     print(f"history: {len(b.tested)} points tested, {tester.built} compiled, "
           f"{sum(t.seconds for t in b.tested.values()):.0f} s")  # fmt: skip
     _write(args.json, {**b.to_json(), "compiled": tester.built})
@@ -160,7 +167,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("history --markdown and --record: with --table")
     if not args.table and not args.spread:
         check_of(args.check)  # a bad CHECK is one line before the index is listed
-    points = _points(args)
+    points, newest = _points(args)
     if args.table or args.spread:
         return _spread(args, points)
-    return _bisect(args, points)
+    return _bisect(args, points, newest)
