@@ -38,7 +38,6 @@ from harness.errors import (
     HarnessLimit,
     UsageError,
 )
-from harness.history.checks import bisect_line
 from harness.load.gate_step import server_concurrent_step
 from properties.run import PROFILES, commit
 
@@ -265,22 +264,11 @@ def run(args: argparse.Namespace) -> int:
         if args.junit:
             _write_junit(report, args.junit)
         sys.stdout.flush()
-    _offer_history(report, opts)
     if report.passed:
         return EXIT_SKIPPED if "skipped" in report.sections else EXIT_OK
     if any(f.kind == "crash" for f in report.failures):
         return EXIT_CRASH
     return EXIT_FAILED if report.failures else EXIT_USAGE
-
-
-def _offer_history(report: GateReport, opts: GateOptions) -> None:
-    """A failure on a tree that is not the pinned one, without ``--base``: the line that bisects it over history."""
-    server = report.to_json().get("server")
-    if opts.source is None or opts.base is not None or not isinstance(server, dict) or server.get("pinned", True):
-        return
-    lines = dict.fromkeys(bisect_line(str(opts.source), f.machine, f.property) for f in report.failures)
-    for line in lines:
-        print(f"where it came from: {line}")
 
 
 def _writable(path: str | None) -> None:

@@ -36,10 +36,9 @@ from harness.errors import HarnessError, RequestFailed, UsageError
 from harness.findings import FINDINGS, Finding
 from harness.targets.llama_server import ServerProcess
 from harness.targets.server_log import CacheLog
-from harness.trees.tree import registry_spec
 
 __all__ = ["ABSENT", "PRESENT", "SKIPPED", "Check", "ProgramCheck", "PropertyCheck", "ReproducerCheck", "Verdict",
-           "bisect_line", "check_of", "history_checks"]  # fmt: skip
+           "check_of", "history_checks"]  # fmt: skip
 
 PRESENT = "present"
 ABSENT = "absent"
@@ -176,16 +175,3 @@ def check_of(text: str) -> Check:
                          f"pinned one can run it (findings it can test: {', '.join(x.id for x in history_checks())})")
     return ReproducerCheck(f)
 
-
-def bisect_line(source: str, machine: str, prop: str) -> str:
-    """The one line that bisects a gate failure (``prop`` failed on ``machine``) over the history of ``source``: the
-    fixed program it failed in when it is one (judged by the server's log alone), else the gate's property."""
-    name = machine.removeprefix("server-")
-    check = f"program:{name}:{prop}" if name in LIMIT_PROGRAMS else f"property:{prop}"
-    spec = registry_spec(source)
-    if spec is not None and spec.build is not None:
-        return f"python -m harness history {check} --to b{spec.build}"
-    if (Path(source) / ".git").exists():
-        return f"python -m harness history {check} --checkout {source} --good REV_WITHOUT_IT --bad HEAD"
-    return (f"python -m harness history {check} --trees OLDER_TREE,{source}  (this tree is neither a build of the "
-            "package index nor a git checkout: name an older one)")

@@ -9,8 +9,10 @@ showed once.
 
 from __future__ import annotations
 
+import shlex
 from collections import Counter
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hypothesis import HealthCheck, Phase, settings
@@ -18,6 +20,7 @@ from hypothesis.errors import FlakyFailure
 
 from harness.backends.base import Failure, GateReport, MachineResult, Out
 from harness.backends.llama_server.differential import (
+    LIMIT_PROGRAMS,
     SERVER_PROFILES,
     ServerMismatch,
 )
@@ -25,6 +28,7 @@ from harness.backends.llama_server.probe import agree_forms, probe
 from harness.findings import GREEDY_FLIP_ON_CACHE_PATH, KnownRow
 from harness.targets.llama_server import sanitizer_reports
 from harness.trees.build import PINNED_COMMIT, ServerBuild, pinned_status
+from harness.trees.tree import registry_spec
 from properties.machine import MachineConfig
 
 __all__ = ["ServerRun", "ServerSection", "describe", "hypothesis_settings", "unflaked"]
@@ -80,6 +84,7 @@ class ServerRun:
         self.pinned = pinned
         self.note = note  # appended to every failure message (a tree that is not the pinned one)
         self.first = True
+        self.offered: set[str] = set()  # the history lines printed (one per failing check)
         self.section: dict[str, Any] = {
             "flavour": build.label,  # the old key of build_name, kept for one release (docs/mechanism.md)
             "build_name": build.label,
@@ -103,6 +108,9 @@ class ServerRun:
 
     def fail(self, prop: str, kind: str, message: str, program: str, machine: str) -> None:
         message += self.note
+        if self.note and (line := bisect_line(self.build, machine, prop)) is not None and line not in self.offered:
+            self.offered.add(line)  # not the pinned tree: where it came from, over upstream's history
+            self.out(f"  where it came from: {line}")
         if self.note and self.first and program:
             self.out(f"  first divergence ({prop} in {machine}): {message}")
             self.out("  requests that replay it:\n    " + program.replace("\n", "\n    "))
@@ -164,3 +172,22 @@ def describe(build: ServerBuild, out: Out) -> bool:
     elif not build.by_name:
         out(f"  the binary's build-info.json says it was built from llama.cpp {PINNED_COMMIT}, the pinned tree")
     return pinned
+
+
+def bisect_line(build: ServerBuild, machine: str, prop: str) -> str | None:
+    """The one line that bisects a failure (``prop`` on ``machine``) over the history of the tree ``build`` came from
+    (``python -m harness history``): the fixed program it failed in when it is one (judged by the server's log
+    alone), else the gate's property; ``--to`` the index's build, ``--checkout`` a git tree. None for a binary."""
+    flags = shlex.split(build.replay_flags)
+    if "--source" not in flags or flags.index("--source") + 1 >= len(flags):
+        return None
+    source = flags[flags.index("--source") + 1]
+    name = machine.removeprefix("server-")
+    check = f"program:{name}:{prop}" if name in LIMIT_PROGRAMS else f"property:{prop}"
+    spec = registry_spec(source)
+    if spec is not None and spec.build is not None:
+        return f"python -m harness history {check} --to b{spec.build}"
+    if (Path(source) / ".git").exists():
+        return f"python -m harness history {check} --checkout {source} --good REV_WITHOUT_IT --bad HEAD"
+    return (f"python -m harness history {check} --trees OLDER_TREE,{source}  (this tree is neither a build of the "
+            "package index nor a git checkout: name an older one)")
