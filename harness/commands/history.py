@@ -77,10 +77,10 @@ def _points(args: argparse.Namespace) -> tuple[list[Point], str | None]:
 
 
 def _replay(args: argparse.Namespace, first: str, last: str) -> str:
-    parts = ["python -m harness history", *([args.check] if args.check else []), "--from", first, "--to", last]
+    parts = [*([args.check] if args.check else []), "--from", first, "--to", last]
     if args.trees:
         parts += ["--trees", args.trees]
-    return " ".join(shlex.quote(p) for p in parts)
+    return "python -m harness history " + " ".join(shlex.quote(p) for p in parts)
 
 
 def _write(path: str | None, data: dict[str, Any]) -> None:
