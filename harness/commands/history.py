@@ -122,9 +122,10 @@ def _spread(args: argparse.Namespace, points: list[Point]) -> int:
     findings = all_findings() if args.table else [_finding_of(args.check)]
     tester_log = lambda m: print("  build: " + m, file=sys.stderr)  # noqa: E731
     testers: dict[str, Tester] = {}
+    builds: dict[str, tuple[Path | None, str]] = {}  # each point built once for every finding
 
     def test(check: ReproducerCheck, p: Point) -> Tested:
-        t = testers.setdefault(check.name, Tester(check, tester_log))
+        t = testers.setdefault(check.name, Tester(check, tester_log, builds))
         return t(p)
 
     print(f"history: {len(findings)} finding(s) on {len(picked)} builds: {', '.join(p.label for p in picked)}")

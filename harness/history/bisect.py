@@ -48,35 +48,45 @@ class Tested:
 
 class Tester:
     """Builds a point's ``llama-server`` (cached by the tree's content, ccache across neighbours; only the server
-    and libllama targets) and runs ``check`` on it. A build that fails is a skip with its first line."""
+    and libllama targets) and runs ``check`` on it. A build that fails is a skip with its first line. ``builds``
+    (shared between testers: the table's findings) keeps each point's build, or why it has none, for this run, so
+    a point is built, or fails to build, once."""
 
-    def __init__(self, check: Check, log: Callable[[str], None]) -> None:
+    def __init__(self, check: Check, log: Callable[[str], None],
+                 builds: dict[str, tuple[Path | None, str]] | None = None) -> None:  # fmt: skip
         self.check = check
         self.log = log
+        self.builds = builds if builds is not None else {}
         self.built = 0  # builds compiled (not found in the cache)
 
-    def __call__(self, point: Point) -> Tested:
+    def _build(self, point: Point) -> tuple[Path | None, str]:
         t0 = time.monotonic()
+        said: list[str] = []
+
+        def log(m: str) -> None:
+            said.append(m)
+            self.log(m)
+
         try:
             tree = point.tree(self.log)
             source = Path(point.source) if point.checkout is None else tree  # a build's name replays by its name
-            said: list[str] = []
-
-            def log(m: str) -> None:
-                said.append(m)
-                self.log(m)
-
             build = server_build(source=source, log=log)
         except BuildError as e:
-            return Tested(point, Verdict(SKIPPED, f"does not build: {str(e).splitlines()[0][:300]}"), "failed",
-                          time.monotonic() - t0)  # fmt: skip
+            return None, f"does not build: {str(e).splitlines()[0][:300]}"
         except HarnessError as e:
-            return Tested(point, Verdict(SKIPPED, f"no tree: {str(e).splitlines()[0][:300]}"), "failed",
-                          time.monotonic() - t0)  # fmt: skip
+            return None, f"no tree: {str(e).splitlines()[0][:300]}"
         compiled = any("building" in m for m in said)
         self.built += compiled
-        how = f"built in {time.monotonic() - t0:.0f} s" if compiled else "cached"
-        verdict = self.check.run(build.binary, self.log)
+        return build.binary, (f"built in {time.monotonic() - t0:.0f} s" if compiled else "cached")
+
+    def __call__(self, point: Point) -> Tested:
+        t0 = time.monotonic()
+        if point.source not in self.builds:
+            self.builds[point.source] = self._build(point)
+        binary, how = self.builds[point.source]
+        if binary is None:
+            return Tested(point, Verdict(SKIPPED, how), "failed", time.monotonic() - t0)
+        verdict = self.check.run(binary, self.log)
         return Tested(point, verdict, how, time.monotonic() - t0)
 
 

@@ -41,6 +41,7 @@ import contextlib
 import hashlib
 import json
 import os
+import re
 import shlex
 import shutil
 import subprocess
@@ -318,6 +319,22 @@ def _find_build(digest: str, args: Sequence[str], compiler: str) -> Path | None:
     return None
 
 
+def _tree_args(src: Path) -> list[str]:
+    """Flags a tree itself needs: the embedded web UI off where the tree has the option but not the assets it
+    embeds (a package index's sdist ships ``tools/server`` without the generated ``public/`` bundle; the harness
+    never serves the UI). Nothing for a tree that builds as it is, so its cache key stays."""
+    cml = src / "tools" / "server" / "CMakeLists.txt"
+    try:
+        text = cml.read_text(errors="replace")
+    except OSError:
+        return []
+    assets = re.findall(r"^\s+(bundle\.\w+|index\.html\.gz)\s*$", text, re.M)
+    missing = [a for a in assets if not (src / "tools" / "server" / "public" / a).is_file()]
+    if "option(LLAMA_BUILD_WEBUI" in text and missing:
+        return ["-DLLAMA_BUILD_WEBUI=OFF"]
+    return []
+
+
 def build_source(
     src: Path,
     *,
@@ -335,7 +352,7 @@ def build_source(
     reuses it. The tree itself is never written to (it is staged into the cache and built there).
     """
     src = check_tree(src, flag)
-    args = cmake_args("shared", "asan" if asan else "plain")
+    args = cmake_args("shared", "asan" if asan else "plain") + _tree_args(src)
     cmake = _cmake()
     compiler = _compiler_id()
     log(f"[source] hashing {src}")
