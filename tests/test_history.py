@@ -21,6 +21,7 @@ from harness.history.bisect import Bisection, Tested, bisect
 from harness.history.checks import ABSENT, PRESENT, SKIPPED, ProgramCheck, ReproducerCheck, Verdict, check_of
 from harness.history.points import Point, index_points, revision_points, spread, tree_points, within
 from harness.history.table import HistoryRow, markdown, not_applicable, since_line
+from harness.trees.tree import cache_root
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -201,6 +202,9 @@ def test_ctrl_c_in_a_bisection_prints_the_range_and_leaves_no_server(trees: Call
     assert "go on with: python -m harness history program:checkpoint-cap --from pr --to offset-cap-threshold" in rest
     time.sleep(1)
     assert not (_servers() - before), "a llama-server outlived the interrupted bisection"
+    root = cache_root()
+    half = [*(root / "llama-server").glob(".build-*"), *(root / "trees").glob(".registry-*")]
+    assert not half, f"a half-built tree or build was left: {half}"
 
 
 def test_a_checkouts_revisions_are_its_first_parent_line_oldest_first(tmp_path: Path) -> None:

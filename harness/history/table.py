@@ -74,6 +74,8 @@ def since_line(row: HistoryRow, points: Sequence[Point]) -> str:
     if row.why_not is not None:
         return f"not tested on other builds: {row.why_not}"
     seen = [(p, row.cells[p.label].verdict.state) for p in points if p.label in row.cells]
+    if not seen:
+        return "no build tested yet"
     present = [p.label for p, s in seen if s == PRESENT]
     absent = [p.label for p, s in seen if s == ABSENT]
     changes = [f"{'fixed' if a == PRESENT else 'introduced'} between {p.label} and {q.label}"
