@@ -128,10 +128,12 @@ def test_entries_leave_the_cache_only_by_a_logged_removal_and_appear_only_by_a_s
     assert "the log shows 1 removals (obsolete, load, eviction) but 0 entries left the cache" in kept[0].message
     # an entry gone without a logged removal, and one appearing without a save
     gone = _problems(_listing(["0xa", "0xb"]) + _listing(["0xb"]))[0]
-    assert [p.property for p in gone] == ["load_transfer"] and "1 entries left the cache where the log shows 0" in (
-        gone[0].message)
+    # (the replay of the cache's order sees the same: 0xa gone though nothing removed it, alloc_eviction)
+    assert [p.property for p in gone] == ["load_transfer", "alloc_eviction"]
+    assert "1 entries left the cache where the log shows 0" in gone[0].message
     born = _problems(_listing(["0xa"]) + _listing(["0xa", "0xc"]))[0]
-    assert [p.property for p in born] == ["load_transfer"] and "1 entries appeared where 0 saves" in born[0].message
+    assert [p.property for p in born] == ["load_transfer", "alloc_eviction"]
+    assert "1 entries appeared where 0 saves" in born[0].message
 
 
 def test_a_line_of_an_http_thread_inside_a_states_list_is_passed_over() -> None:
@@ -155,3 +157,22 @@ def test_an_entry_that_is_a_prefix_of_another_fails_no_prefix_entries() -> None:
     fine = _problems(scan.replace("lcp =     200, f_keep = 1.000", "lcp =     150, f_keep = 0.750"))[0]
     assert not [p for p in fine if p.property == "no_prefix_entries"]
     assert log.checked["no_prefix_entries"] == 1
+
+
+def test_evictions_take_the_oldest_entries_and_only_as_many_as_needed() -> None:
+    """alloc_eviction replays the cache's order: a save's make-room evictions pop the oldest, then the new entry is
+    appended; a state listing another order, or an eviction the cache and the new entry did not need, fails."""
+    room = "0.1 W srv         alloc:  - making room for prompt cache entry, removing oldest entry (size = 0.100 MiB)\n"
+    state = lambda ids, mib, limit: (  # noqa: E731
+        f"{_T} - cache state: {len(ids)} prompts, {mib * len(ids):.3f} MiB "
+        f"(limits: {limit:.3f} MiB, 2048 tokens, 99 est)\n"
+        + "".join(f"{_T}   - prompt {i}:       9 tokens, checkpoints:  0,     {mib:.3f} MiB\n" for i in ids)
+        + "0.1 I srv  get_availabl: prompt cache update took 0.02 ms\n")
+    ok = state(["0xa", "0xb"], 0.1, 0.2) + _SAVE + room + state(["0xb", "0xc"], 0.1, 0.2)
+    problems, log = _problems(ok)
+    assert problems == [] and log.checked["alloc_eviction"] >= 1
+    newest = _problems(state(["0xa", "0xb"], 0.1, 0.2) + _SAVE + room + state(["0xa", "0xc"], 0.1, 0.2))[0]
+    assert [p.property for p in newest] == ["alloc_eviction"]
+    assert "where removing the oldest entries first" in newest[0].message and "['0xb', 'new']" in newest[0].message
+    needless = _problems(state(["0xa", "0xb"], 0.1, 0.4) + _SAVE + room + state(["0xb", "0xc"], 0.1, 0.4))[0]
+    assert [p.property for p in needless] == ["alloc_eviction"] and "fit the limit 0.400 MiB" in needless[0].message

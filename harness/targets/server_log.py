@@ -92,14 +92,112 @@ class _Scan:
 
     def upstream_pick(self) -> tuple[float, float] | None:
         """The f_keep/f_sim of the entry upstream's rule takes (server-task.cpp:1812-1822), or None."""
+        i = self.pick_index()
+        return None if i is None else self.candidates[i]
+
+    def pick_index(self) -> int | None:
+        """Which candidate (its place in the cache, oldest first) upstream's rule takes, or None."""
         keep, sim = self.base
         best = None
-        for k, s in self.candidates:
+        for i, (k, s) in enumerate(self.candidates):
             if k < 0.25:
                 continue
             if keep < k and sim < s:
-                keep, sim, best = k, s, (k, s)
+                keep, sim, best = k, s, i
         return best
+
+
+_OBSOLETE = re.compile(r"removing obsolete cached prompt with length (\d+)")
+_TOKEN_EVICT = re.compile(r"cache token limit \((\d+), est: (\d+)\) reached, removing oldest entry")
+_NEW = ""  # the entry a save appends, before a state names its address
+
+
+@dataclass
+class _Order:
+    """The cache's entries oldest first, replayed from the log between two states, to hold the next state to
+    ``alloc_eviction``: a save removes the entries its prompt contains, then the oldest ones while the cache and
+    the new entry exceed the limit, then appends the new entry (server-task.cpp:1738-1790); a load takes the entry
+    its scan picks; update removes the oldest while over a limit (:1875-1893)."""
+
+    entries: list[tuple[str, int, float]] = field(default_factory=list)  # address, tokens, MiB
+    saving: bool = False  # a save began and was not refused: its entry is appended at the next event
+    unsure: str = ""  # why this cycle cannot be replayed (then it is not checked)
+    room: list[float] = field(default_factory=list)  # the cache's MiB before each make-room eviction
+    token_pops: list[tuple[int, int]] = field(default_factory=list)  # tokens held before a token eviction, est
+    known: bool = False  # a state has been listed: the replay starts from the first one (as load_transfer)
+
+    def appended(self) -> None:
+        if self.saving:
+            self.entries.append((_NEW, 0, 0.0))
+            self.saving = False
+
+    def pop_oldest(self, why: str) -> None:
+        if not self.entries:
+            self.unsure = self.unsure or f"{why} from an empty cache"
+        else:
+            self.entries.pop(0)
+
+    def event(self, line: str) -> None:
+        """One line of the log between two states."""
+        if "saving prompt with length" in line:
+            self.saving = True
+        elif "already in the cache, skipping" in line or "exceeds cache size limit" in line:
+            self.saving = False
+        elif "failed to allocate memory for prompt cache state" in line:
+            self.saving, self.unsure = False, "an allocation failed"
+        elif (m := _OBSOLETE.search(line)) is not None:
+            same = [i for i, (_a, n, _m) in enumerate(self.entries) if n == int(m[1]) and _a != _NEW]
+            if len(same) != 1:
+                self.unsure = self.unsure or f"{len(same)} entries of {m[1]} tokens for one obsolete removal"
+            else:
+                self.entries.pop(same[0])
+        elif "making room for prompt cache entry, removing oldest entry" in line:
+            self.room.append(sum(m for _a, _n, m in self.entries))
+            self.pop_oldest("make room")
+        elif "cache size limit reached, removing oldest entry" in line:
+            self.appended()
+            self.pop_oldest("update's size eviction")
+        elif (m := _TOKEN_EVICT.search(line)) is not None:
+            self.appended()
+            held = sum(n for _a, n, _m in self.entries)
+            if any(a == _NEW for a, _n, _m in self.entries):
+                self.unsure = self.unsure or "a token eviction while the new entry's size is unknown"
+            self.token_pops.append((held, int(m[2])))
+            self.pop_oldest("update's token eviction")
+
+    def loaded(self, scan: _Scan) -> None:
+        """A load that took the entry its scan picks (the scan lists the cache oldest first)."""
+        self.appended()
+        i = scan.pick_index()
+        if len(scan.spans) != len(self.entries):
+            self.unsure = self.unsure or f"the scan lists {len(scan.spans)} entries where {len(self.entries)} remain"
+        elif i is not None:
+            self.entries.pop(i)
+
+    def check(self, ids: list[str], entries: list[tuple[int, int, float]], limit_mib: float) -> str | None:
+        """The state just listed against the replay: the same entries in the same order (the new one anywhere a
+        save put it), each eviction needed; then the replay starts again from this state."""
+        self.appended()
+        want, unsure, room, token_pops = self.entries, self.unsure, self.room, self.token_pops
+        self.entries = [(a, t, m) for a, (t, _c, m) in zip(ids, entries, strict=True)]
+        self.unsure, self.room, self.token_pops = "", [], []
+        if unsure or not self.known:
+            self.known = True
+            return None
+        got = list(ids)
+        if len(want) != len(got) or any(w != _NEW and w != g for (w, _t, _m), g in zip(want, got, strict=False)):
+            old = [a if a != _NEW else "new" for a, _t, _m in want]
+            return (f"the cache lists {got} where removing the oldest entries first (and the ones a save contains, "
+                    f"the one a load takes) leaves {old}")  # fmt: skip
+        new = [m for (w, _t, _m), (_tt, _c, m) in zip(want, entries, strict=True) if w == _NEW]
+        for before in room:
+            if new and limit_mib > 0 and before + new[0] <= limit_mib - _ROUND * (len(want) + 2):
+                return (f"a save removed an entry to make room though the cache ({before:.3f} MiB) and the new entry "
+                        f"({new[0]:.3f} MiB) fit the limit {limit_mib:.3f} MiB")  # fmt: skip
+        for held, est in token_pops:
+            if held <= est:
+                return f"update removed an entry for the token limit though the cache held {held} <= {est} tokens"
+        return None
 
 
 class CacheLog:
@@ -117,6 +215,7 @@ class CacheLog:
         self._scan: _Scan | None = None
         self._limit_lowered = False
         self._line = 0
+        self._order = _Order()  # the cache starts empty
 
     def feed(self, text: str) -> list[LogProblem]:
         """Check the whole lines of ``text`` (the log so far) not seen before; the problems found, in order. A
@@ -151,6 +250,7 @@ class CacheLog:
             out += self._created(int(m[1]), int(m[2]))
         elif (m := _LOOKING.search(line)) is not None:
             out += self._close_scan(None)
+            self._order.appended()
             self._scan = _Scan((float(m[1]), float(m[2])))
         elif (m := _CANDIDATE.search(line)) is not None and self._scan is not None:
             self._scan.candidates.append((float(m[3]), float(m[4])))
@@ -167,13 +267,14 @@ class CacheLog:
         elif "prompt cache update took" in line:
             out += self._close_scan(None)
         self._count_cycle(line)
+        self._order.event(line)
         return out
 
     def _count_cycle(self, line: str) -> None:
         """The saves and the logged removals between two states (:data:`LOG_PROPERTIES`' ``load_transfer``)."""
         if "saving prompt with length" in line:
             self._cycle["saves"] += 1
-        elif "already in the cache, skipping" in line or "exceeds cache size limit, skipping" in line or (
+        elif "already in the cache, skipping" in line or "exceeds cache size limit" in line or (
             "failed to allocate memory for prompt cache state" in line
         ):
             self._cycle["unsaved"] += 1
@@ -199,7 +300,11 @@ class CacheLog:
     def _close_scan(self, found: tuple[float, float] | None) -> list[LogProblem]:
         scan, self._scan = self._scan, None
         if scan is None:
+            if found is not None:  # a load whose scan was not listed: which entry it took is unknown
+                self._order.unsure = self._order.unsure or "a load without its scan"
             return []
+        if found is not None:
+            self._order.loaded(scan)
         out = []
         if len(scan.spans) > 1:
             self.checked["no_prefix_entries"] += 1
@@ -226,6 +331,10 @@ class CacheLog:
             return []
         n, mib, limit_mib, limit_tokens, est, line = state
         out: list[LogProblem] = self._transfers(ids, line)
+        if len(ids) == len(entries) and self._order.known:
+            self.checked["alloc_eviction"] += 1
+        if len(ids) == len(entries) and (order := self._order.check(ids, entries, limit_mib)) is not None:
+            out.append(LogProblem("alloc_eviction", f"log line {line}: {order}"))
         self.checked["limit"] += 1
         self.checked["alloc_eviction"] += 1  # an update: it evicted for size only after a lowered limit
         tokens = sum(t for t, _c, _m in entries)
