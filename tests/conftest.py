@@ -259,6 +259,16 @@ TRANSFER_EDIT: Edits = {"tools/server/server-task.cpp": [
     ("        states.erase(it_best);", "        // states.erase(it_best);")]}  # fmt: skip
 
 
+#: make room evicts the newest entry instead of the oldest (server-task.cpp:1754) -> alloc_eviction (the order)
+NEWEST_EDIT: Edits = {"tools/server/server-task.cpp": [
+    ("            SRV_WRN(\" - making room for prompt cache entry, removing oldest entry (size = %.3f MiB)\\n\",\n"
+     "                    states.front().size() / (1024.0 * 1024.0));\n\n            states.pop_front();",
+     "            SRV_WRN(\" - making room for prompt cache entry, removing oldest entry (size = %.3f MiB)\\n\",\n"
+     "                    states.front().size() / (1024.0 * 1024.0));\n\n            states.pop_back();")]}  # fmt: skip
+#: make room for twice the new entry: evicts more than needed (server-task.cpp:1751) -> alloc_eviction (needed)
+EXTRA_EDIT: Edits = {"tools/server/server-task.cpp": [
+    ("        while (!states.empty() && size() + state_size_new > limit_size) {",
+     "        while (!states.empty() && size() + 2 * state_size_new > limit_size) {")]}  # fmt: skip
 #: alloc saves a prompt the cache already holds within another entry (server-task.cpp:1716) -> no_prefix_entries
 CONTAINED_EDIT: Edits = {"tools/server/server-task.cpp": [
     ("        if (cur_lcp_len == (int) prompt.tokens.size()) {",
@@ -286,6 +296,8 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "size": ("shared", SIZE_EDIT),
     "transfer": ("shared", TRANSFER_EDIT),
     "contained": ("shared", CONTAINED_EDIT),
+    "newest": ("shared", NEWEST_EDIT),
+    "extra": ("shared", EXTRA_EDIT),
     "fail": ("shared", FAIL_EDIT),
     "renamed": ("shared", RENAME_EDIT),
     "layout": ("shared", LAYOUT_EDIT),
@@ -310,7 +322,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
-         "offset-cap", "offset-cap-threshold")
+         "newest", "extra", "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

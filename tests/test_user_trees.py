@@ -259,6 +259,8 @@ SERVER_MUTANTS = {
     "size": ("eviction", "accounting"),
     "transfer": ("load-threshold", "load_transfer"),
     "contained": ("prefix-entry", "no_prefix_entries"),
+    "newest": ("eviction", "alloc_eviction"),
+    "extra": ("eviction", "alloc_eviction"),
 }
 
 
