@@ -22,7 +22,13 @@ is counted under the property's name, so the gate's table says how often the ser
     figures, independently of the server's choice;
 ``alloc_eviction``
     ``alloc`` makes room before it saves (server-task.cpp:1750), so ``update`` never finds the cache above its
-    byte limit (``cache size limit reached``) unless an allocation failure lowered the limit first;
+    byte limit (``cache size limit reached``) unless an allocation failure lowered the limit first; and the
+    cache's order, replayed from the log between two states (a save removes the entries its prompt contains, then
+    the oldest while the cache and the new entry exceed the limit, then appends the new entry; a load takes the
+    entry its scan picks; update removes the oldest while over a limit), is the order the next state lists: the
+    oldest go first, each make-room eviction was needed (the cache and the new entry, as the state then lists it,
+    did not fit) and each token eviction too. A cycle the log cannot replay exactly (an allocation failure, two
+    entries of the length an obsolete removal names) is not checked;
 ``load_transfer``
     between two states the entries that left are the logged removals (an obsolete prefix, server-task.cpp:1742;
     the entry a load moved into the slot, :1864; an eviction) and each logged removal took one, and no entry
