@@ -26,6 +26,7 @@ BUSY_SLOT_BY_ID = Finding(
     "a request naming a busy slot by id loads another prompt into it mid-generation",
     "fixtures/findings/busy_slot_by_id_server.py",
     detail=(
+        "(report: fixtures/findings/busy_slot_by_id.md) "
         "get_available_slot saves/loads the cache into a slot that is processing when the request names "
         "that slot by id (server-context.cpp:1532-1633, with slot_prompt_similarity != 0); on the real server "
         "the request being generated in that slot goes on from the loaded prompt: a wrong answer, no error"
