@@ -4,6 +4,8 @@ pasteable program, and the CLI keeps its exit codes and JSON schema."""
 
 from __future__ import annotations
 
+import argparse
+import dataclasses
 import importlib
 import json
 import subprocess
@@ -17,8 +19,13 @@ from hypothesis import strategies as st
 from hypothesis.internal.conjecture import engine
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
+from harness.backends import BACKENDS
 from harness.backends.base import GateOptions
+from harness.backends.lcp_cache import LcpOptions
+from harness.backends.libllama import LlamaOptions
+from harness.backends.llama_server import ServerOptions
 from harness.backends.synthetic import KNOWN_MACHINES, SyntheticBackend
+from harness.commands.gate import add_arguments, options_from_args
 from harness.commands.gate import run_gate as _run_gate
 from harness.commands.mutants import kill
 from properties.families import FAMILY_MUTANTS
@@ -395,6 +402,25 @@ def test_cli_gate_unknown_arch_is_a_usage_error() -> None:
     assert r.returncode == 2 and "unknown --arch gpt9" in r.stderr and "Traceback" not in r.stderr
     r = _cli("gate", "--backend", "synthetic", "--arch", "llama")
     assert r.returncode == 2 and "--arch applies to the llama backend" in r.stderr
+
+
+def test_each_backend_reads_its_own_options() -> None:
+    """A backend's flags (``Backend.options``) fill its own dataclass (``options_type``) field for field; the
+    command line's values reach every backend that reads them (``--source``: llama and server), and a run built in
+    code reads each backend's defaults."""
+    for b in BACKENDS.values():
+        fields = set() if b.options_type is None else {f.name for f in dataclasses.fields(b.options_type)}
+        assert {o.field for o in b.options} == fields, b.name
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    args = parser.parse_args(["--backend", "server", "--flavour", "asan", "--source", "/x", "--base", "HEAD~1"])
+    opts, backends = options_from_args(args, lambda _: None)
+    assert backends == ["server"] and set(opts.backends) == {"llama", "server", "llama-cpp-python-cache"}
+    assert opts.of(ServerOptions) == ServerOptions(asan=True, source=Path("/x"), base="HEAD~1")
+    assert opts.of(LlamaOptions) == LlamaOptions(source=Path("/x")) and opts.of(LcpOptions).cache == "ram"
+    args = parser.parse_args(["--backend", "llama", "--arch", "llama", "jamba"])
+    assert options_from_args(args, lambda _: None)[0].of(LlamaOptions).archs == ("llama", "jamba")
+    assert GateOptions().of(ServerOptions) == ServerOptions() and GateOptions().of(LlamaOptions).archs is None
 
 
 def test_cli_gate_llama_cpp_python_cache_backend(tmp_path) -> None:  # type: ignore[no-untyped-def]

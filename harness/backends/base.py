@@ -8,9 +8,10 @@ rows (:class:`~harness.findings.KnownRow`) and its own JSON section (a :class:`S
 ``report.sections``, keyed by its JSON key).
 
 A backend declares the options only it reads (``Backend.options``, one :class:`Option` each, as gcovr's
-format handlers declare theirs): ``python -m harness gate`` adds them to its ``--help`` under the backend's
-name, fills the :class:`GateOptions` field each names, and rejects an option no selected backend reads,
-naming the backend that would.
+format handlers declare theirs) and the frozen dataclass they fill (``Backend.options_type``, in its own module):
+``python -m harness gate`` adds them to its ``--help`` under the backend's name, builds each backend's dataclass
+from them (:meth:`Backend.options_from`) into :attr:`GateOptions.backends`, and rejects an option no selected
+backend reads, naming the backend that would. A backend reads its own with ``opts.of(ItsOptions)``.
 
 Campaigns too: a backend says which state machines a fuzz campaign runs on it
 (:meth:`Backend.campaign_machines`, one :class:`MachineSpec` per machine, for a campaign's
@@ -27,7 +28,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, ClassVar, Protocol
+from typing import Any, ClassVar, Protocol, TypeVar
 
 from hypothesis.stateful import RuleBasedStateMachine
 
@@ -55,10 +56,13 @@ __all__ = [
 
 Out = Callable[[str], None]
 
+T = TypeVar("T")
+
 
 @dataclass(frozen=True)
 class GateOptions:
-    """One gate run's options, the same object for every backend.
+    """One gate run's options, the same object for every backend: the ones every backend reads, and in
+    ``backends`` each backend's own (backend name -> its ``options_type``), read with :meth:`of`.
 
     ``semantics`` is the master/PR axis everywhere: ``shared`` (PR #27451) or ``master``; for the
     server backend it also chooses which build of llama-server runs (with the PR patch or not).
@@ -70,12 +74,15 @@ class GateOptions:
     seed: int = 0
     db: str | None = None
     max_examples: int | None = None
-    archs: tuple[str, ...] | None = None  # llama backend
-    cache: str = "ram"  # llama-cpp-python-cache backend
-    asan: bool = False  # server backend: the sanitizer build
-    source: Path | None = None  # server backend: a llama.cpp tree to build and test
-    server_bin: Path | None = None  # server backend: a llama-server binary built elsewhere
-    base: str | None = None  # server backend: the tree (or git revision of ``source``) the change starts from
+    backends: Mapping[str, object] = field(default_factory=dict)  # backend name -> its options (options_type)
+
+    def of(self, kind: type[T]) -> T:
+        """The options of the backend whose ``options_type`` is ``kind``: as the command line gave them, else
+        ``kind``'s defaults (a run built in code)."""
+        for options in self.backends.values():
+            if isinstance(options, kind):
+                return options
+        return kind()
 
 
 class Section(Protocol):
@@ -247,8 +254,9 @@ def model_spec(cfg: MachineConfig, backend: str, steps: int, batch: int) -> Mach
 
 @dataclass(frozen=True)
 class Option:
-    """One option of the gate that only some backends read: the :class:`GateOptions` field it fills, its
-    spelling on the command line, and the keywords of ``argparse``'s ``add_argument`` (``dest`` is the field)."""
+    """One option of the gate that only some backends read: the field of the backend's ``options_type`` it
+    fills, its spelling on the command line, and the keywords of ``argparse``'s ``add_argument`` (``dest`` is
+    the field)."""
 
     field: str
     flag: str
@@ -266,18 +274,24 @@ SOURCE = Option("source", "--source", {
 
 
 class Backend:
-    """One backend of the gate. Subclasses set ``name`` (the ``--backend`` value) and ``options`` (the
-    options only some backends read, :class:`Option`) and implement :meth:`run`; a backend with fuzz-campaign
+    """One backend of the gate. Subclasses set ``name`` (the ``--backend`` value), ``options`` (the
+    options only some backends read, :class:`Option`) with ``options_type`` (the frozen dataclass they fill, every
+    field with its default) and implement :meth:`run`; a backend with fuzz-campaign
     machines also implements :meth:`campaign_machines` (and :meth:`campaign_models` if they load models)."""
 
     name: ClassVar[str]
     options: ClassVar[tuple[Option, ...]] = ()
+    options_type: ClassVar[type[Any] | None] = None  # None: it reads no options of its own
     semantics_axis: ClassVar[bool] = True  # False: the target has no master/PR axis
 
-    @property
-    def flags(self) -> frozenset[str]:
-        """The :class:`GateOptions` fields of the options it reads."""
-        return frozenset(o.field for o in self.options)
+    @classmethod
+    def options_from(cls, values: Mapping[str, Any]) -> object | None:
+        """Its ``options_type`` filled from the parsed flags (by field; a None left to the default)."""
+        if cls.options_type is None:
+            return None
+        given = {o.field: values[o.field] for o in cls.options if values.get(o.field) is not None}
+        options: object = cls.options_type(**given)
+        return options
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         raise NotImplementedError

@@ -55,7 +55,7 @@ from properties.machine import MachineConfig
 from properties.run import run_seeded
 from properties.teardown import teardown_errors
 
-__all__ = ["DEFAULT_EXAMPLES", "MACHINE_ARCHS", "LcpCacheBackend", "LcpSection", "run_lcp_gate"]
+__all__ = ["DEFAULT_EXAMPLES", "MACHINE_ARCHS", "LcpCacheBackend", "LcpOptions", "LcpSection", "run_lcp_gate"]
 
 MACHINE_ARCHS = ("llama", "mamba")
 DEFAULT_EXAMPLES = 40
@@ -283,13 +283,21 @@ def _run_lcp(report: GateReport, semantics: str, cache: str, seed: int, max_exam
         report.machines.append(result)
 
 
+@dataclass(frozen=True)
+class LcpOptions:
+    """The llama-cpp-python-cache backend's own options (:attr:`LcpCacheBackend.options`)."""
+
+    cache: str = "ram"  # which of llama-cpp-python's caches: ram or disk
+
+
 class LcpCacheBackend(Backend):
     name = "llama-cpp-python-cache"
+    options_type = LcpOptions
     options = (Option("cache", "--cache", {"choices": ["ram", "disk"], "help": "which cache (default: ram)"}),)
     semantics_axis = False
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
-        _run_lcp(report, opts.semantics, opts.cache, opts.seed, opts.max_examples, out)
+        _run_lcp(report, opts.semantics, opts.of(LcpOptions).cache, opts.seed, opts.max_examples, out)
 
     def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
         return [_campaign_spec(cache, arch) for cache in CACHES for arch in MACHINE_ARCHS]

@@ -31,6 +31,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 from hypothesis import settings
@@ -51,7 +52,7 @@ from harness.backends.base import (
     Plan,
     model_spec,
 )
-from harness.errors import PropertyFailure
+from harness.errors import PropertyFailure, UsageError
 from harness.findings import (
     DECODE_BAD_ALLOC_TERMINATES,
     DRAFT_KV_EXHAUSTION_REAL_STATE,
@@ -68,7 +69,15 @@ from properties.libllama_scenarios import FullContextResult, draft_recovery_run,
 from properties.machine import MachineConfig, machine_class
 from properties.run import make_settings, run_machine
 
-__all__ = ["LLAMA_PROFILES", "LlamaBackend", "LlamaLib", "LlamaSection", "classify_native", "llama_machines"]
+__all__ = [
+    "LLAMA_PROFILES",
+    "LlamaBackend",
+    "LlamaLib",
+    "LlamaOptions",
+    "LlamaSection",
+    "classify_native",
+    "llama_machines",
+]
 
 NATIVE_FINDINGS = [f for f in FINDINGS.values() if f.backend == "llama" and f.property == "native_fault"]
 
@@ -178,8 +187,23 @@ def _merge(a: dict[str, int], b: dict[str, int]) -> dict[str, int]:
     return {k: a.get(k, 0) + b.get(k, 0) for k in sorted(set(a) | set(b))}
 
 
+@dataclass(frozen=True)
+class LlamaOptions:
+    """The llama backend's own options (:attr:`LlamaBackend.options`); an arch that is no fixtures model is
+    refused with one line."""
+
+    archs: tuple[str, ...] | None = None  # the fixtures models to run (None: all)
+    source: Path | None = None  # a llama.cpp tree whose own libllama runs
+
+    def __post_init__(self) -> None:
+        bad = [a for a in self.archs or () if a not in ARCHS]
+        if bad:
+            raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
+
+
 class LlamaBackend(Backend):
     name = "llama"
+    options_type = LlamaOptions
     options = (
         Option("archs", "--arch", {"nargs": "+", "metavar": "NAME",
                                    "help": "the fixtures models to run (default: all five)"}),
@@ -187,11 +211,12 @@ class LlamaBackend(Backend):
     )
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        own = opts.of(LlamaOptions)
         replay = f"python -m harness gate --semantics {opts.semantics} --profile {opts.profile} --seed {opts.seed}"
-        if opts.source is not None:  # the tree's own libllama, built and checked against the bindings
-            out("  " + libllama_of(opts.source, log=lambda m: out("  build: " + m)))
-            replay += f" --source {shlex.quote(str(opts.source))}"
-        _run_llama(report, opts.semantics, opts.profile, opts.seed, opts.db, opts.max_examples, opts.archs, replay, out)
+        if own.source is not None:  # the tree's own libllama, built and checked against the bindings
+            out("  " + libllama_of(own.source, log=lambda m: out("  build: " + m)))
+            replay += f" --source {shlex.quote(str(own.source))}"
+        _run_llama(report, opts.semantics, opts.profile, opts.seed, opts.db, opts.max_examples, own.archs, replay, out)
         loaded = loaded_libllama()
         report.sections.setdefault("llama_lib", LlamaLib(str(loaded) if loaded else None))
         if loaded is not None:

@@ -24,7 +24,6 @@ import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from fixtures.gguf import ARCHS
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
 from harness.backends.base import Backend, Ended, GateOptions, GateReport, Option, Skipped
 from harness.errors import (
@@ -206,15 +205,12 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
     if args.max_examples is not None and args.max_examples < 1:
         raise UsageError("--max-examples must be >= 1")
     backends = [args.backend] if args.backend else list(DEFAULT_BACKENDS)
-    semantics, asan = _semantics(args, warn)
-    if args.archs:
-        bad = [a for a in args.archs if a not in ARCHS]
-        if bad:
-            raise UsageError(f"unknown --arch {', '.join(bad)}; choose from {', '.join(ARCHS)}")
-    args.asan = asan  # --flavour asan folded in
+    semantics, args.asan = _semantics(args, warn)  # --flavour asan folded in
     declared = _backend_options()
+    values = {f: _value(getattr(args, f)) for f in declared}
+    own = {name: b.options_from(values) for name, b in BACKENDS.items()}  # each checks its own values (--arch)
     for field, (option, readers) in declared.items():
-        if getattr(args, field) not in (None, False) and not any(b in readers for b in backends):
+        if values[field] not in (None, False) and not any(b in readers for b in backends):
             raise UsageError(f"{option.flag} applies to the {readers[0]} backend; add --backend {readers[0]}")
     if semantics is not None and not any(BACKENDS[b].semantics_axis for b in backends):
         raise UsageError(
@@ -227,13 +223,13 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         seed=args.seed,
         db=args.db,
         max_examples=args.max_examples,
-        **{f: _value(getattr(args, f)) for f in declared if getattr(args, f) is not None},
+        backends={name: o for name, o in own.items() if o is not None},
     )
     return opts, backends
 
 
 def _value(v: Any) -> Any:
-    return tuple(v) if isinstance(v, list) else v  # GateOptions is frozen: --arch's list as a tuple
+    return tuple(v) if isinstance(v, list) else v  # the options are frozen: --arch's list as a tuple
 
 
 def run(args: argparse.Namespace) -> int:

@@ -24,6 +24,7 @@ from collections import Counter
 from pathlib import Path
 
 from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out
+from harness.backends.llama_server import ServerOptions
 from harness.backends.llama_server.section import ServerSection
 from harness.findings import BUSY_SLOT_BY_ID, BUSY_SLOT_BY_ID_LIVELOCK, CONCURRENT_OUTPUT_DIVERGENCE, KnownRow
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
@@ -38,11 +39,12 @@ N_TRACES = 2
 
 def _replay(opts: GateOptions, semantics: str) -> str:
     line = "python -m harness gate --backend server"
-    if opts.server_bin is not None:
-        line += f" --server-bin {shlex.quote(str(opts.server_bin))}"
-    elif opts.source is not None:
-        line += f" --source {shlex.quote(str(opts.source))}"
-    if opts.asan:
+    own = opts.of(ServerOptions)
+    if own.server_bin is not None:
+        line += f" --server-bin {shlex.quote(str(own.server_bin))}"
+    elif own.source is not None:
+        line += f" --source {shlex.quote(str(own.source))}"
+    if own.asan:
         line += " --asan"
     return line + f" --semantics {semantics} --seed {opts.seed}"
 

@@ -22,11 +22,11 @@ Every failure, including a request the server answered with an HTTP error or not
 property, the request program that replays it and the gate's replay line. Campaign machines: :mod:`.campaign`.
 
 The runner, from the options to the verdict, is :mod:`.runner`; this module only names its backend for the
-registry (:data:`harness.backends.BACKENDS`).
+registry (:data:`harness.backends.BACKENDS`) and its options (:class:`ServerOptions`) for the work that follows it.
 """
 
 from __future__ import annotations
 
-from harness.backends.llama_server.runner import ServerBackend
+from harness.backends.llama_server.runner import ServerBackend, ServerOptions
 
-__all__ = ["ServerBackend"]
+__all__ = ["ServerBackend", "ServerOptions"]

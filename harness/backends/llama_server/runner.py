@@ -16,6 +16,7 @@ import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from hypothesis import settings
@@ -44,11 +45,22 @@ from harness.trees.build import PINNED_COMMIT, ServerBuild
 from harness.trees.choose import choose_builds
 from properties.run import run_seeded
 
-__all__ = ["ServerBackend", "run_change_backend", "run_server_backend"]
+__all__ = ["ServerBackend", "ServerOptions", "run_change_backend", "run_server_backend"]
+
+
+@dataclass(frozen=True)
+class ServerOptions:
+    """The server backend's own options (:attr:`ServerBackend.options`): which llama-server it builds or takes."""
+
+    asan: bool = False  # the sanitizer build
+    source: Path | None = None  # a llama.cpp tree to build and test
+    server_bin: Path | None = None  # a llama-server binary built elsewhere
+    base: str | None = None  # the tree (or git revision of ``source``) the change starts from
 
 
 class ServerBackend(Backend):
     name = "server"
+    options_type = ServerOptions
     options = (
         Option("asan", "--asan", {"action": "store_true", "help": "the AddressSanitizer build (shared)"}),
         SOURCE,
@@ -63,11 +75,12 @@ class ServerBackend(Backend):
     )
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
+        own = opts.of(ServerOptions)
         build, base = choose_builds(
-            source=opts.source,
-            base=opts.base,
-            server_bin=opts.server_bin,
-            asan=opts.asan,
+            source=own.source,
+            base=own.base,
+            server_bin=own.server_bin,
+            asan=own.asan,
             semantics=opts.semantics,
             semantics_given=opts.semantics_given,
             log=lambda m: out("  build: " + m),
