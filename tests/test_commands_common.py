@@ -13,7 +13,7 @@ from types import ModuleType
 
 import pytest
 
-from harness.commands import report
+from harness.commands import oom, report
 from harness.commands.common import resolve_servers
 from harness.errors import UsageError
 from harness.report.stages import SEMS
@@ -71,3 +71,21 @@ def test_report_refuses_a_contradiction_in_one_line(tmp_path: Path, argv: list[s
     names = {"TREE": str(_tree(tmp_path / "tree")), "EMPTY": str(tmp_path)}
     with pytest.raises(UsageError, match=re.escape(message)):
         _report([names.get(a, a) for a in argv])
+
+
+def test_oom_runs_the_pinned_builds_asked_for_and_adds_a_tree_under_its_own_semantics(tmp_path: Path) -> None:
+    tree = _tree(tmp_path / "tree")
+    assert resolve_servers(_args(oom, []), "add") == [ServerChoice("shared"), ServerChoice("master")]
+    twice = _args(oom, ["--semantics", "master", "--semantics", "master"])
+    assert resolve_servers(twice, "add") == [ServerChoice("master")] * 2
+    # --semantics names the pinned builds here: the tree is master's whatever is asked for
+    with_tree = _args(oom, ["--semantics", "shared", "--source", str(tree)])
+    assert resolve_servers(with_tree, "add") == [ServerChoice("shared"), ServerChoice("master", source=tree)]
+
+
+def test_oom_refuses_a_tree_it_cannot_read_before_building_anything(tmp_path: Path) -> None:
+    unread = _tree(tmp_path / "tree", header="struct something_else {};\n")
+    with pytest.raises(UsageError, match=r"^--source .*: cannot tell its semantics \(no definition of struct"):
+        resolve_servers(_args(oom, ["--source", str(unread)]), "add")
+    with pytest.raises(UsageError, match=r"is not a llama\.cpp tree"):
+        resolve_servers(_args(oom, ["--source", str(tmp_path)]), "add")
