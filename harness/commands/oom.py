@@ -27,10 +27,9 @@ from pathlib import Path
 from fixtures.gguf import CHECKPOINT_MIBS
 from harness.backends.llama_server.oom import MODES, OomRun, OomSettings, expected, run_oom
 from harness.backends.llama_server.probe import probe
-from harness.commands.common import SEMANTICS
-from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK, UsageError
+from harness.commands.common import add_server_options, resolve_servers
+from harness.errors import EXIT_CRASH, EXIT_FAILED, EXIT_OK
 from harness.memlimit import MemoryCgroup, cgroup_support
-from harness.trees.build import ServerBuild, server_build
 
 __all__ = ["add_arguments", "run"]
 
@@ -46,9 +45,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="cgroup: a memory cgroup's hard limit (the OOM killer); rlimit: RLIMIT_AS "
                         "(a bad_alloc); none: no limit (the whole save's peak and time); both: cgroup and "
                         "rlimit; all: the three (default cgroup)")  # fmt: skip
-    parser.add_argument("--semantics", choices=SEMANTICS, action="append",
-                        help="a pinned build to run (repeatable; default both: shared, the PR; master)")  # fmt: skip
-    parser.add_argument("--source", metavar="DIR", type=Path, help="also run llama-server built from this tree")
+    add_server_options(parser, several="add")  # the pinned builds --semantics names, and --source's tree
     parser.add_argument("--headroom", type=float, default=0.5,
                         help="limit = baseline + S + HEADROOM x C (0.5)")  # fmt: skip
     parser.add_argument("--ceiling-gib", type=float, default=10.0,
@@ -100,14 +97,7 @@ def run(args: argparse.Namespace) -> int:
     def log(m: str) -> None:
         print("  build: " + m, file=sys.stderr)
 
-    builds: list[tuple[str, ServerBuild]] = []
-    for sem in args.semantics or list(SEMANTICS):
-        builds.append((sem, server_build(semantics=sem, log=log)))
-    if args.source is not None:
-        b = server_build(source=args.source, log=log)
-        if b.semantics is None:
-            raise UsageError(f"--source {args.source}: cannot tell its semantics ({b.semantics_why})")
-        builds.append((b.semantics, b))
+    builds = [(choice.semantics, choice.build(log)) for choice in resolve_servers(args, "add")]
     for _, b in builds:
         print("  " + probe(b.binary, log=log).line(), file=sys.stderr)
 

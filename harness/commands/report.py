@@ -15,10 +15,10 @@ import argparse
 import sys
 from pathlib import Path
 
-from harness.commands.common import SEMANTICS
+from harness.commands.common import add_server_options, resolve_servers
 from harness.commands.mutants import kill
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
-from harness.report.stages import Options, build_report, command_line, resolve_semantics
+from harness.report.stages import SEMS, Options, build_report, command_line
 
 __all__ = ["add_arguments", "run"]
 
@@ -29,9 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--out", metavar="DIR", default="report", help="where the page, report.json and captures go")
     parser.add_argument("--backend", action="append", choices=BACKENDS,
                         help="measured layers besides the model's ledger (repeatable; default both)")  # fmt: skip
-    parser.add_argument("--source", metavar="DIR", help="your llama.cpp tree: built and measured for its semantics")
-    parser.add_argument("--server-bin", metavar="PATH", help="a llama-server binary (with --semantics)")
-    parser.add_argument("--semantics", choices=SEMANTICS, help="the semantics of --source/--server-bin")
+    add_server_options(parser, several="replace")  # --source or --server-bin stands for a side, --semantics which
     parser.add_argument("--quick", action="store_true", help="fewer points, one rep, one mutant (CI: ~3 minutes)")
     parser.add_argument("--reps", type=int, default=None, help="repetitions per point (default 1 quick, 3 full)")
     parser.add_argument("--budget", type=float, default=None, metavar="SECONDS",
@@ -48,18 +46,13 @@ def run(args: argparse.Namespace) -> int:
         out=Path(args.out),
         quick=args.quick,
         backends=tuple(args.backend or BACKENDS),
-        source=Path(args.source) if args.source else None,
-        server_bin=Path(args.server_bin) if args.server_bin else None,
-        semantics=args.semantics,
+        servers=tuple(resolve_servers(args, "replace", SEMS)),
         budget=budget,
         reps=reps,
         mutants_json=Path(args.mutants_json) if args.mutants_json else None,
         command=command_line(sys.argv[2:] if sys.argv[1:2] == ["report"] else sys.argv[1:]),
         kill=kill,
     )
-    if opts.semantics is not None and opts.source is None and opts.server_bin is None:
-        raise UsageError("--semantics says which side --source or --server-bin stands for; give one of them")
-    resolve_semantics(opts)
     try:
         opts.out.mkdir(parents=True, exist_ok=True)
     except OSError as e:

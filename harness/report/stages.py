@@ -52,11 +52,14 @@ from harness.report.saves import (
     server_update_cost,
     update_cost,
 )
-from harness.trees.build import PINNED_COMMIT, build_server, build_source, infer_semantics
+from harness.trees.build import PINNED_COMMIT
+from harness.trees.choose import ServerChoice
 from properties.mutants import MUTANTS
 from properties.run import commit
 
-__all__ = ["Options", "build_report"]
+__all__ = ["SEMS", "Options", "build_report"]
+
+SEMS = ("master", "shared")
 
 
 @dataclass(frozen=True)
@@ -98,9 +101,8 @@ class Options:
     out: Path
     quick: bool = False
     backends: tuple[str, ...] = ("llama", "server")
-    source: Path | None = None
-    server_bin: Path | None = None
-    semantics: str | None = None  # the semantics of --source / --server-bin
+    # each semantics' llama-server, in SEMS's order: the pinned builds unless --source/--server-bin stands for one
+    servers: tuple[ServerChoice, ...] = tuple(ServerChoice(sem) for sem in SEMS)
     budget: float = 3600.0
     reps: int = 1
     mutants_json: Path | None = None
@@ -111,43 +113,21 @@ class Options:
     plan: Plan | None = None  # the points to measure; None: QUICK or FULL
 
 
-SEMS = ("master", "shared")
-
-
 def _builds(opts: Options, log: Callable[[str], None]) -> dict[str, Any]:
+    """Each semantics' llama-server built (or reused) as chosen, into ``opts.binaries``; what the page says of it.
+    A ``--server-bin`` runs as it was given (its path as typed, not checked here: a binary that will not run fails
+    the stages that run it, as the report always did)."""
     out: dict[str, Any] = {}
-    for sem in SEMS:
-        if opts.server_bin is not None and sem == opts.semantics:
-            opts.binaries[sem] = opts.server_bin
-            out[sem] = {"binary": str(opts.server_bin), "from": "--server-bin"}
-        elif opts.source is not None and sem == opts.semantics:
-            opts.binaries[sem] = build_source(opts.source, log=log)
-            out[sem] = {"binary": str(opts.binaries[sem]), "from": f"--source {opts.source}"}
+    for choice in opts.servers:
+        if choice.binary is not None:
+            binary, said = choice.binary, "--server-bin"
         else:
-            opts.binaries[sem] = build_server(sem, log=log)
-            out[sem] = {"binary": str(opts.binaries[sem]), "from": f"pinned {PINNED_COMMIT}" + (
-                " + PR #27451" if sem == "shared" else "")}  # fmt: skip
+            binary = choice.build(log).binary
+            said = f"--source {choice.source}" if choice.source is not None else f"pinned {PINNED_COMMIT}" + (
+                " + PR #27451" if choice.semantics == "shared" else "")  # fmt: skip
+        opts.binaries[choice.semantics] = binary
+        out[choice.semantics] = {"binary": str(binary), "from": said}
     return out
-
-
-def resolve_semantics(opts: Options) -> None:
-    """``--source``'s semantics come from its tree unless given; a binary needs ``--semantics``."""
-    if opts.source is not None and opts.server_bin is not None:
-        raise UsageError("--source and --server-bin are alternatives: give one")
-    if opts.source is not None and opts.semantics is None:
-        if not opts.source.is_dir():
-            raise UsageError(f"--source {opts.source}: not a directory")
-        inferred = infer_semantics(opts.source)
-        if inferred.semantics is None:
-            raise UsageError(f"--source {opts.source}: {inferred.why}; say --semantics shared|master")
-        opts.semantics = inferred.semantics
-    if opts.server_bin is not None:
-        if opts.semantics is None:
-            raise UsageError("--server-bin needs --semantics shared|master (which side the binary stands for)")
-        if not opts.server_bin.is_file():
-            raise UsageError(f"--server-bin {opts.server_bin}: no such file")
-    if opts.semantics is not None:
-        get_semantics(opts.semantics)
 
 
 def _environment(opts: Options) -> dict[str, Any]:

@@ -6,11 +6,15 @@ and cached) or neither (the pinned tree's build of ``--semantics``, ``--asan`` i
 contradiction is a :class:`~harness.errors.UsageError` (exit 2) before anything is built; a tree whose semantics
 cannot be read is refused before a build of many minutes unless ``--semantics`` was given; a failed build is one
 :class:`~harness.errors.BuildError` (exit 4).
+
+A command that runs a server per semantics at once (``report``, ``oom``) holds each as a :class:`ServerChoice`
+(the flags checked, nothing built yet: ``harness.commands.common.resolve_servers``) and builds it when it runs it.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 
 from harness.errors import BuildError, UsageError
@@ -18,7 +22,27 @@ from harness.trees.build import ServerBuild, server_build
 from harness.trees.semantics import infer_semantics
 from harness.trees.tree import check_tree, registry_spec, tree_at_revision
 
-__all__ = ["choose_builds"]
+__all__ = ["ServerChoice", "choose_builds"]
+
+
+@dataclass(frozen=True)
+class ServerChoice:
+    """One ``llama-server`` as the flags chose it, not built yet, and the semantics it stands for: the pinned
+    tree's build of ``semantics`` (neither ``source`` nor ``binary``), a tree to build (``source``, as given:
+    a directory or an upstream build's name) or a binary as it is (``binary``)."""
+
+    semantics: str
+    source: Path | None = None
+    binary: Path | None = None
+
+    def build(self, log: Callable[[str], None]) -> ServerBuild:
+        """The binary, built or reused as :func:`~harness.trees.build.server_build` does (a bad tree or binary is
+        a :class:`~harness.errors.UsageError`, a failed build a :class:`~harness.errors.BuildError`)."""
+        if self.binary is not None:
+            return server_build(binary=self.binary, log=log)
+        if self.source is not None:
+            return server_build(source=self.source, log=log)
+        return server_build(semantics=self.semantics, log=log)
 
 
 def choose_builds(
