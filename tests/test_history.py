@@ -184,6 +184,7 @@ def _servers() -> set[int]:
 def test_ctrl_c_in_a_bisection_prints_the_range_and_leaves_no_server(trees: Callable[[str], Path]) -> None:
     row = ",".join(str(trees(n)) for n in ROW)
     before = _servers()
+    half_before = _half_made()  # another harness run's build in progress is not this one's
     proc = subprocess.Popen([sys.executable, "-m", "harness", "history", "program:checkpoint-cap", "--trees", row],
                             stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, cwd=ROOT)  # fmt: skip
     assert proc.stdout is not None
@@ -202,9 +203,13 @@ def test_ctrl_c_in_a_bisection_prints_the_range_and_leaves_no_server(trees: Call
     assert "go on with: python -m harness history program:checkpoint-cap --from pr --to offset-cap-threshold" in rest
     time.sleep(1)
     assert not (_servers() - before), "a llama-server outlived the interrupted bisection"
-    root = cache_root()
-    half = [*(root / "llama-server").glob(".build-*"), *(root / "trees").glob(".registry-*")]
+    half = _half_made() - half_before
     assert not half, f"a half-built tree or build was left: {half}"
+
+
+def _half_made() -> set[Path]:
+    root = cache_root()
+    return {*(root / "llama-server").glob(".build-*"), *(root / "trees").glob(".registry-*")}
 
 
 def test_a_checkouts_revisions_are_its_first_parent_line_oldest_first(tmp_path: Path) -> None:
