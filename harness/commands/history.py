@@ -33,7 +33,7 @@ from typing import Any
 from harness.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SKIPPED, UsageError
 from harness.findings import HISTORY_PATH
 from harness.history.bisect import Bisection, Tested, Tester, bisect
-from harness.history.checks import ReproducerCheck, check_of
+from harness.history.checks import PRESENT, SKIPPED, ReproducerCheck, check_of
 from harness.history.points import Point, index_points, revision_points, spread, tree_points, within
 from harness.history.table import HistoryRow, all_findings, markdown, record, scan, since_line
 
@@ -77,9 +77,11 @@ def _points(args: argparse.Namespace) -> tuple[list[Point], str | None]:
 
 
 def _replay(args: argparse.Namespace, first: str, last: str) -> str:
-    parts = [*([args.check] if args.check else []), "--from", first, "--to", last]
-    if args.trees:
-        parts += ["--trees", args.trees]
+    """The command that goes on from the range ``first``..``last`` (points' labels) of this history."""
+    if args.checkout is not None:  # a revision's label is its short hash
+        parts = [args.check, "--checkout", str(args.checkout), "--good", first, "--bad", last]
+    else:
+        parts = [args.check, "--from", first, "--to", last] + (["--trees", args.trees] if args.trees else [])
     return "python -m harness history " + " ".join(shlex.quote(p) for p in parts)
 
 
@@ -103,7 +105,7 @@ def _bisect(args: argparse.Namespace, points: list[Point], newest: str | None) -
         return EXIT_INTERRUPTED
     print(b.conclusion())
     last = len(points) - 1
-    if b.lo is None and points[last].label == newest and last in b.tested and b.state(last) == "present":
+    if b.lo is None and points[last].label == newest and last in b.tested and b.state(last) == PRESENT:
         print(f"history: {points[-1].label} is the newest build the package index ships: a change after it (a fix "
               "upstream lists for a later build) cannot be seen from here")  # fmt: skip
     print(f"history: {len(b.tested)} points tested, {tester.built} compiled, "
@@ -113,7 +115,7 @@ def _bisect(args: argparse.Namespace, points: list[Point], newest: str | None) -
 
 
 def _same_ends(b: Bisection) -> bool:
-    return len({t.verdict.state for t in b.tested.values()} - {"skipped"}) == 1
+    return len({t.verdict.state for t in b.tested.values()} - {SKIPPED}) == 1
 
 
 def _spread(args: argparse.Namespace, points: list[Point]) -> int:
