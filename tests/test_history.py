@@ -10,18 +10,30 @@ import signal
 import subprocess
 import sys
 import time
+from collections import Counter
 from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 
+from harness.backends.base import Failure, GateReport, MachineResult
 from harness.errors import UsageError
 from harness.findings import BUSY_SLOT_BY_ID, SLOT_RESTORE_DROPS_CHECKPOINTS, Finding
 from harness.history.bisect import Bisection, Tested, bisect
-from harness.history.checks import ABSENT, PRESENT, SKIPPED, ProgramCheck, ReproducerCheck, Verdict, check_of
+from harness.history.checks import (
+    ABSENT,
+    PRESENT,
+    SKIPPED,
+    ProgramCheck,
+    ReproducerCheck,
+    Verdict,
+    check_of,
+    property_verdict,
+)
 from harness.history.points import Point, index_points, revision_points, spread, tree_points, within
 from harness.history.table import HistoryRow, markdown, not_applicable, since_line
 from harness.trees.tree import cache_root
+from properties.machine import MachineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -235,3 +247,17 @@ def test_a_checkouts_revisions_are_its_first_parent_line_oldest_first(tmp_path: 
         revision_points(repo, "no-such-rev", revs[3])
     with pytest.raises(UsageError, match="not a git checkout"):
         revision_points(tmp_path, revs[0], revs[3])
+
+
+def test_a_property_check_reads_the_gates_json_as_the_gate_writes_it() -> None:
+    """property:NAME's verdict from a real GateReport's JSON: failed, held, or never checked (a skip)."""
+    report = GateReport("master", "server", "ci", 0, "c")
+    cfg = MachineConfig("master")
+    report.machines.append(MachineResult(cfg, 1.0, None, Counter({"limit": 5}), Counter(), []))
+    held = report.to_json()
+    assert property_verdict(held, "limit").state == ABSENT
+    assert property_verdict(held, "accounting").state == SKIPPED
+    f = Failure("limit", "violation", "over by 3 MiB", "prog", "replay", "server-limits", 2)
+    report.machines.append(MachineResult(cfg, 1.0, f, Counter(), Counter(), []))
+    failed = property_verdict(report.to_json(), "limit")
+    assert failed.state == PRESENT and "over by 3 MiB" in failed.why

@@ -28,7 +28,7 @@ import tempfile
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from harness.backends.llama_server.differential import LIMIT_PROGRAMS, launch_of
 from harness.child import run_child
@@ -38,7 +38,7 @@ from harness.targets.llama_server import ServerProcess
 from harness.targets.server_log import CacheLog
 
 __all__ = ["ABSENT", "PRESENT", "SKIPPED", "Check", "ProgramCheck", "PropertyCheck", "ReproducerCheck", "Verdict",
-           "check_of", "history_checks"]  # fmt: skip
+           "check_of", "history_checks", "property_verdict"]  # fmt: skip
 
 PRESENT = "present"
 ABSENT = "absent"
@@ -143,12 +143,19 @@ class PropertyCheck:
             except (OSError, ValueError):
                 tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [res.describe()]
                 return Verdict(SKIPPED, f"the gate wrote no report ({res.describe()}): {tail[0][:300]}")
-        status = data.get("properties", {}).get(self.prop, {})
-        if status.get("status") == "failed":
-            return Verdict(PRESENT, f"the gate failed {self.prop}: {str(status.get('message', ''))[:300]}")
-        if status.get("checks", 0) > 0:
-            return Verdict(ABSENT, f"the gate checked {self.prop} {status['checks']} times; it held")
-        return Verdict(SKIPPED, f"the gate did not check {self.prop} on this build")
+        return property_verdict(data, self.prop)
+
+
+def property_verdict(data: dict[str, Any], prop: str) -> Verdict:
+    """A gate's JSON on one property: failed (a failure filed under it, with its message), held (checked, none
+    failed) or not checked on this build (a skip)."""
+    failed = [f for f in data.get("failures", []) if f.get("property") == prop]
+    if failed:
+        return Verdict(PRESENT, f"the gate failed {prop}: {str(failed[0].get('message', ''))[:300]}")
+    row: dict[str, Any] = next((r for r in data.get("properties", []) if r.get("name") == prop), {})
+    if row.get("examples", 0) > 0:
+        return Verdict(ABSENT, f"the gate checked {prop} {row['examples']} times; it held")
+    return Verdict(SKIPPED, f"the gate did not check {prop} on this build")
 
 
 def history_checks() -> list[Finding]:
