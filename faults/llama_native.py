@@ -57,6 +57,7 @@ from faults.sites import Symbolizer, allocation_text, observe
 from fixtures.gguf import model_path
 from harness.child import ChildResult, child_setup, run_child
 from harness.targets.libllama import LlamaProvider, load_model
+from harness.trees.driver import libllama
 
 __all__ = ["OPS", "LlamaNativeReport", "NativeTrial", "sweep_llama_native"]
 
@@ -220,10 +221,7 @@ def _parse(report: LlamaNativeReport, child: ChildResult, symbolizer: Symbolizer
 
 
 def _child(arch: str, op: str, start: int, stop: int) -> int:
-    import ctypes
-
-    import llama_cpp as ll
-
+    ll = libllama()
     child_setup()
     shim = ShimControl()
     flags = 1 if op == "get-part" else 0
@@ -251,15 +249,15 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
         detail = ""
         try:
             if op in ("get", "get-part"):
-                buf = (ctypes.c_uint8 * size)()
+                buf = ll.buffer(size)
                 shim.arm(nth)
                 n = ll.llama_state_seq_get_data_ext(ctx, buf, size, 0, flags)
                 fired = shim.disarm()
                 ok = n == size
-                same = ok and ctypes.string_at(buf, n) == clean_state
+                same = ok and ll.bytes_at(buf, n) == clean_state
             elif op == "set":
                 ll.llama_memory_seq_rm(prov.mem, 1, -1, -1)
-                src = (ctypes.c_uint8 * len(clean_state)).from_buffer_copy(clean_state)
+                src = ll.buffer_of(clean_state)
                 shim.arm(nth)
                 n = ll.llama_state_seq_set_data_ext(ctx, src, len(clean_state), 1, 0)
                 fired = shim.disarm()
@@ -278,7 +276,7 @@ def _child(arch: str, op: str, start: int, stop: int) -> int:
                 ll.llama_batch_free(batch)
                 ok = rc == 0
                 detail = f"ret {rc}"
-                same = ok and ctypes.string_at(ll.llama_get_logits_ith(ctx, -1), len(clean_logits)) == clean_logits
+                same = ok and ll.bytes_at(ll.llama_get_logits_ith(ctx, -1), len(clean_logits)) == clean_logits
         except MemoryError as e:
             shim.disarm()
             return Outcome.CRASH_OUT_OF_SCOPE, f"python-error: MemoryError: {e}"

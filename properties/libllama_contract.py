@@ -67,7 +67,6 @@ each other's state; the findings themselves live in harness/findings/.
 
 from __future__ import annotations
 
-import ctypes
 import itertools
 import struct
 import time
@@ -90,6 +89,7 @@ from fixtures.gguf import ARCHS, model_path
 from harness.errors import PropertyFailure
 from harness.findings import FINDINGS, KV_LAYOUT_DEPENDENT_LOGITS, Finding
 from harness.targets.libllama import UNIFIED_LAYOUT_TOLERANCE, LlamaModel, load_model
+from harness.trees.driver import Driver, libllama
 from properties.run import run_seeded
 
 __all__ = [
@@ -195,10 +195,8 @@ class ContractViolation(PropertyFailure):
 # ---- libllama access -----------------------------------------------------------------------------
 
 
-def _ll() -> Any:
-    import llama_cpp
-
-    return llama_cpp
+def _ll() -> Driver:
+    return libllama()
 
 
 class Engine:
@@ -250,7 +248,7 @@ class Engine:
             ll.llama_batch_free(b)
         if ret != 0 or not logits:
             return ret, b""
-        return ret, ctypes.string_at(ll.llama_get_logits_ith(self.ctx, -1), 4 * self.model.n_vocab)
+        return ret, ll.bytes_at(ll.llama_get_logits_ith(self.ctx, -1), 4 * self.model.n_vocab)
 
     def flush(self) -> None:
         """Apply pending K-shifts and cross-stream copies: libllama does it at the start of a decode."""
@@ -262,12 +260,12 @@ class Engine:
     def get(self, seq: int, flags: int) -> bytes:
         ll = self.ll
         size = int(ll.llama_state_seq_get_size_ext(self.ctx, seq, flags))
-        buf = (ctypes.c_uint8 * max(size, 1))()
+        buf = ll.buffer(size)
         n = int(ll.llama_state_seq_get_data_ext(self.ctx, buf, size, seq, flags))
-        return ctypes.string_at(buf, n)
+        return ll.bytes_at(buf, n)
 
     def set(self, seq: int, data: bytes, flags: int) -> int:
-        buf = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        buf = self.ll.buffer_of(data)
         return int(self.ll.llama_state_seq_set_data_ext(self.ctx, buf, len(data), seq, flags))
 
     def rm(self, seq: int, p0: int, p1: int) -> bool:

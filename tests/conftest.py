@@ -223,6 +223,12 @@ RENAME_EDIT: Edits = {
 }  # fmt: skip
 
 
+#: a function the harness calls renamed in the header (never built: the driver refuses it before any build)
+UNCALLABLE_EDIT: Edits = {
+    "include/llama.h": [("    LLAMA_API bool llama_memory_seq_rm(", "    LLAMA_API bool llama_memory_seq_remove(")]
+}
+
+
 #: a layout change in the C API: a field before ``n_ctx`` in ``llama_context_params`` and a parameter more
 #: for ``llama_n_threads`` (include/llama.h:366 and :1098)
 LAYOUT_EDIT: Edits = {
@@ -301,6 +307,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "fail": ("shared", FAIL_EDIT),
     "renamed": ("shared", RENAME_EDIT),
     "layout": ("shared", LAYOUT_EDIT),
+    "uncallable": ("shared", UNCALLABLE_EDIT),
     # a row of trees, each one change on the one before (pr, checkpoint-offset, then these): history's tests
     "offset-cap": ("shared", merged(CHECKPOINT_EDIT, CAP_EDIT)),
     "offset-cap-threshold": ("shared", merged(CHECKPOINT_EDIT, CAP_EDIT, THRESHOLD_EDIT)),

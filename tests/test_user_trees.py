@@ -28,6 +28,7 @@ from harness.targets.llama_server import ServerConfig
 from harness.targets.server_log import LOG_PROPERTIES
 from harness.trees.api import check_libllama
 from harness.trees.build import build_server, build_source, cache_root
+from harness.trees.binding import binding
 from harness.trees.pinned import sdist_source
 from properties.run import run_seeded
 
@@ -172,7 +173,7 @@ def test_the_libllama_backend_and_the_contract_run_on_the_trees_own_libllama(tre
     r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--max-examples", "20")
     _no_traceback(r)
     assert r.returncode == 0, r.stdout[-3000:]
-    assert "the C API matches llama-cpp-python's bindings" in r.stdout
+    assert "bound from its include/llama.h" in r.stdout
     loaded = [line.split(": ", 1)[1] for line in r.stdout.splitlines() if "libllama this run loaded: " in line]
     assert loaded and Path(loaded[0]).resolve() == lib.resolve(), loaded  # the file /proc/self/maps shows
     out = tmp_path / "contract.json"
@@ -183,22 +184,37 @@ def test_the_libllama_backend_and_the_contract_run_on_the_trees_own_libllama(tre
     assert Path(json.loads(out.read_text())["libllama"]).resolve() == lib.resolve()
 
 
-def test_a_libllama_the_bindings_cannot_drive_is_a_skip_in_one_line(trees: Trees, tmp_path: Path) -> None:
-    """A limit of the harness, not the user's mistake: exit 6 (a skip), the reason in one line and in the JSON."""
+def test_a_function_the_harness_never_calls_renamed_away_is_driven(trees: Trees) -> None:
+    """llama-cpp-python's bindings refuse this tree (``llama_adapter_meta_count`` is not exported); the driver bound
+    from its header binds only what the harness calls, so the libllama layers run on it."""
     tree = trees("renamed")
+    lib = build_source(tree, log=lambda _m: None).parent
+    assert any("llama_adapter_meta_count is not exported" in d for d in check_libllama(lib, tree, sdist_source())
+               .differences)  # fmt: skip
+    r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--max-examples", "10")
+    _no_traceback(r)
+    assert r.returncode == 0, r.stdout[-3000:]
+    assert "bound from its include/llama.h" in r.stdout
+
+
+def test_a_libllama_the_harness_cannot_drive_is_a_skip_in_one_line(trees: Trees, tmp_path: Path) -> None:
+    """A limit of the harness, not the user's mistake: exit 6 (a skip), the function named in one line and in the
+    JSON, before anything is built."""
+    tree = trees("uncallable")
     out = tmp_path / "gate.json"
     r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--json", str(out))
     _no_traceback(r)
     assert r.returncode == 6, r.stdout[-2000:] + r.stderr[-2000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("SKIPPED llama backend"))
-    assert "cannot drive the libllama" in line and "llama_adapter_meta_count is not exported" in line, r.stdout
+    assert "cannot drive the libllama" in line and "llama_memory_seq_rm is not in llama.h" in line, r.stdout
     assert "--backend server" in line  # what still runs on this tree
+    assert "build:" not in r.stdout + r.stderr  # refused from the header, nothing built
     assert "cannot drive the libllama" in json.loads(out.read_text())["skipped"]["llama backend"]
 
 
 def test_the_fork_script_reports_a_skip_and_stays_green(trees: Trees, tmp_path: Path) -> None:
-    """ci/fork_gate.sh's default step on a tree whose libllama the bindings cannot drive: exit 0, said."""
-    tree = trees("renamed")
+    """ci/fork_gate.sh's default step on a tree whose libllama the harness cannot drive: exit 0, said."""
+    tree = trees("uncallable")
     out = tmp_path / "artifacts"
     summary = tmp_path / "summary.md"
     (out).mkdir()
@@ -226,6 +242,8 @@ def test_a_layout_change_in_the_header_is_named(trees: Trees) -> None:
     assert any(d.startswith("struct llama_context_params is ") for d in diffs), diffs
     assert any(d.startswith("llama_context_params.n_ctx is at offset 4") for d in diffs), diffs
     assert "llama_n_threads takes 2 parameters in llama.h, 1 in the bindings" in diffs
+    # the driver bound from the header absorbs both: the struct is the compiler's, llama_n_threads is not called
+    assert binding((tree / "include" / "llama.h").read_text()).refused == ()
 
 
 # --------------------------------------------------------------------------------------------

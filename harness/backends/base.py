@@ -269,7 +269,7 @@ SOURCE = Option("source", "--source", {
     "sdist of that build; pypi:xllamacpp==2026.10.11549): the server backend builds its llama-server and tests it "
     "(the semantics are "
     "inferred from the tree unless --semantics is given); the llama backend runs on the tree's own libllama "
-    "(built with it, its C API checked against llama-cpp-python's bindings first)"})  # fmt: skip
+    "(built with it, driven through bindings compiled from its own include/llama.h)"})  # fmt: skip
 """``--source DIR``: read by the llama and the server backends."""
 
 

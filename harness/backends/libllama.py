@@ -64,7 +64,8 @@ from harness.findings import (
     finding,
 )
 from harness.targets.libllama import PENDING_CP_FINDING, SWA_WINDOW_FINDING, load_model
-from harness.trees.api import libllama_of, loaded_libllama
+from harness.trees.api import loaded_libllama
+from harness.trees.driver import libllama_of
 from properties.libllama_scenarios import FullContextResult, draft_recovery_run, full_context_run, memray_figures
 from properties.machine import MachineConfig, machine_class
 from properties.run import make_settings, run_machine

@@ -17,7 +17,8 @@ from pathlib import Path
 
 from fixtures.gguf import ARCHS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
-from harness.trees.api import libllama_of, loaded_libllama
+from harness.trees.api import loaded_libllama
+from harness.trees.driver import libllama_of
 from properties.libllama_contract import run_contract, table
 
 __all__ = ["add_arguments", "run"]
@@ -30,7 +31,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, default=50, help="steps per example (50)")
     parser.add_argument("--json", metavar="PATH", help="write the report as JSON")
     parser.add_argument("--source", metavar="DIR", type=Path,
-                        help="run on this llama.cpp tree's own libllama (built, cached, its C API checked)")
+                        help="run on this llama.cpp tree's own libllama (built, cached, bound from its llama.h)")
 
 
 def run(args: argparse.Namespace) -> int:

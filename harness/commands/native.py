@@ -16,7 +16,7 @@ from pathlib import Path
 from faults.llama_native import OPS, _first_frames, sweep_llama_native
 from fixtures.gguf import ARCHS
 from harness.errors import UsageError
-from harness.trees.api import libllama_of
+from harness.trees.driver import libllama_of
 
 __all__ = ["add_arguments", "run"]
 
@@ -27,7 +27,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--op", default="set", choices=OPS)
     parser.add_argument("--max-nth", type=int, default=3000)
     parser.add_argument("--source", metavar="DIR", type=Path,
-                        help="run on this llama.cpp tree's own libllama (built, cached, its C API checked)")
+                        help="run on this llama.cpp tree's own libllama (built, cached, bound from its llama.h)")
 
 
 def run(args: argparse.Namespace) -> int:

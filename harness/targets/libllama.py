@@ -45,7 +45,6 @@ known findings it sees share the provider's per-sequence state, so they stay tog
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import os
 import struct
@@ -62,6 +61,7 @@ from harness.model.memory import Host
 from harness.model.provider import STATE_SEQ_FLAGS_PARTIAL_ONLY, MemoryKind, SeqRmType
 from harness.model.semantics import Semantics, get_semantics
 from harness.model.server_context import ServerContext, ServerParams
+from harness.trees.driver import libllama
 
 __all__ = [
     "PENDING_CP_FINDING",
@@ -75,36 +75,19 @@ __all__ = [
 ]
 
 
-def _lib() -> Any:
-    try:
-        import llama_cpp
-    except ImportError as e:  # pragma: no cover - a broken install
-        raise ModelLoadError(
-            "llama-cpp-python is not importable; install it with "
-            'CMAKE_ARGS="-DGGML_NATIVE=OFF" pip install llama-cpp-python==0.3.36'
-        ) from e
-    return llama_cpp
-
-
 _init_lock = threading.Lock()
 _initialised = False
-_LOG_CB: Any = None  # keep the ctypes callback alive for the life of the process
 
 
 def _ensure_backend() -> None:
-    global _initialised, _LOG_CB
+    global _initialised
     with _init_lock:
         if _initialised:
             return
-        ll = _lib()
+        ll = libllama()
         ll.llama_backend_init()
         if not os.environ.get("HARNESS_LLAMA_VERBOSE"):
-
-            def _quiet(level: int, text: bytes, user: Any) -> None:
-                return None
-
-            _LOG_CB = ll.llama_log_callback(_quiet)
-            ll.llama_log_set(_LOG_CB, ctypes.c_void_p(0))
+            ll.quiet_logs()
         _initialised = True
 
 
@@ -122,7 +105,7 @@ class LlamaModel:
 
     def close(self) -> None:
         if self.ptr is not None:
-            _lib().llama_model_free(self.ptr)
+            libllama().llama_model_free(self.ptr)
             self.ptr = None
 
 
@@ -138,14 +121,12 @@ def load_model(path: str | os.PathLike[str]) -> LlamaModel:
     if not p.is_file():
         raise ModelLoadError(f"model file not found: {p}")
     _ensure_backend()
-    ll = _lib()
+    ll = libllama()
     mparams = ll.llama_model_default_params()
     ptr = ll.llama_model_load_from_file(str(p).encode(), mparams)
     if not ptr:
         raise ModelLoadError(f"libllama could not load {p} (corrupt or unsupported GGUF)")
-    buf = ctypes.create_string_buffer(128)
-    n = ll.llama_model_meta_val_str(ptr, b"general.architecture", buf, len(buf))
-    arch = buf.value.decode() if n > 0 else "?"
+    arch = ll.meta(ptr, "general.architecture") or "?"
     vocab = ll.llama_model_get_vocab(ptr)
     n_swa = int(ll.llama_model_n_swa(ptr))
     if ll.llama_model_is_hybrid(ptr):
@@ -239,7 +220,7 @@ class LlamaProvider:
         kv_unified: bool = False,
         check_restores: bool = True,
     ) -> None:
-        ll = _lib()
+        ll = libllama()
         self._ll = ll
         self.model = model
         self.name = name
@@ -392,7 +373,7 @@ class LlamaProvider:
         return ret
 
     def _set_raw(self, ctx: Any, seq: int, data: bytes, flags: int) -> int:
-        buf = (ctypes.c_uint8 * max(len(data), 1)).from_buffer_copy(data or b"\0")
+        buf = self._ll.buffer_of(data)
         return int(self._ll.llama_state_seq_set_data_ext(ctx, buf, len(data), seq, flags))
 
     # ---- memory ---------------------------------------------------------------------------
@@ -474,7 +455,7 @@ class LlamaProvider:
         if ret != 0 or not want_logits:
             return ret, b""
         ptr = ll.llama_get_logits_ith(ctx, -1)
-        return ret, ctypes.string_at(ptr, 4 * self.model.n_vocab)
+        return ret, ll.bytes_at(ptr, 4 * self.model.n_vocab)
 
     def decode(self, seq: int, tokens: Sequence[int], pos0: int) -> int:
         """``llama_decode`` of ``tokens`` at ``pos0..`` on ``seq``: 0 ok, 1 no KV slot, <0 error."""
@@ -536,9 +517,9 @@ class LlamaProvider:
         """``llama_state_seq_get_data_ext`` of ``seq`` in ``ctx``, without any bookkeeping."""
         ll = self._ll
         size = int(ll.llama_state_seq_get_size_ext(ctx, seq, flags))
-        buf = (ctypes.c_uint8 * max(size, 1))()
+        buf = ll.buffer(size)
         n = int(ll.llama_state_seq_get_data_ext(ctx, buf, size, seq, flags))
-        return ctypes.string_at(buf, n)
+        return ll.bytes_at(buf, n)
 
     def _check_restore(
         self,

@@ -1,13 +1,14 @@
 """Replay and shrink a libllama trace in a child process on the traced server's own libllama.
 
 :func:`replay` and :func:`shrink_trace` run :mod:`harness.trace.replay_child` in a child
-(:func:`harness.child.run_child`) whose ``LLAMA_CPP_LIB_PATH`` is ``lib_dir`` (the directory of the
-traced ``llama-server``'s ``libllama.so``: :func:`lib_dir_of`), so that the replay runs the machine code
-the server ran; ``lib_dir=None`` keeps llama-cpp-python's own library. Each returns the child's JSON
-(the replay's summary: calls, reads compared and bit-identical, the first read that differs, calls whose
-return value differs, what the calls get wrong by themselves; with ``fresh`` the comparison of every read
-with a fresh sequential evaluation; for a shrink the target, the calls and rows left and the shrunk
-trace's path). A child that dies or overruns is one :class:`ReplayFailed` line with its stderr's tail.
+(:func:`harness.child.run_child`) on ``lib_dir``'s ``libllama.so`` (the directory of the traced
+``llama-server``'s: :func:`lib_dir_of`), so that the replay runs the machine code the server ran: through the
+driver bound from its tree's header when the harness built it (:mod:`harness.trees.driver`), else through
+llama-cpp-python's bindings (``LLAMA_CPP_LIB_PATH``); ``lib_dir=None`` keeps llama-cpp-python's own library.
+Each returns the child's JSON (the replay's summary: calls, reads compared and bit-identical, the first read
+that differs, calls whose return value differs, what the calls get wrong by themselves; with ``fresh`` the
+comparison of every read with a fresh sequential evaluation; for a shrink the target, the calls and rows left
+and the shrunk trace's path). A child that dies or overruns is one :class:`ReplayFailed` line with its stderr's tail.
 """
 
 from __future__ import annotations
@@ -21,6 +22,8 @@ from typing import Any
 
 from harness.child import run_child
 from harness.errors import HarnessError
+from harness.trees.binding import bind
+from harness.trees.driver import DRIVER_ENV, tree_of_lib
 
 __all__ = ["ReplayFailed", "lib_dir_of", "replay", "replay_line", "shrink_trace"]
 
@@ -45,7 +48,11 @@ def _run(args: list[str], lib_dir: Path | None, timeout: float) -> dict[str, Any
     env.pop("LD_PRELOAD", None)
     env.pop("LLAMA_TRACE", None)
     if lib_dir is not None:
-        env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
+        tree = tree_of_lib(lib_dir)  # a harness build: the driver bound from its tree's own header
+        if tree is not None:
+            env[DRIVER_ENV] = str(bind(tree, lib_dir))
+        else:  # a library of the user's: llama-cpp-python's bindings, as the user runs them
+            env["LLAMA_CPP_LIB_PATH"] = str(lib_dir)
     with tempfile.TemporaryDirectory(prefix="trace-replay-") as tmp:
         out = Path(tmp) / "out.json"
         res = run_child([sys.executable, "-m", "harness.trace.replay_child", *args, "--out", str(out)], env=env,

@@ -22,8 +22,6 @@ The shrink that runs the engine again and again is :mod:`harness.trace.shrink`; 
 
 from __future__ import annotations
 
-import ctypes
-import importlib
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
@@ -44,6 +42,7 @@ from harness.trace.calls import (
     short_window,
 )
 from harness.trace.lineage import STATEFUL
+from harness.trees.driver import Driver, libllama
 
 __all__ = ["STATEFUL", "Engine", "Fresh", "ReadResult", "RunResult"]
 
@@ -55,8 +54,8 @@ _FLOAT_PARAMS = ("rope_freq_base", "rope_freq_scale", "yarn_ext_factor", "yarn_a
 _BOOL_PARAMS = ("embeddings", "offload_kqv", "op_offload", "swa_full", "kv_unified")
 
 
-def _ll() -> Any:
-    return importlib.import_module("llama_cpp")
+def _ll() -> Driver:
+    return libllama()
 
 
 @dataclass
@@ -151,13 +150,17 @@ class _Ctx:
         if not self.ptr:
             raise RuntimeError(f"llama_init_from_model refused the traced parameters {params}")
         self.mem = ll.llama_get_memory(self.ptr)
-        self.batch = ll.llama_batch_ext_init(self.ptr)
+        # the batch API generation of the tree: llama_batch_ext with llama_process where the header has it (the
+        # server's own calls, from about b10300), else llama_batch with llama_decode
+        self.batch = ll.llama_batch_ext_init(self.ptr) if ll.has("llama_process") else None
         self.n_batch = int(cp.n_batch)
 
     def process(self, rs: Sequence[Row]) -> int:
         ll = _ll()
+        if self.batch is None:
+            return self._decode(rs)
         ll.llama_batch_ext_clear(self.batch)
-        pos = (ctypes.c_int32 * 4)()
+        pos = ll.int32s(4)
         for r in rs:
             idx = int(ll.llama_batch_ext_add_token(self.batch, r.seqs[0], r.tok))
             if idx < 0:
@@ -170,14 +173,31 @@ class _Ctx:
                 ll.llama_batch_ext_set_output_logits(self.batch, idx, True)
         return int(ll.llama_process(self.ptr, 1, self.batch))
 
+    def _decode(self, rs: Sequence[Row]) -> int:
+        """The rows as one ``llama_batch`` through ``llama_decode`` (trees without the extended batch API)."""
+        ll = _ll()
+        batch = ll.llama_batch_init(max(len(rs), 1), 0, max((len(r.seqs) for r in rs), default=1))
+        try:
+            for i, r in enumerate(rs):
+                batch.token[i], batch.pos[i], batch.n_seq_id[i] = r.tok, r.pos, len(r.seqs)
+                for j, s in enumerate(r.seqs):
+                    batch.seq_id[i][j] = s
+                batch.logits[i] = bool(r.out)
+            batch.n_tokens = len(rs)
+            return int(ll.llama_decode(self.ptr, batch))
+        finally:
+            ll.llama_batch_free(batch)
+
     def logits(self, idx: int, n_vocab: int) -> np.ndarray | None:
-        p = _ll().llama_get_logits_ith(self.ptr, idx)
-        return np.ctypeslib.as_array(p, shape=(n_vocab,)).copy() if p else None
+        ll = _ll()
+        p = ll.llama_get_logits_ith(self.ptr, idx)
+        return np.frombuffer(ll.bytes_at(p, 4 * n_vocab), dtype=np.float32).copy() if p else None
 
     def close(self) -> None:
         ll = _ll()
         if self.ptr:
-            ll.llama_batch_ext_free(self.batch)
+            if self.batch is not None:
+                ll.llama_batch_ext_free(self.batch)
             ll.llama_free(self.ptr)
             self.ptr = None
 
@@ -294,7 +314,7 @@ class Engine:
                     if data is None:
                         res.skipped.append(f"call {e['i']}: a state set whose bytes the replay never got")
                         continue
-                    buf = (ctypes.c_uint8 * len(data)).from_buffer_copy(data)
+                    buf = ll.buffer_of(data)
                     flags = int(e.get("flags", 0))
                     ll.llama_state_seq_set_data_ext(ctx.ptr, buf, len(data), e["seq"], flags)
                 elif kind == "logits":
@@ -324,9 +344,9 @@ class Engine:
         ll = _ll()
         flags = int(e.get("flags", 0))
         n = int(ll.llama_state_seq_get_size_ext(ctx.ptr, e["seq"], flags))
-        buf = (ctypes.c_uint8 * max(n, 1))()
+        buf = ll.buffer(n)
         got = int(ll.llama_state_seq_get_data_ext(ctx.ptr, buf, n, e["seq"], flags))
-        states[str(e.get("hash", ""))] = bytes(buf[:got])
+        states[str(e.get("hash", ""))] = ll.bytes_at(buf, got)
 
     def _read(self, ctx: _Ctx, mem: Memory, e: Event, res: RunResult, fresh: bool | Callable[[Event], bool]) -> None:
         if "hash" not in e:

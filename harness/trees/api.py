@@ -29,18 +29,16 @@ import shutil
 import subprocess
 import sys
 import tempfile
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from harness.errors import HarnessLimit, UsageError
-from harness.trees.build import server_build
-from harness.trees.pinned import SDIST_VERSION, sdist_source
+from harness.errors import UsageError
 from harness.trees.semantics import blank_comments
-from harness.trees.tree import cache_root, check_tree
+from harness.trees.tree import cache_root
 
-__all__ = ["ApiCheck", "bindings", "check_libllama", "libllama_of", "loaded_libllama", "use_libllama"]
+__all__ = ["ApiCheck", "bindings", "check_libllama", "loaded_libllama", "use_libllama"]
 
 LIB_ENV = "LLAMA_CPP_LIB_PATH"
 
@@ -288,24 +286,6 @@ def use_libllama(lib_dir: Path) -> None:
     if loaded is not None and loaded.parent.resolve() != lib_dir.resolve():
         raise UsageError(f"this process already runs libllama from {loaded}: start a new one for {lib_dir}")
     os.environ[LIB_ENV] = str(lib_dir)
-
-
-def libllama_of(tree: Path, *, log: Callable[[str], None] = lambda _m: None, flag: str = "--source") -> str:
-    """Build ``tree``'s libllama (with its llama-server: one cached build), check its C API against the
-    bindings, and point this process at it; one line saying which library runs. A library the bindings
-    cannot drive is one :class:`HarnessLimit` line naming what differs (exit 6: a skip, not the user's mistake)."""
-    src = check_tree(tree, flag)
-    build = server_build(source=src, log=log, flag=flag)
-    if build.lib_dir is None:
-        raise UsageError(f"the build of {src} has no libllama.so beside {build.binary}")
-    check = check_libllama(build.lib_dir, src, sdist_source(log))
-    if check.differences:
-        raise HarnessLimit(
-            f"llama-cpp-python {SDIST_VERSION} cannot drive the libllama of {src}: {check.line()}; the server "
-            f"backend still tests this tree (--backend server {flag} {src})"
-        )
-    use_libllama(build.lib_dir)
-    return f"libllama: {build.lib_dir / 'libllama.so'} (built from {src}); {check.line()}"
 
 
 if __name__ == "__main__":  # pragma: no cover - the child of :func:`bindings`

@@ -319,6 +319,13 @@ def _find_build(digest: str, args: Sequence[str], compiler: str) -> Path | None:
     return None
 
 
+def _forget_ui_assets(build_dir: Path) -> None:
+    """The web UI's provisioned assets are generated into the build directory, which every tree built with the same
+    flags shares: one tree's assets fail another's embed step ("missing required asset(s)", b9631), so no tree
+    inherits them (the harness never serves the UI)."""
+    shutil.rmtree(build_dir / "tools" / "ui" / "dist", ignore_errors=True)
+
+
 def _tree_args(src: Path) -> list[str]:
     """Flags a tree itself needs: the embedded web UI off where the tree has the option but not the assets it
     embeds (a package index's sdist ships ``tools/server`` without the generated ``public/`` bundle; the harness
@@ -428,6 +435,7 @@ def _build_locked(
             log(f"[{label}] staged {origin} in {src} ({changed} file{'' if changed == 1 else 's'} changed since the "
                 f"stage's last build)")  # fmt: skip
             build_dir = root / ("build-" + hashlib.sha256("\n".join(args).encode()).hexdigest()[:12])
+            _forget_ui_assets(build_dir)
             ninja = _tool("ninja")
             gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
             log(f"[{label}] configuring with cmake in {build_dir} (log: {log_path})")
