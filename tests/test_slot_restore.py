@@ -52,6 +52,63 @@ def test_save_restore_round_trip_drops_checkpoints_as_upstream() -> None:
     assert len(slot.prompt.checkpoints) == 0  # not in the file: a hybrid slot reprocesses on divergence
 
 
+def test_upstream_26004_files_carry_the_checkpoints_and_bring_them_back() -> None:
+    """The switch ``slot_file_checkpoints`` (b11549): the appendix is in the file's size and in both answers' bytes,
+    the restored slot has the checkpoints again (of no task, the newest --ctx-checkpoints of them), and a prompt
+    that diverges before the end resumes from one instead of from nothing."""
+    srv = _server()
+    p = (1, *range(2, 30))
+    _run(srv, p)
+    slot = srv.slots[0]  # type: ignore[attr-defined]
+    before = [(c.n_tokens, c.pos_min, c.pos_max, c.data_tgt.data) for c in slot.prompt.checkpoints]
+    assert len(before) > 1
+    store = SlotFileStore(checkpoints=True)
+    state = srv.ctx_tgt.state_seq_get_data_ext(0, 0)  # type: ignore[attr-defined]
+    full = HEADER + 4 * len(slot.prompt.tokens) + len(state) + 12 + sum(8 + 4 + 4 + 3 * 8 + len(d) for *_, d in before)
+    r = slot_save(srv, 0, "a.bin", store)  # type: ignore[arg-type]
+    assert r is not None and r.ok and r.n_bytes == full
+    assert slot_erase(srv, 0).ok  # type: ignore[arg-type, union-attr]
+    r = slot_restore(srv, 0, "a.bin", store)  # type: ignore[arg-type]
+    assert r is not None and r.ok and r.n_bytes == full
+    assert [(c.n_tokens, c.pos_min, c.pos_max, c.data_tgt.data) for c in slot.prompt.checkpoints] == before
+    assert all(c.id_task == -1 for c in slot.prompt.checkpoints)
+    srv.handle_completion((*p[:20], 99, 98), id_slot=0, n_predict=1)  # type: ignore[attr-defined]
+    srv.run_until_idle()  # type: ignore[attr-defined]
+    assert slot.n_prompt_cached > 0  # resumed from a restored checkpoint; without the appendix: 0
+    pinned = _server()
+    _run(pinned, p)
+    pinned_store = SlotFileStore()
+    assert slot_save(pinned, 0, "a.bin", pinned_store).ok  # type: ignore[arg-type, union-attr]
+    assert slot_restore(pinned, 0, "a.bin", pinned_store).ok  # type: ignore[arg-type, union-attr]
+    pinned.handle_completion((*p[:20], 99, 98), id_slot=0, n_predict=1)  # type: ignore[attr-defined]
+    pinned.run_until_idle()  # type: ignore[attr-defined]
+    assert pinned.slots[0].n_prompt_cached == 0  # type: ignore[attr-defined]
+
+
+def test_a_restored_checkpoint_that_does_not_load_is_reprocessed_under_the_switch() -> None:
+    """``checkpoint_load_bool`` (b11549): a checkpoint from a slot file that fails to load is a full reprocess, one of
+    the task's own still aborts, and without the switch both abort (0c1e570)."""
+    for switch in (True, False):
+        params = ServerParams(n_slots=1, cache_ram=0, cache_idle_slots=False, n_ctx_checkpoints=3,
+                              checkpoint_min_step=4, checkpoint_load_bool=switch)  # fmt: skip
+        srv = make_server(get_semantics("shared"), "hybrid", params=params, n_ctx=256)
+        p = (1, *range(2, 30))
+        _run(srv, p)
+        slot = srv.slots[0]
+        store = SlotFileStore(checkpoints=True)
+        assert slot_save(srv, 0, "a.bin", store).ok  # type: ignore[arg-type, union-attr]
+        assert slot_restore(srv, 0, "a.bin", store).ok  # type: ignore[arg-type, union-attr]
+        for c in slot.prompt.checkpoints:  # a blob the context does not take
+            c.data_tgt.rewrite(c.data_tgt.data[:-1], "test")
+        srv.handle_completion((*p[:20], 99, 98), id_slot=0, n_predict=1)
+        if switch:
+            srv.run_until_idle()
+            assert slot.n_prompt_cached == 0 and not srv.errors
+        else:
+            with pytest.raises(GgmlAbort):
+                srv.run_until_idle()
+
+
 def test_enospc_leaves_a_partial_file_and_its_restore_aborts() -> None:
     srv = _server("transformer")
     _run(srv, (1, *range(2, 30)))

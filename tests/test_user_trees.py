@@ -27,8 +27,8 @@ from harness.backends.llama_server.section import hypothesis_settings
 from harness.targets.llama_server import ServerConfig
 from harness.targets.server_log import LOG_PROPERTIES
 from harness.trees.api import check_libllama
-from harness.trees.build import build_server, build_source, cache_root
 from harness.trees.binding import binding
+from harness.trees.build import build_server, build_source, cache_root
 from harness.trees.pinned import sdist_source
 from properties.run import run_seeded
 

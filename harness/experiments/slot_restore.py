@@ -55,7 +55,7 @@ class SlotDifferential(Differential):
         super().__post_init__()
         self.save_dir = tempfile.mkdtemp(prefix="slot-restore-")
         self.server.args += ["--slot-save-path", self.save_dir + "/"]
-        self.store = SlotFileStore()
+        self.store = SlotFileStore(checkpoints=self.model.params.slot_file_checkpoints)
 
     def close(self) -> None:
         try:

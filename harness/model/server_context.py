@@ -117,6 +117,10 @@ class ServerParams:
     ctx_limit: bool = False
     n_keep: int = 0
     add_bos: bool = True
+    # upstream after the pin (harness.trees.switches, read from the tree): #26004's slot-file checkpoints, and its
+    # checkpoint loads that return bool (one restored from a slot file that does not load: reprocess, no abort)
+    slot_file_checkpoints: bool = False
+    checkpoint_load_bool: bool = False
 
 
 @dataclass
@@ -642,8 +646,9 @@ class ServerContext:
                         self.stale_restores.append(found.made_for[:n_past])
                     # a failed read aborts (common.cpp:2337, 2355); "restore" scopes faults to it
                     with self.host.operation("restore"):
-                        found.load_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
-                        found.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+                        if not self._load_checkpoint(slot, found):
+                            pos_next = 0  # b11549 (server-context.cpp:3746-3753): reprocess the whole prompt
+                            n_past = 0
                 else:
                     pos_next = 0
                     n_past = 0
@@ -717,6 +722,19 @@ class ServerContext:
         """:2930-2931 ``seq_rm(n_keep, n_keep + n_discard)``, ``seq_add(n_keep + n_discard, pos_next, -n_discard)``."""
         slot.mem_seq_rm(n_keep, n_keep + n_discard)
         slot.mem_seq_add(n_keep + n_discard, slot.prompt.n_tokens(), -n_discard)
+
+    def _load_checkpoint(self, slot: ServerSlot, ckpt: CommonPromptCheckpoint) -> bool:
+        """Load a checkpoint into both contexts. A failed load aborts (common.cpp:2337, 2355 at 0c1e570); under
+        ``checkpoint_load_bool`` (upstream #26004, server-context.cpp:3745-3754 at b11549) only a task's own
+        checkpoint aborts, and one restored from a slot file (``id_task`` -1) returns False."""
+        try:
+            ckpt.load_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+            ckpt.load_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
+        except GgmlAbort:
+            if self.params.checkpoint_load_bool and ckpt.id_task == -1:
+                return False
+            raise
+        return True
 
     def _invalidate_checkpoints(self, slot: ServerSlot, pos_next: int) -> None:
         """:3369 erase any checkpoints with pos_max > pos_next."""

@@ -26,8 +26,18 @@ Upstream at 0c1e570 (tools/server/server-context.cpp; src/llama-context.cpp; src
   request that diverges before its end). The RAM prompt cache is not touched.
 * **erase** (:2641-2664): ``slot->prompt_clear()`` (``seq_rm`` on both contexts, tokens and checkpoints gone).
 
-The model's file is a record (tokens, the target's state bytes, how many bytes of the full file reached the
-disk), not bytes; its size is upstream's: 12 + 4 * n_tokens + the state. Writes go through the host's fault
+Upstream #26004 (merged 2026-10-08; b11549's server-context.cpp:2586-2713, 2926-2930, 2997) appends the slot's
+checkpoints to the file and reads them back: with ``SlotFileStore.checkpoints`` (the switch
+``slot_file_checkpoints``, read from the tree by :mod:`harness.trees.switches`) a save writes, after the state, the
+appendix ``"SCKP"``, version 1, the count, then per checkpoint ``n_tokens`` (i64), ``pos_min``, ``pos_max`` (i32)
+and three u64-length blobs ``data_tgt``, ``data_dft``, ``data_spec`` (nothing at all when the slot has none), and
+``n_saved``'s bytes count it; a restore brings them back as checkpoints of no task (``id_task`` -1), the newest
+``--ctx-checkpoints`` of them, and ``n_restored``'s bytes count what it read. Deviation: the model does not
+test-load the draft's data (upstream drops it when it does not fit the draft context: the model's always fits)
+and does not fault the appendix's write.
+
+The model's file is a record (tokens, the target's state bytes, the checkpoints, how many bytes of the full file
+reached the disk), not bytes; its size is upstream's: 12 + 4 * n_tokens + the state. Writes go through the host's fault
 seam: each ``write_raw`` is a :meth:`~harness.model.memory.Host.scoped_check` at site ``slot_file.write``
 visible to a seam armed with scope ``"slot_save"`` (an injected write error), and the store's ``capacity``
 (bytes free on the file system, ``None`` unlimited) cuts a write with ENOSPC. Deviation: the model writes the
@@ -42,13 +52,48 @@ from dataclasses import dataclass, field
 
 from harness.errors import BadAlloc, GgmlAbort
 from harness.model.cache import Tokens
+from harness.model.checkpoint import CommonPromptCheckpoint
 from harness.model.provider import STATE_SEQ_FLAGS_NONE
 from harness.model.server_context import ServerContext, ServerSlot
 
-__all__ = ["SlotFile", "SlotFileResult", "SlotFileStore", "slot_erase", "slot_restore", "slot_save"]
+__all__ = ["SavedCheckpoint", "SlotFile", "SlotFileResult", "SlotFileStore", "slot_erase", "slot_restore", "slot_save"]
 
 HEADER = 12  # magic, version, token count: three u32 (llama-context.cpp:3380-3384)
+APPENDIX_HEADER = 12  # "SCKP", version, count: three u32 (server-context.cpp:2633-2638 at b11549)
+CHECKPOINT_RECORD = 8 + 4 + 4 + 3 * 8  # n_tokens, pos_min, pos_max, three blob lengths (:2639-2646)
 STDIO_BUFSIZ = 4096  # glibc's stdio buffer for a regular file on a 4 KiB-block file system
+
+
+@dataclass(frozen=True)
+class SavedCheckpoint:
+    """One checkpoint of the appendix, as bytes on disk: its positions and its three blobs (None: empty)."""
+
+    n_tokens: int
+    pos_min: int
+    pos_max: int
+    made_for: Tokens
+    tgt: bytes | None
+    dft: bytes | None
+    spec: bytes | None
+
+    @staticmethod
+    def of(c: CommonPromptCheckpoint) -> SavedCheckpoint:
+        blobs = (None if p is None else p.data for p in (c.data_tgt, c.data_dft, c.data_spec))
+        return SavedCheckpoint(c.n_tokens, c.pos_min, c.pos_max, c.made_for, *blobs)
+
+    def size(self) -> int:
+        return sum(len(b or b"") for b in (self.tgt, self.dft, self.spec))
+
+    def load(self, c: CommonPromptCheckpoint) -> None:
+        """Fill a new checkpoint from the file (``ckpt_read_buf`` into its vectors)."""
+        c.n_tokens, c.pos_min, c.pos_max, c.made_for = self.n_tokens, self.pos_min, self.pos_max, self.made_for
+        for blob, attr, kind in ((self.tgt, "data_tgt", "ckpt_tgt"), (self.dft, "data_dft", "ckpt_dft"),
+                                 (self.spec, "data_spec", "ckpt_spec")):  # fmt: skip
+            if blob:
+                payload = c.host.alloc_payload("slot_file.read_ckpt", len(blob), kind)
+                if payload is not None:
+                    payload.fill(blob)
+                setattr(c, attr, payload)
 
 
 @dataclass(frozen=True)
@@ -59,11 +104,19 @@ class SlotFile:
     state: bytes  # the target's state_seq_get_data(seq, flags 0)
     written: int  # bytes on disk
     id_slot: int = -1  # harness-only: the slot that wrote it (a state names its sequence)
+    checkpoints: tuple[SavedCheckpoint, ...] = ()  # the appendix (upstream #26004)
+
+    @property
+    def appendix(self) -> int:
+        """The checkpoint appendix's bytes (0: none, as upstream writes nothing for a slot without checkpoints)."""
+        if not self.checkpoints:
+            return 0
+        return APPENDIX_HEADER + sum(CHECKPOINT_RECORD + c.size() for c in self.checkpoints)
 
     @property
     def size(self) -> int:
-        """The full file's size, as upstream's save computes it (llama-context.cpp:3391-3392)."""
-        return HEADER + 4 * len(self.tokens) + len(self.state)
+        """The full file's size, as upstream's save computes it (llama-context.cpp:3391-3392), with the appendix."""
+        return HEADER + 4 * len(self.tokens) + len(self.state) + self.appendix
 
     @property
     def complete(self) -> bool:
@@ -82,6 +135,7 @@ class SlotFileStore:
     files: dict[str, SlotFile] = field(default_factory=dict)
     capacity: int | None = None
     silent_tail: int = STDIO_BUFSIZ
+    checkpoints: bool = False  # upstream #26004: files carry the slot's checkpoints (the pinned tree: no)
 
     def used(self) -> int:
         return sum(f.written for f in self.files.values())
@@ -101,6 +155,18 @@ class SlotFileStore:
         checkpoints go."""
         slot.prompt.clear()
         slot.prompt.tokens = tokens
+
+    def restore_checkpoints(self, slot: ServerSlot, f: SlotFile, n_max: int) -> int:
+        """``load_slot_checkpoints`` (server-context.cpp:2658-2713 at b11549): the file's checkpoints become the
+        slot's, as checkpoints of no task, the newest ``n_max`` of them; the appendix's bytes read."""
+        if not self.checkpoints or not f.checkpoints:
+            return 0
+        for saved in f.checkpoints:
+            cur = slot.prompt.checkpoints.emplace_back(slot.server.checkpoint_cls(slot.server.host, slot.server.sem))
+            saved.load(cur)  # id_task -1: a checkpoint restored from a slot file
+            if len(slot.prompt.checkpoints) > n_max:
+                slot.prompt.checkpoints.pop_front()
+        return f.appendix
 
 
 @dataclass(frozen=True)
@@ -126,7 +192,8 @@ def slot_save(server: ServerContext, id_slot: int, filename: str, store: SlotFil
         return None
     tokens = slot.prompt.tokens
     state = server.ctx_tgt.state_seq_get_data_ext(slot.id, STATE_SEQ_FLAGS_NONE)
-    f = SlotFile(tokens, state, 0, id_slot)
+    held = tuple(SavedCheckpoint.of(c) for c in slot.prompt.checkpoints) if store.checkpoints else ()
+    f = SlotFile(tokens, state, 0, id_slot, held)
     store.files.pop(filename, None)  # fopen "wb" truncates
     room = None if store.capacity is None else store.capacity - store.used()
     written = 0
@@ -147,7 +214,7 @@ def slot_save(server: ServerContext, id_slot: int, filename: str, store: SlotFil
     if failed:
         store.after_write_error(filename, SlotFile(tokens, state, written, id_slot))
         return SlotFileResult(500, message="Unable to save slot")
-    store.files[filename] = SlotFile(tokens, state, written, id_slot)
+    store.files[filename] = SlotFile(tokens, state, written + f.appendix, id_slot, held)
     return SlotFileResult(200, n_tokens=len(tokens), n_bytes=f.size)
 
 
@@ -174,8 +241,9 @@ def slot_restore(server: ServerContext, id_slot: int, filename: str, store: Slot
     if err or f is None:
         slot.prompt_clear()  # :2621-2624
         return SlotFileResult(400, message=f"Unable to restore slot: {err}")
-    store.restore_prompt(slot, f.tokens)  # the checkpoints go, and the file brings none back
-    return SlotFileResult(200, n_tokens=len(f.tokens), n_bytes=f.size)
+    store.restore_prompt(slot, f.tokens)  # the checkpoints go, and a file of the pinned tree brings none back
+    read = store.restore_checkpoints(slot, f, server.params.n_ctx_checkpoints)
+    return SlotFileResult(200, n_tokens=len(f.tokens), n_bytes=f.size - f.appendix + read)
 
 
 def slot_erase(server: ServerContext, id_slot: int) -> SlotFileResult | None:

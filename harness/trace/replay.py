@@ -23,7 +23,8 @@ from typing import Any
 from harness.child import run_child
 from harness.errors import HarnessError
 from harness.trees.binding import bind
-from harness.trees.driver import DRIVER_ENV, tree_of_lib
+from harness.trees.build import tree_of_build
+from harness.trees.driver import DRIVER_ENV
 
 __all__ = ["ReplayFailed", "lib_dir_of", "replay", "replay_line", "shrink_trace"]
 
@@ -48,7 +49,7 @@ def _run(args: list[str], lib_dir: Path | None, timeout: float) -> dict[str, Any
     env.pop("LD_PRELOAD", None)
     env.pop("LLAMA_TRACE", None)
     if lib_dir is not None:
-        tree = tree_of_lib(lib_dir)  # a harness build: the driver bound from its tree's own header
+        tree = tree_of_build(lib_dir)  # a harness build: the driver bound from its tree's own header
         if tree is not None:
             env[DRIVER_ENV] = str(bind(tree, lib_dir))
         else:  # a library of the user's: llama-cpp-python's bindings, as the user runs them

@@ -564,3 +564,16 @@ def server_build(
     return ServerBuild(path, f"build {name}", semantics, asan, expr, flags,
                        semantics_why=f"the pinned {semantics} build", lib_dir=_lib_dir(path))  # fmt: skip
 
+
+
+def tree_of_build(build_dir: Path) -> Path | None:
+    """The tree a harness build in ``build_dir`` was made from (its ``build-info.json``: a ``--source`` tree, or the
+    pinned sdist's), None for a binary or library the harness did not build."""
+    try:
+        info = json.loads((build_dir / "build-info.json").read_text())
+    except (OSError, ValueError):
+        return None
+    if info.get("source"):
+        tree = Path(str(info["source"]))
+        return tree if (tree / "include" / "llama.h").is_file() else None
+    return sdist_source(lambda _m: None) if info.get("sdist") else None

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import importlib.machinery
 import importlib.util
-import json
 import os
 import threading
 from pathlib import Path
@@ -32,7 +31,6 @@ from typing import Any
 from harness.errors import HarnessLimit, UsageError
 from harness.trees.binding import CALLS, bind, binding, refusal
 from harness.trees.build import server_build
-from harness.trees.pinned import sdist_source
 from harness.trees.tree import check_tree
 
 __all__ = [
@@ -43,7 +41,6 @@ __all__ = [
     "PackageDriver",
     "libllama",
     "libllama_of",
-    "tree_of_lib",
     "use_driver",
 ]
 
@@ -246,16 +243,3 @@ def libllama_of(tree: Path, *, log: Any = lambda _m: None, flag: str = "--source
         f"libllama: {build.lib_dir / 'libllama.so'} (built from {src}), bound from its include/llama.h "
         f"({len(CALLS) - len(b.absent)} functions; batch API: {batch})"
     )
-
-
-def tree_of_lib(lib_dir: Path) -> Path | None:
-    """The tree a harness build of ``lib_dir`` was made from (its ``build-info.json``: a ``--source`` tree, or the
-    pinned sdist's), None for a library the harness did not build."""
-    try:
-        info = json.loads((lib_dir / "build-info.json").read_text())
-    except (OSError, ValueError):
-        return None
-    if info.get("source"):
-        tree = Path(str(info["source"]))
-        return tree if (tree / "include" / "llama.h").is_file() else None
-    return sdist_source(lambda _m: None) if info.get("sdist") else None

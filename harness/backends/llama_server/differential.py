@@ -41,6 +41,7 @@ from harness.errors import PropertyFailure
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog, LogProblem
+from harness.trees.switches import switches_of_binary
 from properties.reuse import ReuseTracer
 
 __all__ = [
@@ -145,11 +146,15 @@ class Differential:
             log_path=None if self.log_dir is None else unique_log(self.log_dir, self.cfg.name),
             env=self.env,
         )
+        # the model follows the upstream changes the server's tree has (harness.trees.switches)
+        sw = switches_of_binary(self.binary)
+        params = dataclasses.replace(self.cfg.params(), slot_file_checkpoints=sw.slot_file_checkpoints.on,
+                                     checkpoint_load_bool=sw.checkpoint_load_bool.on)  # fmt: skip
         self.model = make_llama_server(
             self.semantics,
             self.model_file,
             draft_model=draft_path() if self.cfg.draft else None,
-            params=self.cfg.params(),
+            params=params,
             n_ctx=self.cfg.n_ctx,
             check_restores=False,
         )

@@ -43,6 +43,7 @@ from harness.errors import ServerStartError, UsageError
 from harness.targets.llama_server import ServerConfig
 from harness.trees.build import PINNED_COMMIT, ServerBuild
 from harness.trees.choose import choose_builds
+from harness.trees.switches import switches_of_binary
 from properties.run import run_seeded
 
 __all__ = ["ServerBackend", "ServerOptions", "run_change_backend", "run_server_backend"]
@@ -145,6 +146,7 @@ def run_server_backend(
     out(f"  binary {binary}" + (" (AddressSanitizer)" if build.asan else ""))
     if how:
         out(f"  semantics {semantics}: {how}")
+    out("  the model follows: " + "; ".join(switches_of_binary(binary).lines()))
     pinned = describe(build, out)
     if build.origin == "build asan" and not build.asan:
         raise UsageError(
@@ -306,6 +308,7 @@ def run_change_backend(
         f"(BASE {base_semantics}) profile={profile} seed={seed} commit={report.commit}")  # fmt: skip
     if how:
         out(f"  semantics {semantics}: {how}")
+    out("  the model follows: " + "; ".join(switches_of_binary(tree.binary).lines()))
     describe(tree, out)
     base_pinned = describe(base, out)
     run = ServerRun(report, tree, semantics, replay, out, pinned=base_pinned)

@@ -1,0 +1,108 @@
+"""Upstream behaviour changes the model follows, read from a tree's source the way its semantics are.
+
+The model predicts 0c1e570 (the pinned tree) unless a tree says otherwise. Each :class:`Switch` is one upstream
+change the model's checks can see, read from the tree's text with the file and line that decided it:
+
+* ``slot_file_checkpoints`` -- upstream #26004 (merged 2026-10-08, about b11540): a slot save appends the slot's
+  context checkpoints to the file after the llama state (an ``SCKP`` appendix, ``save_slot_checkpoints`` in
+  tools/server/server-context.cpp), a restore reads them back (``load_slot_checkpoints``), and ``n_saved``'s
+  ``n_written`` and ``n_restored``'s ``n_read`` count the appendix. Read: the appendix's magic
+  ``SLOT_CKPT_MAGIC`` in tools/server/server-context.cpp.
+* ``checkpoint_load_bool`` -- the same change: ``common_prompt_checkpoint::load_tgt``/``load_dft`` return whether
+  the state loaded (common/common.h); a task's own checkpoint that fails aborts the server, one restored from a
+  slot file falls back to reprocessing the prompt. Read: ``bool load_tgt(`` in common/common.h.
+
+:func:`read_switches` never guesses: a file it cannot read leaves the pinned value, said in ``where``.
+"""
+
+from __future__ import annotations
+
+import functools
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from harness.trees.build import tree_of_build
+from harness.trees.semantics import blank_comments
+
+__all__ = ["PINNED", "Switch", "Switches", "read_switches", "switches_from_text", "switches_of_binary"]
+
+SERVER_CONTEXT = "tools/server/server-context.cpp"
+COMMON_H = "common/common.h"
+
+
+@dataclass(frozen=True)
+class Switch:
+    """One upstream change: on or off in a tree, and the ``file:line`` (or the reason) that decided it."""
+
+    name: str
+    on: bool
+    where: str
+    change: str  # the upstream change, for a person
+
+    def line(self) -> str:
+        return f"{self.name}: {'on' if self.on else 'off'} ({self.change}; {self.where})"
+
+
+@dataclass(frozen=True)
+class Switches:
+    """What the model follows for one tree (the pinned tree: every switch off)."""
+
+    slot_file_checkpoints: Switch
+    checkpoint_load_bool: Switch
+
+    def all(self) -> tuple[Switch, ...]:
+        return (self.slot_file_checkpoints, self.checkpoint_load_bool)
+
+    def lines(self) -> list[str]:
+        return [s.line() for s in self.all()]
+
+
+_SLOT = "slot files carry the checkpoints, upstream #26004"
+_LOAD = "checkpoint loads return bool, upstream #26004"
+
+PINNED = Switches(
+    Switch("slot_file_checkpoints", False, "the pinned tree, 0c1e570", _SLOT),
+    Switch("checkpoint_load_bool", False, "the pinned tree, 0c1e570", _LOAD),
+)
+
+
+def _line_of(text: str, pattern: str) -> int | None:
+    m = re.search(pattern, blank_comments(text))
+    return None if m is None else text.count("\n", 0, m.start()) + 1
+
+
+def switches_from_text(files: dict[str, str | None]) -> Switches:
+    """The switches of a tree whose files (path -> text; None: unreadable) are ``files``."""
+    out = []
+    for name, path, pattern, change in (
+        ("slot_file_checkpoints", SERVER_CONTEXT, r"\bSLOT_CKPT_MAGIC\b", _SLOT),
+        ("checkpoint_load_bool", COMMON_H, r"\bbool\s+load_tgt\s*\(", _LOAD),
+    ):
+        text = files.get(path)
+        if text is None:
+            out.append(Switch(name, False, f"{path} not readable: the pinned behaviour", change))
+            continue
+        at = _line_of(text, pattern)
+        where = f"{path}:{at}" if at is not None else f"not in {path}"
+        out.append(Switch(name, at is not None, where, change))
+    return Switches(*out)
+
+
+def read_switches(tree: Path) -> Switches:
+    """The switches of the llama.cpp tree at ``tree``."""
+    files: dict[str, str | None] = {}
+    for path in (SERVER_CONTEXT, COMMON_H):
+        try:
+            files[path] = (tree / path).read_text(errors="replace")
+        except OSError:
+            files[path] = None
+    return switches_from_text(files)
+
+
+@functools.lru_cache(maxsize=32)
+def switches_of_binary(binary: Path) -> Switches:
+    """The switches of the tree a harness build of ``binary`` was made from; the pinned ones for a binary the harness
+    did not build (nothing says what it is: ``--source`` does)."""
+    tree = tree_of_build(binary.resolve().parent)
+    return PINNED if tree is None else read_switches(tree)
