@@ -18,21 +18,25 @@ import pytest
 
 from harness.backends.base import Failure, GateReport, MachineResult
 from harness.errors import UsageError
-from harness.findings import BUSY_SLOT_BY_ID, SLOT_RESTORE_DROPS_CHECKPOINTS, Finding
+from harness.findings import BUSY_SLOT_BY_ID, FINDINGS, SLOT_RESTORE_DROPS_CHECKPOINTS, Finding, KnownRow
 from harness.history.bisect import Bisection, Tested, bisect
 from harness.history.checks import (
     ABSENT,
     PRESENT,
     SKIPPED,
+    LayerCheck,
     ProgramCheck,
     ReproducerCheck,
     Verdict,
     check_of,
+    finding_check,
+    layer_verdict,
     property_verdict,
 )
 from harness.history.points import Point, index_points, revision_points, spread, tree_points, within
 from harness.history.table import HistoryRow, markdown, not_applicable, since_line
 from harness.trees.tree import cache_root
+from properties.libllama_contract import run_contract
 from properties.machine import MachineConfig
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -122,7 +126,7 @@ def test_bad_checks_and_trees_are_one_line() -> None:
         check_of("no-such-finding")
     with pytest.raises(UsageError, match="the programs are"):
         check_of("program:nope")
-    with pytest.raises(UsageError, match="does not take"):
+    with pytest.raises(UsageError, match="takes no llama-server binary and no layer shows it"):
         check_of("fault-batch-assert")  # its reproducer builds the pinned tree itself
     assert check_of("program:checkpoint-cap:checkpoint_lists") == ProgramCheck("checkpoint-cap", "checkpoint_lists")
     assert check_of(SLOT_RESTORE_DROPS_CHECKPOINTS.id) == ReproducerCheck(SLOT_RESTORE_DROPS_CHECKPOINTS)
@@ -150,11 +154,13 @@ def test_the_table_marks_every_finding_and_says_why_not() -> None:
     row = HistoryRow(SLOT_RESTORE_DROPS_CHECKPOINTS)
     for p, s in zip(points, (PRESENT, PRESENT, ABSENT), strict=True):
         row.cells[p.label] = Tested(p, Verdict(s, "seen"), "cached", 1.0)
-    other = Finding("made-up", "llama", "p", "a libllama finding", "fixtures/findings/x.py")
+    other = Finding("made-up", "llama-cpp-python-cache", "p", "a cache finding", "fixtures/findings/x.py")
     rows = [row, HistoryRow(other, why_not=not_applicable(other))]
     text = markdown(rows, points)
     assert "| `slot-restore-drops-checkpoints` | present | present | absent |" in text
-    assert "`made-up`: libllama level" in text
+    assert "`made-up`: llama-cpp-python's own cache" in text
+    libllama = Finding("made-up-2", "contract", "p", "a libllama finding", "fixtures/findings/x.py")
+    assert not_applicable(libllama) is None and isinstance(finding_check(libllama), LayerCheck)  # its layer asks it
     assert since_line(row, points) == "present on b1000, b1010; absent on b1020; fixed between b1010 and b1020"
     assert not_applicable(BUSY_SLOT_BY_ID) is None  # its reproducer takes a binary now
 
@@ -261,3 +267,24 @@ def test_a_property_check_reads_the_gates_json_as_the_gate_writes_it() -> None:
     report.machines.append(MachineResult(cfg, 1.0, f, Counter(), Counter(), []))
     failed = property_verdict(report.to_json(), "limit")
     assert failed.state == PRESENT and "over by 3 MiB" in failed.why
+
+
+def test_a_libllama_finding_is_read_from_its_layers_real_report() -> None:
+    """The contract machine's own report (a real short run on mamba) and a gate report's known findings, as history
+    reads them for a libllama finding on a build."""
+    rep = run_contract(["mamba"], seed=0, max_examples=20, steps=30)
+    seen = {f["name"] for f in rep["findings"]}
+    assert "recurrent-seq-rm-any-seq-refused" in seen
+    assert layer_verdict(rep, "contract", "recurrent-seq-rm-any-seq-refused").state == PRESENT
+    assert layer_verdict(rep, "contract", "swa-prepare-purge-not-undone").state == ABSENT  # a SWA finding, on mamba
+    report = GateReport("shared", "llama", "ci", 0, "c")
+    f = FINDINGS["graph-compute-segv"]
+    report.known.append(KnownRow(f, "llama backend, native faults", "reproduced", count=5))
+    report.known.append(KnownRow(FINDINGS["kv-layout-dependent-logits"], "llama backend", "not-reproduced", count=0))
+    data = report.to_json()
+    data["properties"] = [{"name": "limit", "examples": 10}]
+    shown = layer_verdict(data, "llama", "graph-compute-segv")
+    assert shown == Verdict(PRESENT, "the llama backend reproduced it 5 times")
+    assert layer_verdict(data, "llama", "kv-layout-dependent-logits").state == ABSENT
+    assert layer_verdict(data, "llama", "swa-restore-window-short").state == SKIPPED  # its run never shows it
+    assert isinstance(check_of("graph-compute-segv"), LayerCheck)

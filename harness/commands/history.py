@@ -33,7 +33,7 @@ from typing import Any
 from harness.errors import EXIT_INTERRUPTED, EXIT_OK, EXIT_SKIPPED, UsageError
 from harness.findings import HISTORY_PATH
 from harness.history.bisect import Bisection, Tested, Tester, bisect
-from harness.history.checks import PRESENT, SKIPPED, ReproducerCheck, check_of
+from harness.history.checks import PRESENT, SKIPPED, Check, LayerCheck, ReproducerCheck, check_of
 from harness.history.points import Point, index_points, revision_points, spread, tree_points, within
 from harness.history.table import HistoryRow, all_findings, markdown, record, scan, since_line
 
@@ -126,7 +126,7 @@ def _spread(args: argparse.Namespace, points: list[Point]) -> int:
     testers: dict[str, Tester] = {}
     builds: dict[str, tuple[Path | None, str]] = {}  # each point built once for every finding
 
-    def test(check: ReproducerCheck, p: Point) -> Tested:
+    def test(check: Check, p: Point) -> Tested:
         t = testers.setdefault(check.name, Tester(check, tester_log, builds))
         return t(p)
 
@@ -143,7 +143,7 @@ def _spread(args: argparse.Namespace, points: list[Point]) -> int:
 
 def _finding_of(text: str | None) -> Any:
     check = check_of(text or "")
-    if not isinstance(check, ReproducerCheck):
+    if not isinstance(check, ReproducerCheck | LayerCheck):
         raise UsageError("history --spread: a finding's id (programs and properties are bisected)")
     return check.finding
 

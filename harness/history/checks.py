@@ -12,6 +12,11 @@ Three kinds of check, each run on a built ``llama-server``:
   (:data:`~harness.backends.llama_server.differential.LIMIT_PROGRAMS`), checked only by the server's own ``-lv 4``
   log (:class:`~harness.targets.server_log.CacheLog`), never by the model: the model knows one commit, the log's
   properties hold on every tree. Present when a property fails (``program:NAME:PROPERTY``: when that one does).
+* :class:`LayerCheck` (a libllama finding's id: the llama backend's or the contract machine's): that layer run on
+  the build's own ``libllama.so`` through the driver bound from its tree's header (:mod:`harness.trees.driver`):
+  ``gate --backend llama`` or ``contract``, once per build for all the findings of the layer. Present when the run
+  shows the finding, absent when it ran and did not (for the llama backend only a finding its run shows on the
+  pinned tree: :data:`LLAMA_RUN_SHOWS`), skipped when the layer cannot run there (with the one line that says why).
 * :class:`PropertyCheck` (``property:NAME``): the whole server gate on the build (``gate --backend server
   --source``), present when it reports that property failed, absent when it checked it and it held. Away from the
   pinned commit the model's drift may fail model-based properties: the log's six (``limit``, ``accounting``,
@@ -23,6 +28,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import sys
 import tempfile
 from collections.abc import Callable
@@ -32,13 +38,16 @@ from typing import Any, Protocol
 
 from harness.backends.llama_server.differential import LIMIT_PROGRAMS, launch_of
 from harness.child import run_child
-from harness.errors import HarnessError, RequestFailed, UsageError
+from harness.errors import HarnessError, HarnessLimit, RequestFailed, UsageError
 from harness.findings import FINDINGS, Finding
 from harness.targets.llama_server import ServerProcess
 from harness.targets.server_log import CacheLog
+from harness.trees.binding import bind
+from harness.trees.build import tree_of_build
+from harness.trees.driver import DRIVER_ENV
 
-__all__ = ["ABSENT", "PRESENT", "SKIPPED", "Check", "ProgramCheck", "PropertyCheck", "ReproducerCheck", "Verdict",
-           "check_of", "history_checks", "property_verdict"]  # fmt: skip
+__all__ = ["ABSENT", "LLAMA_RUN_SHOWS", "PRESENT", "SKIPPED", "Check", "LayerCheck", "ProgramCheck", "PropertyCheck",
+           "ReproducerCheck", "Verdict", "check_of", "finding_check", "history_checks", "property_verdict"]  # fmt: skip
 
 PRESENT = "present"
 ABSENT = "absent"
@@ -84,6 +93,77 @@ class ReproducerCheck:
         if res.status == "exited" and res.returncode == 0:
             return Verdict(ABSENT, last)
         return Verdict(SKIPPED, f"the reproducer {res.describe()}: {last}")
+
+
+#: The llama backend's findings its CI-profile run shows on the pinned tree (``gate --backend llama``, seed 0): only
+#: for these is a run that does not show them an "absent"; the others are shown by their reproducers alone.
+LLAMA_RUN_SHOWS = frozenset(
+    {"kv-layout-dependent-logits", "draft-kv-exhaustion (real state)", "state-io-alloc-outside-try"}
+    | {"decode-bad-alloc-terminates", "graph-compute-segv"}
+)
+
+_LAYER_RUNS: dict[tuple[str, str], dict[str, Any] | Verdict] = {}  # (binary, layer) -> its JSON, or why it cannot run
+
+
+@dataclass(frozen=True)
+class LayerCheck:
+    finding: Finding
+    timeout: float = 1800.0
+
+    @property
+    def name(self) -> str:
+        return self.finding.id
+
+    def run(self, binary: Path, log: Callable[[str], None]) -> Verdict:
+        layer = self.finding.backend
+        key = (str(binary.resolve()), layer)
+        if key not in _LAYER_RUNS:
+            _LAYER_RUNS[key] = _run_layer(binary, layer, self.timeout, log)
+        data = _LAYER_RUNS[key]
+        if isinstance(data, Verdict):
+            return data
+        return layer_verdict(data, layer, self.finding.id)
+
+
+def _run_layer(binary: Path, layer: str, timeout: float, log: Callable[[str], None]) -> dict[str, Any] | Verdict:
+    """One run of ``layer`` (``llama``: the libllama backend; ``contract``) on the build's libllama, its JSON."""
+    tree = tree_of_build(binary.resolve().parent)
+    if tree is None:
+        return Verdict(SKIPPED, f"{binary} is not a harness build: no tree to bind its libllama from")
+    try:
+        driver = bind(tree, binary.resolve().parent, log=log)
+    except HarnessLimit as e:
+        return Verdict(SKIPPED, str(e))
+    with tempfile.TemporaryDirectory(prefix="harness-history-") as tmp:
+        out = Path(tmp) / "layer.json"
+        cmd = ["gate", "--backend", "llama", "--profile", "ci"] if layer == "llama" else ["contract"]
+        log(f"running {' '.join(cmd)} on {tree}'s libllama")
+        res = run_child([sys.executable, "-m", "harness", *cmd, "--json", str(out)],
+                        env={**os.environ, DRIVER_ENV: str(driver)}, timeout=timeout)  # fmt: skip
+        try:
+            data: dict[str, Any] = json.loads(out.read_text())
+        except (OSError, ValueError):
+            tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [res.describe()]
+            return Verdict(SKIPPED, f"{' '.join(cmd)} wrote no report ({res.describe()}): {tail[0][:300]}")
+    return data
+
+
+def layer_verdict(data: dict[str, Any], layer: str, finding: str) -> Verdict:
+    """A layer's JSON on one finding: shown (with the first evidence), not shown after a run that shows it on the
+    pinned tree, or not told."""
+    if layer == "contract":
+        row = next((f for f in data.get("findings", []) if f.get("name") == finding), None)
+        if row is not None:
+            return Verdict(PRESENT, f"the contract machine saw it: {str((row.get('evidence') or [''])[0])[:240]}")
+        checks = sum(int(n) for per in (data.get("checks") or {}).values() for n in dict(per).values())
+        return Verdict(ABSENT, f"the contract machine ran ({checks} checks, every model) and did not see it")
+    known = next((k for k in data.get("known_findings", []) if k.get("id") == finding), None)
+    if known is not None and known.get("status") == "reproduced":
+        return Verdict(PRESENT, f"the llama backend reproduced it {known.get('count')} times")
+    if finding in LLAMA_RUN_SHOWS and data.get("properties"):
+        return Verdict(ABSENT, "the llama backend ran every model and did not reproduce it")
+    return Verdict(SKIPPED, "the llama backend's run does not show it, not even on the pinned tree (its reproducer "
+                            "does)")  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -158,9 +238,19 @@ def property_verdict(data: dict[str, Any], prop: str) -> Verdict:
     return Verdict(SKIPPED, f"the gate did not check {prop} on this build")
 
 
+def finding_check(f: Finding) -> ReproducerCheck | LayerCheck | None:
+    """How ``history`` asks a build about a finding: its reproducer when it takes a binary, the layer that shows it
+    for a libllama finding; None when no build but the pinned one can be asked."""
+    if f.takes_binary and f.reproducer is not None:
+        return ReproducerCheck(f)
+    if f.backend in ("llama", "contract"):
+        return LayerCheck(f)
+    return None
+
+
 def history_checks() -> list[Finding]:
-    """The registered findings ``history`` can test on any build: a reproducer that takes a binary."""
-    return [f for f in FINDINGS.values() if f.takes_binary and f.reproducer is not None]
+    """The registered findings ``history`` can test on any build."""
+    return [f for f in FINDINGS.values() if finding_check(f) is not None]
 
 
 def check_of(text: str) -> Check:
@@ -177,8 +267,10 @@ def check_of(text: str) -> Check:
     if f is None:
         raise UsageError(f"history {text}: not a finding's id, program:NAME or property:NAME "
                          f"(findings it can test: {', '.join(x.id for x in history_checks())})")  # fmt: skip
-    if not f.takes_binary or f.reproducer is None:
-        raise UsageError(f"history {text}: its reproducer does not take a llama-server binary, so no build but the "
-                         f"pinned one can run it (findings it can test: {', '.join(x.id for x in history_checks())})")
-    return ReproducerCheck(f)
+    check = finding_check(f)
+    if check is None:
+        raise UsageError(f"history {text}: its reproducer takes no llama-server binary and no layer shows it, so "
+                         f"no build but the pinned one can ask it (findings it can test: "
+                         f"{', '.join(x.id for x in history_checks())})")  # fmt: skip
+    return check
 

@@ -1,10 +1,10 @@
 """The findings x history table: every registered finding on a spread of builds, present, absent, skipped (with
 why) or not applicable (and why), as Markdown for ``docs/findings.md`` and each finding's report text.
 
-A finding is applicable when its reproducer takes a ``llama-server`` binary (:func:`~harness.history.checks.
-history_checks`); the others say why not: the model's own findings are about the model's logic and shown on the
-real server by another one, libllama findings need a driver of each tree's C API (the bindings drive the pinned
-commit only), llama-cpp-python's are about its package, not llama.cpp's history.
+A finding is applicable when its reproducer takes a ``llama-server`` binary or a layer shows it on a build's own
+libllama (:func:`~harness.history.checks.finding_check`); the others say why not: the model's own findings are about
+the model's logic and shown on the real server by another one, llama-cpp-python's are about its package, not
+llama.cpp's history.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from typing import Any
 
 from harness.findings import FINDINGS, Finding
 from harness.history.bisect import Tested
-from harness.history.checks import ABSENT, PRESENT, SKIPPED, ReproducerCheck
+from harness.history.checks import ABSENT, PRESENT, SKIPPED, Check, finding_check
 from harness.history.points import Point
 from harness.interrupt import check as check_interrupt
 from properties.run import commit
@@ -28,14 +28,12 @@ _MARK = {PRESENT: "present", ABSENT: "absent", SKIPPED: "skipped"}
 
 def not_applicable(f: Finding) -> str | None:
     """Why ``history`` cannot test ``f`` on other builds (None: it can)."""
-    if f.takes_binary and f.reproducer is not None:
+    if finding_check(f) is not None:
         return None
     if f.reproducer is None:
         return "no standalone reproducer"
     return {
         "synthetic": "the model's own finding; its reproducer drives the pinned build",
-        "llama": "libllama level: the bindings drive the pinned commit's C API only",
-        "contract": "libllama level: the bindings drive the pinned commit's C API only",
         "llama-cpp-python-cache": "llama-cpp-python's own cache, not llama.cpp's history",
     }.get(f.backend, "its reproducer drives the pinned build only (it takes no llama-server binary)")
 
@@ -53,7 +51,7 @@ class HistoryRow:
                 "builds": {k: t.to_json() for k, t in self.cells.items()}}  # fmt: skip
 
 
-def scan(points: Sequence[Point], findings: Sequence[Finding], test: Callable[[ReproducerCheck, Point], Tested],
+def scan(points: Sequence[Point], findings: Sequence[Finding], test: Callable[[Check, Point], Tested],
          progress: Callable[[str], None], rows: list[HistoryRow]) -> list[HistoryRow]:  # fmt: skip
     """Every finding on every point (build by build, so each build is compiled once); ``rows`` is filled as it goes,
     so a caller that catches Ctrl-C keeps the cells so far."""
@@ -63,7 +61,9 @@ def scan(points: Sequence[Point], findings: Sequence[Finding], test: Callable[[R
         for r in live:
             check_interrupt()
             progress(f"history: {p.label} ({k} of {len(points)}): {r.finding.id}")
-            t = test(ReproducerCheck(r.finding), p)
+            check = finding_check(r.finding)
+            assert check is not None  # live rows have one
+            t = test(check, p)
             r.cells[p.label] = t
             progress(f"history: {p.label}: {r.finding.id} {t.verdict.state} ({t.build}): {t.verdict.why[:160]}")
     return rows

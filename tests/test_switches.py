@@ -1,0 +1,44 @@
+"""The upstream changes the model follows, read from a tree (harness/trees/switches.py): text, the pinned tree, and
+a real upstream tree from the package index (b11549, which has #26004)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.trees.pinned import sdist_source
+from harness.trees.switches import COMMON_H, PINNED, SERVER_CONTEXT, read_switches, switches_from_text
+from harness.trees.tree import check_tree
+
+
+def test_each_switch_is_read_with_the_line_that_decided_it() -> None:
+    server = "// a comment: SLOT_CKPT_MAGIC\nstruct x {\n    static constexpr uint32_t SLOT_CKPT_MAGIC = 1;\n"
+    common = "struct common_prompt_checkpoint {\n    bool load_tgt(llama_context * ctx, int seq, int flags) const;\n"
+    sw = switches_from_text({SERVER_CONTEXT: server, COMMON_H: common})
+    assert sw.slot_file_checkpoints.on and sw.slot_file_checkpoints.where == f"{SERVER_CONTEXT}:3"
+    assert sw.checkpoint_load_bool.on and sw.checkpoint_load_bool.where == f"{COMMON_H}:2"
+    old = switches_from_text({SERVER_CONTEXT: "// SLOT_CKPT_MAGIC\n", COMMON_H: "void load_tgt(llama_context * c);"})
+    assert not old.slot_file_checkpoints.on and not old.checkpoint_load_bool.on
+    unreadable = switches_from_text({SERVER_CONTEXT: None, COMMON_H: None})
+    assert unreadable.all() == tuple(
+        type(s)(s.name, False, f"{p} not readable: the pinned behaviour", s.change)
+        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H), strict=True)
+    )
+
+
+def test_the_pinned_tree_has_every_switch_off() -> None:
+    sw = read_switches(sdist_source())
+    assert [s.on for s in sw.all()] == [False, False]
+    assert "not in tools/server/server-context.cpp" in sw.slot_file_checkpoints.line()
+
+
+@pytest.mark.user_trees
+def test_upstream_b11549_has_26004(tmp_path: Path) -> None:
+    """xllamacpp 2026.10.11549 ships upstream b11549, two days after #26004 merged: both switches on."""
+    tree = check_tree(Path("pypi:xllamacpp==2026.10.11549"))
+    sw = read_switches(tree)
+    assert sw.slot_file_checkpoints.on and sw.slot_file_checkpoints.where.startswith(f"{SERVER_CONTEXT}:")
+    assert sw.checkpoint_load_bool.on and sw.checkpoint_load_bool.where.startswith(f"{COMMON_H}:")
+    b11434 = read_switches(check_tree(Path("b11434")))  # before it: off
+    assert not b11434.slot_file_checkpoints.on and not b11434.checkpoint_load_bool.on
