@@ -10,8 +10,8 @@ Two kinds of checks:
   sweep uses it as its integrity check.
 * **Operation post-conditions** compare a cache or slot before and after one operation:
   ``limit``, ``no_partial_entries``, ``transient_peak``, ``load_transfer``, ``no_prefix_entries``,
-  ``checkpoint_lists`` (invalidation), ``busy_slot_untouched``. :class:`Tracer` wraps the methods of
-  one live server *instance* (so a mutant subclass cannot skip the check) and calls them.
+  ``checkpoint_lists`` (invalidation), ``busy_slot_untouched``, ``cleared_checkpoints``. :class:`Tracer` wraps the
+  methods of one live server *instance* (so a mutant subclass cannot skip the check) and calls them.
 
 Every check computes its expectation independently of the code under test: sizes are summed from
 payload bytes, bytes are compared as themselves (never a payload's own digest), ratios are exact
@@ -66,6 +66,8 @@ INVARIANTS: dict[str, str] = {
     "no_prefix_entries": "right after a successful alloc no entry's tokens are a prefix of another's",
     "checkpoint_lists": "ascending n_tokens, at most n_ctx_checkpoints, pos_max <= resume position",
     "busy_slot_untouched": "cache operations never touch a slot that is processing",
+    "cleared_checkpoints": "a slot cleared (erase, failed load or restore, purge, idle or child slot) holds no tokens "
+    "and no checkpoint",
     "draft_in_step": "a slot's target and draft memory describe exactly the slot's tokens",
     "restore_equivalence": "after a cache load, checkpoint restore or rollback the next logits equal a fresh "
     "evaluation's bit for bit (libllama backend)",
@@ -584,6 +586,7 @@ _WRAPPED_CHECK = {
     "prompt_save": "transient_peak",
     "_start_prompt": "checkpoint_lists",
     "handle_completion": "busy_slot_untouched",
+    "prompt_clear": "cleared_checkpoints",
 }
 
 
@@ -615,6 +618,7 @@ class Tracer:
             self._wrap(cache, "update", cls._update)
         for s in server.slots:
             self._wrap(s, "prompt_save", cls._save, s)
+            self._wrap(s, "prompt_clear", cls._clear, s)
         self._wrap(server, "_start_prompt", cls._start_prompt)
         self._wrap(server, "handle_completion", cls._handle)
 
@@ -688,6 +692,15 @@ class Tracer:
         op = server.host.last_op  # the save's own operation (an empty prompt opens none)
         if op is not None and op is not last_before and op.name == "save":
             self._check_peak(op)
+        return res
+
+    def _clear(self, slot: ServerSlot, inner: Callable[..., Any]) -> Any:
+        """``cleared_checkpoints``: ``server_slot::prompt_clear`` (server-context.cpp:293) leaves nothing."""
+        res = inner()
+        self.checked["cleared_checkpoints"] += 1
+        if slot.prompt.tokens or len(slot.prompt.checkpoints):
+            _fail("cleared_checkpoints", f"slot{slot.id} holds {len(slot.prompt.tokens)} tokens and "
+                  f"{len(slot.prompt.checkpoints)} checkpoints after prompt_clear")  # fmt: skip
         return res
 
     def _check_peak(self, op: OperationStats) -> None:

@@ -127,6 +127,15 @@ class _KeepsPrefixes(ServerPromptCache):
         return None
 
 
+class _ClearKeepsCheckpoints(ServerSlot):
+    """cleared_checkpoints: prompt_clear drops the slot's tokens and memory but keeps its checkpoints."""
+
+    def prompt_clear(self) -> None:
+        kept = self.prompt.checkpoints.take()
+        super().prompt_clear()
+        self.prompt.checkpoints = kept
+
+
 class _NoCheckpointCap(ServerContext):
     """checkpoint_lists: create_checkpoint ignores n_ctx_checkpoints."""
 
@@ -419,6 +428,8 @@ MUTANTS: dict[str, Mutant] = {
         ),
         _m("no-checkpoint-cap", "checkpoint_lists", _NoCheckpointCap, also=frozenset({"checkpoint_policy"})),
         _m("no-invalidation", "checkpoint_lists", _NoInvalidation),
+        # an idle slot is cleared after its save only under a unified KV ([TAG_IDLE_SLOT_CLEAR])
+        _m("clear-keeps-checkpoints", "cleared_checkpoints", _ClearKeepsCheckpoints, machine=_KVU),
         _m("idle-caching-saves-busy", "busy_slot_untouched", _IdleCachingSavesBusy),
         _m("draft-not-restored", "draft_in_step", _DraftNotRestored, draft=True),
         _m("corrupt-checkpoint-restore", "restore_equivalence", _CorruptCheckpointRestore, arch="jamba"),

@@ -280,6 +280,11 @@ CONTAINED_EDIT: Edits = {"tools/server/server-task.cpp": [
     ("        if (cur_lcp_len == (int) prompt.tokens.size()) {",
      "        if (false && cur_lcp_len == (int) prompt.tokens.size()) {")]}  # fmt: skip
 
+#: prompt_clear drops the slot's tokens but not its checkpoints (server-context.cpp:298) -> cleared_checkpoints
+KEPT_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("        mem.seq_rm(id, -1, -1);\n\n        prompt.clear();",
+     "        mem.seq_rm(id, -1, -1);\n\n        prompt.tokens.clear();")]}  # fmt: skip
+
 
 def merged(*edits: Edits) -> Edits:
     """Several trees' edits in one tree (a row of trees that each add one change: ``history``'s tests)."""
@@ -302,6 +307,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "size": ("shared", SIZE_EDIT),
     "transfer": ("shared", TRANSFER_EDIT),
     "contained": ("shared", CONTAINED_EDIT),
+    "kept": ("shared", KEPT_EDIT),
     "newest": ("shared", NEWEST_EDIT),
     "extra": ("shared", EXTRA_EDIT),
     "fail": ("shared", FAIL_EDIT),
@@ -329,7 +335,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
-         "newest", "extra", "offset-cap", "offset-cap-threshold")
+         "kept", "newest", "extra", "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

@@ -37,10 +37,36 @@ def test_a_well_formed_log_holds_every_property_and_counts_each() -> None:
         + _scan((0.0, 0.0), [(0.251, 0.430), (0.9, 0.2)], (0.251, 0.430))
         + _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])
         + _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])  # nothing left, nothing came
+        + _CLEAR.format(slot=1) + _CREATED.format(slot=1, k=1)
     )
     problems, log = _problems(text)
     assert problems == []
     assert all(log.checked[p] > 0 for p in LOG_PROPERTIES), log.checked
+
+
+_CLEAR = "0.2 I slot prompt_clear: id  {slot} | task -1 | clearing prompt with 832 tokens\n"
+_CREATED = ("0.3 I slot create_check: id  {slot} | task 5 | created context checkpoint {k} of 4 (pos_min = 63, "
+            "pos_max = 63, n_tokens = 64, size = 0.009 MiB)\n")  # fmt: skip
+_INVALIDATED = ("0.3 I slot update_slots: id  {slot} | task 5 | erased invalidated context checkpoint (pos_min = 831, "
+                "pos_max = 831, n_tokens = 832, n_swa = 0, pos_next = 0, size = 0.009 MiB)\n")  # fmt: skip
+_RESTORED = ("0.3 I slot update_slots: id  {slot} | task 5 | restored context checkpoint (pos_min = 831, "
+             "pos_max = 831, n_tokens = 832, n_past = 832, size = 0.009 MiB)\n")  # fmt: skip
+_LAUNCH = "0.25 I slot launch_slot_: id  {slot} | task -1 | sampler chain: logits -> dist\n"
+
+
+def test_a_cleared_slot_that_kept_its_checkpoints_fails_cleared_checkpoints() -> None:
+    """A clear then an invalidation or a restore of that slot's checkpoint, or a creation numbered above 1: the
+    clear left checkpoints behind. Another slot's events, or a load into the slot first, say nothing."""
+    for after in (_INVALIDATED.format(slot=1), _RESTORED.format(slot=1), _CREATED.format(slot=1, k=3)):
+        problems, log = _problems(_CLEAR.format(slot=1) + after)
+        assert [p.property for p in problems] == ["cleared_checkpoints"], problems
+        assert "slot 1 was cleared at log line 1" in problems[0].message
+        assert log.checked["cleared_checkpoints"] == 1
+    other, log = _problems(_CLEAR.format(slot=1) + _INVALIDATED.format(slot=0) + _CREATED.format(slot=1, k=1))
+    assert other == [] and log.checked["cleared_checkpoints"] == 1
+    load = _scan((0.0, 0.0), [(0.9, 0.9)], (0.9, 0.9))
+    loaded, log = _problems(_CLEAR.format(slot=1) + load + _LAUNCH.format(slot=1) + _RESTORED.format(slot=1))
+    assert loaded == [] and log.checked["cleared_checkpoints"] == 0  # the entry it loaded brought checkpoints
 
 
 def test_over_the_byte_limit_over_the_token_limit_and_an_entry_alone_over_it_fail_limit() -> None:

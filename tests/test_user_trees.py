@@ -279,6 +279,7 @@ SERVER_MUTANTS = {
     "contained": ("prefix-entry", "no_prefix_entries"),
     "newest": ("eviction", "alloc_eviction"),
     "extra": ("eviction", "alloc_eviction"),
+    "kept": ("cleared-slot", "cleared_checkpoints"),
 }
 
 

@@ -5,7 +5,8 @@ machine watches its server (:mod:`properties.machine`):
 
 * during the test, the operation post-conditions (``limit``, ``no_partial_entries``,
   ``transient_peak``, ``load_transfer``, ``no_prefix_entries``, ``checkpoint_lists``,
-  ``busy_slot_untouched``) run inside the operations (:class:`properties.invariants.Tracer`), and
+  ``busy_slot_untouched``, ``cleared_checkpoints``) run inside the operations
+  (:class:`properties.invariants.Tracer`), and
   the state invariants (``accounting``, ``refcount``, ``checkpoint_lists``, ``draft_in_step``,
   ``immutability``, ``draft_recovery`` when enabled) after every ``handle_completion`` and
   ``update_slots``;

@@ -39,6 +39,14 @@ is counted under the property's name, so the gate's table says how often the ser
     already and removes the entries the new one contains, server-task.cpp:1713 and :1740): read off ``load``'s
     scan, which prints each entry's length and its common prefix with the request (:1808): an entry matched to
     its end and another matched at least as far hold the same first tokens.
+``cleared_checkpoints``
+    a slot the server cleared (``server_slot::prompt_clear``, server-context.cpp:293, logged ``clearing prompt
+    with N tokens``: an erase, a failed load or restore, a purge or an idle slot cleared under a unified KV, a
+    child slot released, a failed decode) holds no checkpoint until it creates one or a cache load gives it an
+    entry's: no checkpoint of that slot is restored, invalidated or erased in between (server-context.cpp:2301,
+    2316, 3357, 3374), and its next ``created context checkpoint K`` has ``K`` 1. Each clear counts once, when
+    the slot's next checkpoint event settles it. A load's lines name no slot: the load belongs to the slot the
+    next ``launch_slot_`` line names (get_available_slot returns it to launch_slot_with_task).
 
 Deviations: sizes are compared as the log prints them (MiB to three decimals), so a difference below 0.0005 MiB
 per entry is not seen; the log's wording is 0c1e570's (unchanged on the PR's branch); a tree that words it
@@ -54,7 +62,7 @@ from dataclasses import dataclass, field
 __all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem"]
 
 LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction", "load_transfer",
-                  "no_prefix_entries")
+                  "no_prefix_entries", "cleared_checkpoints")
 """The properties :class:`CacheLog` checks, by their names in ``properties.invariants.INVARIANTS``."""
 
 _STATE = re.compile(
@@ -65,6 +73,9 @@ _CREATED = re.compile(r"created context checkpoint (\d+) of (\d+)")
 _LOOKING = re.compile(r"looking for better prompt, base f_keep = (-?[\d.]+), f_sim = ([\d.]+)")
 _CANDIDATE = re.compile(r"- prompt with length\s+(\d+), lcp =\s+(\d+), f_keep = ([\d.]+), f_sim = ([\d.]+)")
 _FOUND = re.compile(r"found better prompt with f_keep = ([\d.]+), f_sim = ([\d.]+)")
+_SLOT_LINE = re.compile(r"\bslot\s+(\S+): id\s+(\d+) \|")
+_CKPT_EVENTS = ("restored context checkpoint", "erased invalidated context checkpoint",
+                "erasing old context checkpoint", "erasing context checkpoint too close")  # fmt: skip
 _ROUND = 0.0005  # the log prints MiB to three decimals
 _OTHER_THREADS = ("server_strea", "log_server_r")  # the HTTP threads log (server-stream.cpp:599, server-http.cpp:53)
 
@@ -222,6 +233,8 @@ class CacheLog:
         self._limit_lowered = False
         self._line = 0
         self._order = _Order()  # the cache starts empty
+        self._cleared: dict[int, int] = {}  # slot -> the log line that cleared it, until a checkpoint event settles it
+        self._load_pending = False  # a load moved an entry: into the slot the next launch_slot_ line names
 
     def feed(self, text: str) -> list[LogProblem]:
         """Check the whole lines of ``text`` (the log so far) not seen before; the problems found, in order. A
@@ -249,6 +262,7 @@ class CacheLog:
             self._ids.append(entry[1])
             return out
         out += self._close_state()
+        out += self._cleared_slots(line)
         if (m := _STATE.search(line)) is not None:
             out += self._close_scan(None)  # update follows load: the scan found nothing
             self._state = (int(m[1]), float(m[2]), float(m[3]), int(m[4]), int(m[5]), self._line)
@@ -275,6 +289,38 @@ class CacheLog:
         self._count_cycle(line)
         self._order.event(line)
         return out
+
+    def _cleared_slots(self, line: str) -> list[LogProblem]:
+        """``cleared_checkpoints``: a cleared slot's next checkpoint event is a creation of checkpoint 1."""
+        if _FOUND.search(line):
+            self._load_pending = True
+        slot = _SLOT_LINE.search(line)
+        if slot is None:
+            return []
+        s = int(slot[2])
+        if self._load_pending and slot[1].startswith("launch_slot"):
+            self._load_pending = False
+            self._cleared.pop(s, None)  # the entry it loaded brought its own checkpoints
+        if "clearing prompt with" in line:
+            self._cleared[s] = self._line
+            return []
+        if "context checkpoint(s) from" in line:  # a slot file's checkpoints (upstream #26004)
+            self._cleared.pop(s, None)
+            return []
+        at = self._cleared.get(s)
+        if at is None:
+            return []
+        event = next((e for e in _CKPT_EVENTS if e in line), None)
+        created = _CREATED.search(line)
+        if event is None and created is None:
+            return []
+        del self._cleared[s]
+        self.checked["cleared_checkpoints"] += 1
+        if created is not None and int(created[1]) == 1:
+            return []
+        what = f"created context checkpoint {created[1]}" if created is not None else event
+        return [LogProblem("cleared_checkpoints", f"log line {self._line}: slot {s} was cleared at log line {at}, "
+                           f"yet its next checkpoint event is \"{what}\": the clear left its checkpoints")]  # fmt: skip
 
     def _count_cycle(self, line: str) -> None:
         """The saves and the logged removals between two states (:data:`LOG_PROPERTIES`' ``load_transfer``)."""

@@ -513,6 +513,16 @@ def prefix_entry_program() -> tuple[ServerConfig, Program]:
     return cfg, [(y, 1), (u, 1), (y[:200], 1), (v, 1), ((*y[:200], *(9,) * 100), 1)]
 
 
+def cleared_slot_program() -> tuple[ServerConfig, Program]:
+    """Two slots under a unified KV: when a request starts, the other, idle slot is saved to the cache and cleared
+    ([TAG_IDLE_SLOT_CLEAR], server-context.cpp:2427), so each new unrelated prompt lands on a slot cleared while it
+    held checkpoints; that slot's next checkpoint event must be the creation of its checkpoint 1
+    (``cleared_checkpoints``); the last request loads A's entry back with its checkpoints."""
+    cfg = ServerConfig("jamba", n_parallel=2, kv_unified=True, cache_ram_mib=8)
+    a, b, c = (tuple(3 + (k * 31 + i * 7) % 250 for i in range(600)) for k in range(3))
+    return cfg, [(a, 2), (b, 2), (c, 2), (a[:500], 2)]
+
+
 LIMIT_PROGRAMS: dict[str, Callable[[], tuple[ServerConfig, Program]]] = {
     "eviction": eviction_program,
     "full-context": full_context_program,
@@ -520,6 +530,7 @@ LIMIT_PROGRAMS: dict[str, Callable[[], tuple[ServerConfig, Program]]] = {
     "token-limit": token_limit_program,
     "load-threshold": load_threshold_program,
     "prefix-entry": prefix_entry_program,
+    "cleared-slot": cleared_slot_program,
 }
 """The fixed programs the gate runs besides the machines, each at one of the cache's limits (by name)."""
 
