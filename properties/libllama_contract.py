@@ -178,7 +178,7 @@ def configs_for(arch: str) -> list[ContractConfig]:
 
 
 # the contract's findings, from the one registry (each with its condition, upstream location, reproducer)
-CONTRACT_FINDINGS: list[Finding] = [f for f in FINDINGS.values() if f.backend == "contract"]
+CONTRACT_FINDINGS: list[Finding] = [f for f in FINDINGS.values() if f.backend == "contract" and f.condition is not None]
 
 
 class ContractViolation(PropertyFailure):
@@ -1035,8 +1035,10 @@ def run_contract(
     steps: int = 30,
     out: Callable[[str], None] = print,
     wrap: Callable[[Engine], Engine] | None = None,
+    runner: Callable[..., dict[str, Any]] | None = None,
 ) -> dict[str, Any]:
-    """Run the machine on every configuration of ``archs``; a JSON-able report.
+    """Run the machine on every configuration of ``archs``; a JSON-able report. ``runner`` runs one configuration
+    (:func:`run_config`, or :func:`properties.contract_child.run_config_isolated`: each in a child that may die).
 
     ``checks`` counts verified calls per architecture and operation (a call is verified when the
     first decode after it matched a fresh evaluation, or a position/state check held), ``mismatches``
@@ -1053,7 +1055,7 @@ def run_contract(
     replay = f"python -m harness contract --seed {seed} --max-examples {max_examples} --steps {steps}"
     for arch in archs:
         for cfg in configs_for(arch):
-            r = run_config(cfg, seed=seed, max_examples=max_examples, steps=steps, wrap=wrap)
+            r = (runner or run_config)(cfg, seed=seed, max_examples=max_examples, steps=steps, wrap=wrap)
             configs.append(r)
             checks.setdefault(arch, Counter()).update(r["checks"])
             layout += r["layout_diffs"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -11,6 +12,7 @@ import pytest
 
 from fixtures.gguf import ARCHS
 from harness.findings import FINDINGS, Finding
+from properties.contract_child import ABORTS, run_config_isolated
 from properties.libllama_contract import (
     _REFS,
     CONTRACT_FINDINGS,
@@ -245,3 +247,37 @@ def test_a_restore_that_changes_no_byte_is_layout_on_the_window_cache() -> None:
     finally:
         m.teardown()
     assert cls.stats.layout_diffs > layout0
+
+
+class _AbortsOnThirdDecode:
+    """An engine that aborts the process at its third decode, as a GGML_ASSERT would."""
+
+    def __init__(self, engine: Engine) -> None:
+        self._engine = engine
+        self._decodes = 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._engine, name)
+
+    def decode(self, *args: Any, **kwargs: Any) -> Any:
+        self._decodes += 1
+        if self._decodes == 3:
+            sys.stderr.write("src/llama-fake.cpp:1: GGML_ASSERT(planted) failed\n")
+            sys.stderr.flush()
+            os.abort()
+        return self._engine.decode(*args, **kwargs)
+
+
+def test_a_configuration_whose_child_aborts_is_its_failure_with_the_calls_that_led_there() -> None:
+    """run_config_isolated: the run goes on after a child that died; its row names the assertion and lists the
+    libllama calls of the example that died, the third decode last; a registered abort is a counted finding."""
+    row = run_config_isolated(ContractConfig("llama", False), seed=0, max_examples=5, steps=10,
+                              wrap=_AbortsOnThirdDecode)  # type: ignore[arg-type]  # fmt: skip
+    f = row["failure"]
+    assert f["property"] == "libllama_abort" and "killed by SIGABRT" in f["message"]
+    assert "GGML_ASSERT(planted) failed" in f["message"]
+    calls = [line for line in f["program"].splitlines() if line.startswith("decode ")]
+    assert len(calls) == 3, f["program"]
+    ok = run_config_isolated(ContractConfig("llama", False), seed=0, max_examples=3, steps=10)
+    assert ok["failure"] is None and sum(ok["checks"].values()) > 0
+    assert ABORTS["GGML_ASSERT(cell.has_seq_id(seq_id))"].takes_binary  # its reproducer runs on any build

@@ -18,7 +18,8 @@ from pathlib import Path
 from fixtures.gguf import ARCHS
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.trees.api import loaded_libllama
-from harness.trees.driver import libllama_of
+from harness.trees.driver import libllama, libllama_of
+from properties.contract_child import run_config_isolated
 from properties.libllama_contract import run_contract, table
 
 __all__ = ["add_arguments", "run"]
@@ -44,7 +45,9 @@ def run(args: argparse.Namespace) -> int:
     lib = libllama_of(args.source, log=lambda m: print(m, file=sys.stderr)) if args.source else None
     if lib is not None:
         print(lib)
-    rep = run_contract(archs, seed=args.seed, max_examples=args.max_examples, steps=args.steps)
+    print(f"driving {libllama().name}; each configuration in a child process (an abort is its failure)")
+    rep = run_contract(archs, seed=args.seed, max_examples=args.max_examples, steps=args.steps,
+                       runner=run_config_isolated)  # fmt: skip
     print(table(rep))
     for f in rep["findings"]:
         print(f"finding {f['name']}: {f['reproducer']} ({f['upstream']})")

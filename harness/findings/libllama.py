@@ -13,6 +13,7 @@ __all__ = [
     "KV_LAYOUT_DEPENDENT_LOGITS",
     "LIBLLAMA",
     "RECURRENT_SEQ_CP_IGNORES_RANGE",
+    "RECURRENT_SEQ_RM_ALL_ABORT",
     "RECURRENT_SEQ_RM_ANY_SEQ_REFUSED",
     "RECURRENT_SEQ_RM_RANGE_SILENT",
     "SEQ_ADD_MOVES_SHARED_CELLS",
@@ -267,6 +268,24 @@ SWA_PREPARE_PURGE_NOT_UNDONE = Finding(
     ),
 )
 
+RECURRENT_SEQ_RM_ALL_ABORT = Finding(
+    "recurrent-seq-rm-all-abort",
+    "contract",
+    "libllama_abort",
+    "after seq_rm(-1, -1, -1) on a recurrent memory the next decode aborts (b9093 to b10280)",
+    "fixtures/findings/recurrent_seq_rm_all_abort.py",
+    upstream="src/llama-memory-recurrent.cpp:575 at b10280 (find_slot: GGML_ASSERT(cell.has_seq_id(seq_id)))",
+    detail=(
+        "on upstream's builds b9093 to b10280, llama_memory_seq_rm(mem, -1, -1, -1) on a recurrent memory succeeds "
+        "and clears every cell's sequences but leaves each sequence's tail on its old cell; the next llama_decode of "
+        "that sequence takes the tail in find_slot and asserts GGML_ASSERT(cell.has_seq_id(seq_id)): the process "
+        "aborts. Found by the contract machine on b10280's own libllama (three calls: a decode, the seq_rm, a "
+        "decode); b11434, b11549 and the pinned commit refuse seq_rm(-1, ...) instead "
+        "(recurrent-seq-rm-any-seq-refused), so it was fixed between b10280 and b11434"
+    ),
+    takes_binary=True,
+)
+
 LIBLLAMA = [
     KV_LAYOUT_DEPENDENT_LOGITS,
     CACHE_LOAD_INTO_PENDING_CHILD_COPY,
@@ -284,4 +303,5 @@ LIBLLAMA = [
     STATE_SET_LEAKS_INTO_PENDING_SEQ_CP,
     STATE_GET_MISSES_PENDING_SHIFT,
     SWA_PREPARE_PURGE_NOT_UNDONE,
+    RECURRENT_SEQ_RM_ALL_ABORT,
 ]

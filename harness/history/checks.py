@@ -15,8 +15,8 @@ Three kinds of check, each run on a built ``llama-server``:
 * :class:`LayerCheck` (a libllama finding's id: the llama backend's or the contract machine's): that layer run on
   the build's own ``libllama.so`` through the driver bound from its tree's header (:mod:`harness.trees.driver`):
   ``gate --backend llama`` or ``contract``, once per build for all the findings of the layer. Present when the run
-  shows the finding, absent when it ran and did not (for the llama backend only a finding its run shows on the
-  pinned tree: :data:`LLAMA_RUN_SHOWS`), skipped when the layer cannot run there (with the one line that says why).
+  shows the finding, absent when it ran and did not (only a finding that run shows on the pinned tree:
+  :data:`RUN_SHOWS`), skipped when the layer cannot run there (with the one line that says why).
 * :class:`PropertyCheck` (``property:NAME``): the whole server gate on the build (``gate --backend server
   --source``), present when it reports that property failed, absent when it checked it and it held. Away from the
   pinned commit the model's drift may fail model-based properties: the log's six (``limit``, ``accounting``,
@@ -46,8 +46,9 @@ from harness.trees.binding import bind
 from harness.trees.build import tree_of_build
 from harness.trees.driver import DRIVER_ENV
 
-__all__ = ["ABSENT", "LLAMA_RUN_SHOWS", "PRESENT", "SKIPPED", "Check", "LayerCheck", "ProgramCheck", "PropertyCheck",
-           "ReproducerCheck", "Verdict", "check_of", "finding_check", "history_checks", "property_verdict"]  # fmt: skip
+__all__ = ["ABSENT", "PRESENT", "RUN_SHOWS", "SKIPPED", "Check", "LayerCheck", "ProgramCheck", "PropertyCheck",
+           "ReproducerCheck", "Verdict", "check_of", "finding_check", "history_checks", "layer_verdict",
+           "property_verdict"]  # fmt: skip
 
 PRESENT = "present"
 ABSENT = "absent"
@@ -95,12 +96,16 @@ class ReproducerCheck:
         return Verdict(SKIPPED, f"the reproducer {res.describe()}: {last}")
 
 
-#: The llama backend's findings its CI-profile run shows on the pinned tree (``gate --backend llama``, seed 0): only
-#: for these is a run that does not show them an "absent"; the others are shown by their reproducers alone.
-LLAMA_RUN_SHOWS = frozenset(
-    {"kv-layout-dependent-logits", "draft-kv-exhaustion (real state)", "state-io-alloc-outside-try"}
-    | {"decode-bad-alloc-terminates", "graph-compute-segv"}
-)
+#: The libllama findings each layer's default run shows on the pinned tree (``gate --backend llama --profile ci``,
+#: ``contract``, seed 0): only for these is a run that does not show them an "absent"; the others are shown by their
+#: reproducers alone, and a run without them says nothing.
+RUN_SHOWS: dict[str, frozenset[str]] = {
+    "llama": frozenset({"kv-layout-dependent-logits", "draft-kv-exhaustion (real state)", "graph-compute-segv",
+                        "state-io-alloc-outside-try", "decode-bad-alloc-terminates"}),
+    "contract": frozenset({"seq-keep-ignores-other-streams", "recurrent-seq-rm-range-silent",
+                           "recurrent-seq-cp-ignores-range", "recurrent-seq-rm-any-seq-refused",
+                           "seq-add-moves-shared-cells"}),
+}  # fmt: skip
 
 _LAYER_RUNS: dict[tuple[str, str], dict[str, Any] | Verdict] = {}  # (binary, layer) -> its JSON, or why it cannot run
 
@@ -149,21 +154,24 @@ def _run_layer(binary: Path, layer: str, timeout: float, log: Callable[[str], No
 
 
 def layer_verdict(data: dict[str, Any], layer: str, finding: str) -> Verdict:
-    """A layer's JSON on one finding: shown (with the first evidence), not shown after a run that shows it on the
-    pinned tree, or not told."""
+    """A layer's JSON on one finding: shown (with its evidence), not shown by a run that shows it on the pinned tree,
+    or not told (a finding that run does not show even there)."""
+    name = {"llama": "the llama backend", "contract": "the contract machine"}[layer]
     if layer == "contract":
         row = next((f for f in data.get("findings", []) if f.get("name") == finding), None)
         if row is not None:
-            return Verdict(PRESENT, f"the contract machine saw it: {str((row.get('evidence') or [''])[0])[:240]}")
-        checks = sum(int(n) for per in (data.get("checks") or {}).values() for n in dict(per).values())
-        return Verdict(ABSENT, f"the contract machine ran ({checks} checks, every model) and did not see it")
-    known = next((k for k in data.get("known_findings", []) if k.get("id") == finding), None)
-    if known is not None and known.get("status") == "reproduced":
-        return Verdict(PRESENT, f"the llama backend reproduced it {known.get('count')} times")
-    if finding in LLAMA_RUN_SHOWS and data.get("properties"):
-        return Verdict(ABSENT, "the llama backend ran every model and did not reproduce it")
-    return Verdict(SKIPPED, "the llama backend's run does not show it, not even on the pinned tree (its reproducer "
-                            "does)")  # fmt: skip
+            return Verdict(PRESENT, f"{name} saw it: {str((row.get('evidence') or [''])[0])[:240]}")
+        ran = sum(int(n) for per in (data.get("checks") or {}).values() for n in dict(per).values())
+    else:
+        known = next((k for k in data.get("known_findings", []) if k.get("id") == finding), None)
+        if known is not None and known.get("status") == "reproduced":
+            return Verdict(PRESENT, f"{name} reproduced it {known.get('count')} times")
+        ran = sum(int(r.get("examples", 0)) for r in data.get("properties", []))
+    if finding not in RUN_SHOWS[layer]:
+        return Verdict(SKIPPED, f"{name}'s run does not show it, not even on the pinned tree (its reproducer does)")
+    if not ran:
+        return Verdict(SKIPPED, f"{name} checked nothing on this build")
+    return Verdict(ABSENT, f"{name} ran ({ran} checks) and did not show it, as it does on the pinned tree")
 
 
 @dataclass(frozen=True)

@@ -307,7 +307,8 @@ class LlamaProvider:
         ll = self._ll
         if self.mem is None:
             return SeqRmType.NO
-        if ll.llama_n_rs_seq(self.ctx) > 0:
+        # recurrent-state snapshots per sequence (n_rs_seq, upstream after b9093): a tree without it has none
+        if ll.has("llama_n_rs_seq") and ll.llama_n_rs_seq(self.ctx) > 0:
             return SeqRmType.RS
         ll.llama_memory_clear(self.mem, True)
         try:
