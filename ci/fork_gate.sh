@@ -12,7 +12,7 @@
 #   ci/fork_gate.sh all     TREE OUT        build, server, default, memory; exits with the worst exit code
 # Extra gate flags: SERVER_GATE_ARGS (e.g. "--semantics master"), GATE_ARGS (e.g. "--seed 3").
 # Exit codes are the gate's: 0 pass, 1 a property failed, 2 usage/environment, 3 crash, 4 build failed;
-# a step the harness cannot run on this tree (its exit 6: e.g. the bindings cannot drive the tree's libllama) is
+# a step the harness cannot run on this tree (its exit 6: e.g. its llama.h lacks a function the harness calls) is
 # a skip, said in OUT/skipped.txt and the log, and exits 0 here: a fork's CI is red only for its change.
 set -uo pipefail
 HARNESS="$(cd "$(dirname "$0")/.." && pwd)"

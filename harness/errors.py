@@ -114,7 +114,7 @@ class Unavailable(HarnessError):
 
 
 class HarnessLimit(HarnessError):
-    """A layer of the harness cannot run on this tree (the bindings cannot drive its libllama): the harness's
+    """A layer of the harness cannot run on this tree (its llama.h lacks a function the harness calls): the harness's
     limit, not the user's mistake (exit 2) nor the tree's failure (exit 1); one line, exit 6, naming what still
     runs on the tree. ``ci/fork_gate.sh`` reports the step as skipped."""
 

@@ -5,7 +5,8 @@
   checkpoints created at other positions, as many as the base's;
 * the driver: an HTTP 500 and a server dying mid-request are classified failures with a replay, exit 1 and
   3, the JSON written, no traceback;
-* the libllama layers on a tree's own libllama, and a library whose C API the bindings cannot drive refused;
+* the libllama layers on a tree's own libllama through the driver bound from its header, and a header the harness
+  cannot drive refused;
 * a second build of a near-identical tree compiles only what differs.
 """
 
