@@ -45,6 +45,7 @@ from harness.targets.server_log import CacheLog
 from harness.trees.binding import bind
 from harness.trees.build import tree_of_build
 from harness.trees.driver import DRIVER_ENV
+from harness.trees.tree import cache_root
 
 __all__ = ["ABSENT", "PRESENT", "RUN_SHOWS", "SKIPPED", "Check", "LayerCheck", "ProgramCheck", "PropertyCheck",
            "ReproducerCheck", "Verdict", "check_of", "finding_check", "history_checks", "layer_verdict",
@@ -150,6 +151,10 @@ def _run_layer(binary: Path, layer: str, timeout: float, log: Callable[[str], No
         except (OSError, ValueError):
             tail = (res.stderr or res.stdout).strip().splitlines()[-1:] or [res.describe()]
             return Verdict(SKIPPED, f"{' '.join(cmd)} wrote no report ({res.describe()}): {tail[0][:300]}")
+    kept = cache_root() / "history" / f"{binary.resolve().parent.name}-{layer}.json"  # the layer's whole report
+    kept.parent.mkdir(parents=True, exist_ok=True)
+    kept.write_text(json.dumps({**data, "exit_code": res.returncode, "tree": str(tree)}, indent=1))
+    log(f"{' '.join(cmd)} on {tree}: exit {res.returncode}, its report kept in {kept}")
     return data
 
 
