@@ -1,8 +1,8 @@
 """The replay's child: ``python -m harness.trace.replay_child replay|shrink TRACE --out JSON``.
 
-:mod:`harness.trace.replay` starts it with ``LLAMA_CPP_LIB_PATH`` naming the traced server's own
-``libllama.so``; it replays the trace (:class:`~harness.trace.replay_engine.Engine`, with ``--fresh`` every
-read also against a fresh sequential evaluation) and, for ``shrink``, shrinks it
+:mod:`harness.trace.replay` starts it on the traced server's own ``libllama.so`` (through the driver bound from
+its tree's header, or llama-cpp-python's); it replays the trace (:class:`~harness.trace.replay_engine.Engine`, with
+``--fresh`` every read also against a fresh sequential evaluation) and, for ``shrink``, shrinks it
 (:func:`~harness.trace.shrink.shrink`) to the target given or the first divergence, writing the shrunk trace
 to ``--shrunk``. Its JSON is the replay's summary and the shrink's (target, calls and rows left,
 seconds, path).
@@ -11,7 +11,6 @@ seconds, path).
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import sys
 import time
@@ -22,6 +21,8 @@ from harness.child import child_setup
 from harness.trace.calls import read_trace, write_trace
 from harness.trace.replay_engine import Engine, RunResult
 from harness.trace.shrink import shrink
+from harness.trees.api import loaded_libllama
+from harness.trees.driver import libllama
 
 __all__ = ["main"]
 
@@ -41,8 +42,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     a = ap.parse_args(argv)
     trace = read_trace(a.trace)
     engine = Engine(trace, model=a.model, ctx=a.ctx)
-    lib = importlib.import_module("llama_cpp").llama_cpp._lib._name
-    out: dict[str, Any] = {"trace": a.trace, "libllama": lib, "model": str(engine.model.path),
+    out: dict[str, Any] = {"trace": a.trace, "libllama": str(loaded_libllama() or ""), "driver": libllama().name,
+                           "model": str(engine.model.path),
                            "torn": trace.torn, "truncated": trace.truncated}  # fmt: skip
     try:
         # a shrink with its target named starts from the target's slice: no replay of the whole trace first
