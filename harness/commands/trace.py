@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from fixtures.gguf import ARCHS, model_path
+from harness.backends.llama_server.probe import probe
 from harness.commands.common import add_server_options, resolve_server
 from harness.errors import EXIT_FAILED, EXIT_OK, UsageError
 from harness.load.traced import fresh_answers, record_concurrent, workload
@@ -78,6 +79,7 @@ def _record(args: argparse.Namespace) -> int:
     if args.rounds < 1:
         raise UsageError("--rounds must be >= 1")
     build = resolve_server(args)
+    print("  " + probe(build.binary).line(), file=sys.stderr)  # the request form its version answers
     if args.model is not None:
         if args.arch is not None:
             raise UsageError("--model is the old spelling of --arch; use --arch only")

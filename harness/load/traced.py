@@ -28,6 +28,7 @@ from harness.errors import UsageError
 from harness.targets.llama_server import Launch, ServerProcess
 from harness.trace.calls import DEFAULT_MAX_BYTES, static_note, trace_env
 from harness.trace.replay import lib_dir_of
+from harness.trees.build import tree_of_build
 
 __all__ = [
     "LOAD_TRACE_MAX_BYTES",
@@ -181,7 +182,8 @@ def record_concurrent(
     note = static_note(binary)
     if note is not None:
         raise UsageError(note)
-    env = trace_env(trace, max_bytes=max_bytes)
+    # the interposer compiled against the server's own tree (its structs as that server has them)
+    env = trace_env(trace, max_bytes=max_bytes, tree=tree_of_build(binary.resolve().parent))
     run = TracedRun(trace, binary, lib_dir_of(binary))
     errors: list[BaseException] = []
     lock = threading.Lock()

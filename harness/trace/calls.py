@@ -38,6 +38,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from faults.native import NativeUnavailable, cache_dir
+from harness.errors import HarnessLimit
 from harness.trees.pinned import sdist_source
 from harness.trees.stage import links_libllama
 
@@ -95,7 +96,10 @@ def build_trace(tree: Path | None = None) -> Path:
         proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
             first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:200])
-            raise NativeUnavailable(f"gcc failed to build trace.c against {tree}/include/llama.h: {first}")
+            # a limit of the harness on this tree (exit 6), not the user's mistake: trace.c records the pinned API
+            raise HarnessLimit(f"the libllama trace cannot be built against {tree}/include/llama.h (trace.c records "
+                               f"the API of the pinned commit: the extended batch API and its context parameters): "
+                               f"{first}")  # fmt: skip
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):
