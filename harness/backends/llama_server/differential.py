@@ -318,6 +318,7 @@ class MachineStats:
     requests: int = 0
     cache_hits: int = 0  # cache_n > 0
     output_checks: int = 0
+    restore_checks: int = 0  # output checks of a request served partly from the cache (restore_equivalence)
     evictions: int = 0  # predicted by the model and seen in the server's log, request by request
     cache_loads: int = 0
     near_tie_flips: int = 0  # the known finding greedy-flip-on-cache-path
@@ -413,10 +414,12 @@ def server_machine(
                                      f"the fresh reference server, asked {row.describe()}: {e}", self.d.program(),
                                      kind) from None  # fmt: skip
             stats.output_checks += 1
+            cached = row.cache_n > 0  # served partly from the slot, a cache entry or a checkpoint
+            stats.restore_checks += cached
             if problem == "near-tie":
                 stats.near_tie_flips += 1
             elif problem is not None:
-                raise ServerMismatch("output", problem, self.d.program())
+                raise ServerMismatch("restore_equivalence" if cached else "output", problem, self.d.program())
 
         @precondition(lambda self: len(self.sent) > 0)
         @rule(i=st.integers(0, 50))

@@ -14,6 +14,7 @@ import re
 import signal
 import tempfile
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -273,9 +274,10 @@ def memory_and_faults(
     fail: Callable[[str, str, str, str, str], None],
     out: Callable[[str], None],
     other: tuple[str, Path, str] | None = None,
-) -> None:
+) -> Counter[str]:
     """VmHWM around a save with ~16 MiB of checkpoints, and native faults during a save. ``other`` (label,
-    binary, semantics) is measured beside it; by default the pinned build of the other semantics, if built."""
+    binary, semantics) is measured beside it; by default the pinned build of the other semantics, if built. The
+    checks it made, by property (the server backend's table counts them)."""
     mem = save_peak(binary, semantics, log_dir=logs)
     section["rss_peak_bytes"] = mem["rss_peak_bytes"]
     section["memory"] = {label: mem}
@@ -299,6 +301,7 @@ def memory_and_faults(
             line += f"; master/pr = {section['rss_ratio_master_over_pr']}"
     out(line)
     bound = mem["state_bytes"] + mem["checkpoint_bytes"] // 2
+    checked: Counter[str] = Counter({"transient_peak": 1})
     if mem["rss_peak_bytes"] > bound:
         fail(
             "transient_peak",
@@ -309,8 +312,8 @@ def memory_and_faults(
             "",
             "server-memory",
         )
-    fault_trials(report, section, label, semantics, binary, logs, fail, out)
-    gate_check(section, label, semantics, binary, logs, fail, out)
+    checked += fault_trials(report, section, label, semantics, binary, logs, fail, out)
+    return checked + gate_check(section, label, semantics, binary, logs, fail, out)
 
 
 def fault_trials(
@@ -322,11 +325,13 @@ def fault_trials(
     logs: str,
     fail: Callable[[str, str, str, str, str], None],
     out: Callable[[str], None],
-) -> None:
+) -> Counter[str]:
     """Native faults: the nth large allocation of the request that saves the slot, for n = 1, 2, 3."""
     out_of_scope: list[str] = []
+    checked: Counter[str] = Counter()
     for nth in (1, 2, 3):
         t = save_fault(binary, label, semantics, nth, log_dir=logs)
+        checked.update(("native_fault", "no_partial_entries"))
         section["fault_trials"] += 1
         section["server_crashes"] += t.observed == "crash"
         section.setdefault("faults", []).append(t.to_json())
@@ -356,3 +361,4 @@ def fault_trials(
             message="; ".join(out_of_scope) if out_of_scope else None,
         )
     )
+    return checked

@@ -32,6 +32,7 @@ import contextlib
 import re
 import signal
 import time
+from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -365,7 +366,7 @@ def gate_check(
     logs: str,
     fail: Callable[[str, str, str, str, str], None],
     out: Callable[[str], None],
-) -> None:
+) -> Counter[str]:
     """The server gate's check: 4 checkpoints of 64 MiB saved under ``baseline + S + C/2`` in a memory cgroup
     (when one can be made here; else one line says so) and under RLIMIT_AS. The property is the PR's: the save
     fits and the next request resumes from the cache. Master breaks it as the PR says: OOM-killed in the cgroup
@@ -376,10 +377,13 @@ def gate_check(
         modes = ["rlimit"]
         out("  [skip] oom in a memory cgroup: no writable cgroup v1 memory nor v2 memory controller here")
     section["oom"] = {}
+    checked: Counter[str] = Counter()
     for mode in modes:
         r = run_oom(binary, label, semantics, OomSettings(checkpoints=4, size_mib=64, mode=mode), Path(logs))
         section["oom"][mode] = r.to_json()
         ok = r.outcome == "survived" and bool(r.resumed)
+        # each limit holds the save to both: it fits (transient_peak) and no bad_alloc escapes (no_partial_entries)
+        checked.update(("transient_peak", "no_partial_entries"))
         what = (
             f"oom ({mode}): {r.n_checkpoints} checkpoints of {r.checkpoint_mib_log} MiB, limit baseline + S + C/2 "
             f"= {r.limit_bytes / MIB:.0f} MiB: {r.outcome}"
@@ -408,3 +412,4 @@ def gate_check(
         else:
             prop, kind, why = "server", "crash", "; ".join(r.notes)
         fail(prop, kind, f"llama-server {label} {what}: {why} (log: {r.log_path})", "", "server-oom")
+    return checked

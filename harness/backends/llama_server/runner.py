@@ -169,7 +169,9 @@ def run_server_backend(
         _programs(run, binary, semantics, logs)
         if not build.asan:
             try:
-                memory_and_faults(report, run.section, build.label, semantics, binary, logs, run.fail, out)
+                t0 = time.perf_counter()
+                checked = memory_and_faults(report, run.section, build.label, semantics, binary, logs, run.fail, out)
+                run.passed(time.perf_counter() - t0, checked)
             except ServerMismatch as e:
                 run.mismatch(e, "server-memory")
             except ServerStartError as e:
@@ -277,7 +279,8 @@ def _machines(run: ServerRun, binary: Path, semantics: str, hs: settings, seed: 
             run.fail("server", "crash", str(e), "", f"server-{cfg.name}")
         for k in ("requests", "near_tie_flips", "evictions", "cache_loads"):
             run.section[k] += getattr(stats, k)
-        checked = Counter({"cache_n": stats.requests, "output": stats.output_checks}) + stats.log_checks
+        checked = Counter({"cache_n": stats.requests, "output": stats.output_checks,
+                           "restore_equivalence": stats.restore_checks}) + stats.log_checks  # fmt: skip
         run.passed(time.perf_counter() - t0, checked)
         run.out(
             f"  [{status}] {cfg.name:<20} {stats.requests:>4} requests ({stats.cache_hits} reused a prefix, "
@@ -431,8 +434,10 @@ def _memory_change(report: GateReport, run: ServerRun, tree: ServerBuild, base: 
                    base_semantics: str, logs: str, out: Callable[[str], None]) -> None:  # fmt: skip
     """The memory properties on ``TREE`` (as without ``--base``), and ``BASE``'s save peak beside it."""
     try:
-        memory_and_faults(report, run.section, tree.label, semantics, tree.binary, logs, run.fail, out,
-                          other=("base", base.binary, base_semantics))  # fmt: skip
+        t0 = time.perf_counter()
+        checked = memory_and_faults(report, run.section, tree.label, semantics, tree.binary, logs, run.fail, out,
+                                    other=("base", base.binary, base_semantics))  # fmt: skip
+        run.passed(time.perf_counter() - t0, checked)
     except ServerMismatch as e:
         run.mismatch(e, "server-memory")
     except ServerStartError as e:
