@@ -18,6 +18,7 @@ from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 
 from hypothesis import settings
 from hypothesis.errors import FlakyFailure
@@ -430,14 +431,39 @@ class _PairRun:
                 self.run.out(f"  upstream drift (BASE against the model {PINNED_COMMIT}; reported, not failing): {d}")
 
 
+def _judge_against_base(run: ServerRun, failed: list[tuple[str, str, str, str, str]], base: ServerBuild,
+                        base_semantics: str, logs: str, out: Callable[[str], None]) -> None:  # fmt: skip
+    """File ``TREE``'s memory failures that ``BASE`` does not share; say the others are ``BASE``'s too."""
+    if not failed:
+        return
+    out(f"  TREE failed {', '.join(sorted({f[0] for f in failed}))}: the same memory properties on BASE")
+    on_base: list[tuple[str, str, str, str, str]] = []
+    scratch = SimpleNamespace(known=[])  # BASE's known-finding rows are not this report's
+    memory_and_faults(scratch, {"fault_trials": 0, "server_crashes": 0}, "base", base_semantics, base.binary, logs,
+                      lambda *f: on_base.append(f), lambda m: out("  [base]" + m[1:]))  # fmt: skip
+    base_props = {(f[0], f[1], f[4]) for f in on_base}
+    shared = [f for f in failed if (f[0], f[1], f[4]) in base_props]
+    run.section["base_failures"] = [{"property": f[0], "kind": f[1], "message": f[2]} for f in shared]
+    for f in failed:
+        if f in shared:
+            out(f"  [base] {f[0]} ({f[4]}) fails on BASE as on TREE: upstream's, not the change's")
+        else:
+            run.fail(*f)
+
+
 def _memory_change(report: GateReport, run: ServerRun, tree: ServerBuild, base: ServerBuild, semantics: str,
                    base_semantics: str, logs: str, out: Callable[[str], None]) -> None:  # fmt: skip
-    """The memory properties on ``TREE`` (as without ``--base``), and ``BASE``'s save peak beside it."""
+    """The memory properties on ``TREE`` (as without ``--base``), and ``BASE``'s save peak beside it. A property
+    ``TREE`` fails is run on ``BASE`` too: failed there the same way, it is upstream's, not the change's (said, kept in
+    the section's ``base_failures``, not failing); only what ``BASE`` holds and ``TREE`` breaks fails the gate."""
+    failed: list[tuple[str, str, str, str, str]] = []
     try:
         t0 = time.perf_counter()
-        checked = memory_and_faults(report, run.section, tree.label, semantics, tree.binary, logs, run.fail, out,
+        checked = memory_and_faults(report, run.section, tree.label, semantics, tree.binary, logs,
+                                    lambda *f: failed.append(f), out,
                                     other=("base", base.binary, base_semantics))  # fmt: skip
         run.passed(time.perf_counter() - t0, checked)
+        _judge_against_base(run, failed, base, base_semantics, logs, out)
     except ServerMismatch as e:
         run.mismatch(e, "server-memory")
     except ServerStartError as e:
