@@ -38,12 +38,16 @@ def test_a_well_formed_log_holds_every_property_and_counts_each() -> None:
         + _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])
         + _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])  # nothing left, nothing came
         + _CLEAR.format(slot=1) + _CREATED.format(slot=1, k=1)
+        + _TOKEN_EVICT.format(est=1000)  # 1802 tokens held: over est, so the oldest goes
+        + f"{_T} - cache state: 1 prompts, 0.148 MiB (limits: 1.000 MiB, 2048 tokens, 6070 est)\n"
+        + f"{_T}   - prompt 0x55{1:010x}:     901 tokens, checkpoints:  2,     0.148 MiB\n"
     )
     problems, log = _problems(text)
     assert problems == []
     assert all(log.checked[p] > 0 for p in LOG_PROPERTIES), log.checked
 
 
+_TOKEN_EVICT = "0.4 W srv        update:  - cache token limit (2048, est: {est}) reached, removing oldest entry\n"
 _CLEAR = "0.2 I slot prompt_clear: id  {slot} | task -1 | clearing prompt with 832 tokens\n"
 _CREATED = ("0.3 I slot create_check: id  {slot} | task 5 | created context checkpoint {k} of 4 (pos_min = 63, "
             "pos_max = 63, n_tokens = 64, size = 0.009 MiB)\n")  # fmt: skip
@@ -202,3 +206,14 @@ def test_evictions_take_the_oldest_entries_and_only_as_many_as_needed() -> None:
     assert "where removing the oldest entries first" in newest[0].message and "['0xb', 'new']" in newest[0].message
     needless = _problems(state(["0xa", "0xb"], 0.1, 0.4) + _SAVE + room + state(["0xb", "0xc"], 0.1, 0.4))[0]
     assert [p.property for p in needless] == ["alloc_eviction"] and "fit the limit 0.400 MiB" in needless[0].message
+
+
+def test_an_update_that_evicts_for_tokens_below_its_estimate_fails_update_eviction() -> None:
+    two = _state(2, 0.297, 1.0, 2048, 6070, [(901, 2, 0.148), (901, 2, 0.148)])
+    one = (f"{_T} - cache state: 1 prompts, 0.148 MiB (limits: 1.000 MiB, 2048 tokens, 6070 est)\n"
+           f"{_T}   - prompt 0x55{1:010x}:     901 tokens, checkpoints:  2,     0.148 MiB\n")  # fmt: skip
+    fine, log = _problems(two + _TOKEN_EVICT.format(est=1000) + one)
+    assert fine == [] and log.checked["update_eviction"] == 1
+    needless, _ = _problems(two + _TOKEN_EVICT.format(est=5000) + one)  # 1802 <= 5000: nothing to evict
+    assert [p.property for p in needless] == ["update_eviction"], needless
+    assert "though the cache held 1802 <= 5000 tokens" in needless[0].message

@@ -29,6 +29,10 @@ is counted under the property's name, so the gate's table says how often the ser
     oldest go first, each make-room eviction was needed (the cache and the new entry, as the state then lists it,
     did not fit) and each token eviction too. A cycle the log cannot replay exactly (an allocation failure, two
     entries of the length an obsolete removal names) is not checked;
+``update_eviction``
+    in a cycle where ``update`` itself evicted (``cache size limit reached`` or ``cache token limit (N, est: E)
+    reached, removing oldest entry``, server-task.cpp:1875-1893), the replay of ``alloc_eviction`` holds it: the
+    oldest went first, and a token eviction only while the cache held more than ``est`` tokens;
 ``load_transfer``
     between two states the entries that left are the logged removals (an obsolete prefix, server-task.cpp:1742;
     the entry a load moved into the slot, :1864; an eviction) and each logged removal took one, and no entry
@@ -62,7 +66,7 @@ from dataclasses import dataclass, field
 __all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem"]
 
 LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction", "load_transfer",
-                  "no_prefix_entries", "cleared_checkpoints")
+                  "no_prefix_entries", "cleared_checkpoints", "update_eviction")
 """The properties :class:`CacheLog` checks, by their names in ``properties.invariants.INVARIANTS``."""
 
 _STATE = re.compile(
@@ -142,6 +146,7 @@ class _Order:
     room: list[float] = field(default_factory=list)  # the cache's MiB before each make-room eviction
     token_pops: list[tuple[int, int]] = field(default_factory=list)  # tokens held before a token eviction, est
     known: bool = False  # a state has been listed: the replay starts from the first one (as load_transfer)
+    update_pops: int = 0  # update's own evictions (size, tokens) in this cycle: ``update_eviction`` is at stake
 
     def appended(self) -> None:
         if self.saving:
@@ -173,6 +178,7 @@ class _Order:
             self.pop_oldest("make room")
         elif "cache size limit reached, removing oldest entry" in line:
             self.appended()
+            self.update_pops += 1
             self.pop_oldest("update's size eviction")
         elif (m := _TOKEN_EVICT.search(line)) is not None:
             self.appended()
@@ -180,6 +186,7 @@ class _Order:
             if any(a == _NEW for a, _n, _m in self.entries):
                 self.unsure = self.unsure or "a token eviction while the new entry's size is unknown"
             self.token_pops.append((held, int(m[2])))
+            self.update_pops += 1
             self.pop_oldest("update's token eviction")
 
     def loaded(self, scan: _Scan) -> None:
@@ -383,10 +390,14 @@ class CacheLog:
             return []
         n, mib, limit_mib, limit_tokens, est, line = state
         out: list[LogProblem] = self._transfers(ids, line)
+        updated = self._order.update_pops > 0 and not self._order.unsure and self._order.known
+        self._order.update_pops = 0
         if len(ids) == len(entries) and self._order.known:
             self.checked["alloc_eviction"] += 1
+            self.checked["update_eviction"] += updated  # a cycle in which update itself evicted
         if len(ids) == len(entries) and (order := self._order.check(ids, entries, limit_mib)) is not None:
-            out.append(LogProblem("alloc_eviction", f"log line {line}: {order}"))
+            prop = "update_eviction" if updated and order.startswith("update removed") else "alloc_eviction"
+            out.append(LogProblem(prop, f"log line {line}: {order}"))
         self.checked["limit"] += 1
         self.checked["alloc_eviction"] += 1  # an update: it evicted for size only after a lowered limit
         tokens = sum(t for t, _c, _m in entries)
