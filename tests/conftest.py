@@ -285,6 +285,12 @@ KEPT_EDIT: Edits = {"tools/server/server-context.cpp": [
     ("        mem.seq_rm(id, -1, -1);\n\n        prompt.clear();",
      "        mem.seq_rm(id, -1, -1);\n\n        prompt.tokens.clear();")]}  # fmt: skip
 
+#: update evicts for the token limit while the cache holds more than half its estimate (server-task.cpp:1886)
+#: -> update_eviction
+EARLY_EDIT: Edits = {"tools/server/server-task.cpp": [
+    ("        while (!states.empty() && n_tokens() > limit_tokens_cur) {",
+     "        while (!states.empty() && 2 * n_tokens() > limit_tokens_cur) {")]}  # fmt: skip
+
 
 def merged(*edits: Edits) -> Edits:
     """Several trees' edits in one tree (a row of trees that each add one change: ``history``'s tests)."""
@@ -308,6 +314,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "transfer": ("shared", TRANSFER_EDIT),
     "contained": ("shared", CONTAINED_EDIT),
     "kept": ("shared", KEPT_EDIT),
+    "early": ("shared", EARLY_EDIT),
     "newest": ("shared", NEWEST_EDIT),
     "extra": ("shared", EXTRA_EDIT),
     "fail": ("shared", FAIL_EDIT),
@@ -335,7 +342,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
-         "kept", "newest", "extra", "offset-cap", "offset-cap-threshold")
+         "kept", "early", "newest", "extra", "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

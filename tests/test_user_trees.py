@@ -281,6 +281,7 @@ SERVER_MUTANTS = {
     "newest": ("eviction", "alloc_eviction"),
     "extra": ("eviction", "alloc_eviction"),
     "kept": ("cleared-slot", "cleared_checkpoints"),
+    "early": ("token-limit", "update_eviction"),
 }
 
 
