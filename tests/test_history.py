@@ -289,3 +289,14 @@ def test_a_libllama_finding_is_read_from_its_layers_real_report() -> None:
     assert layer_verdict(data, "llama", "kv-layout-dependent-logits").state == ABSENT
     assert layer_verdict(data, "llama", "swa-restore-window-short").state == SKIPPED  # its run never shows it
     assert isinstance(check_of("graph-compute-segv"), LayerCheck)
+
+
+def test_a_contract_finding_is_not_absent_where_its_configurations_died() -> None:
+    """b9093's contract: every recurrent configuration aborted early (recurrent-seq-rm-all-abort), so the recurrent
+    findings its run would have shown are skipped there, not absent."""
+    rows = [{"config": "llama_kvs", "failure": None, "finding_counts": {}},
+            {"config": "mamba_kvs", "failure": None, "finding_counts": {"recurrent-seq-rm-all-abort": 1}}]  # fmt: skip
+    data = {"findings": [], "configs": rows, "checks": {"llama": {"decode": 40}}}
+    died = layer_verdict(data, "contract", "recurrent-seq-rm-range-silent")
+    assert died.state == SKIPPED and "mamba_kvs ended early" in died.why
+    assert layer_verdict(data, "contract", "seq-keep-ignores-other-streams").state == ABSENT  # llama ran whole

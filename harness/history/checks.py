@@ -166,6 +166,14 @@ def layer_verdict(data: dict[str, Any], layer: str, finding: str) -> Verdict:
         row = next((f for f in data.get("findings", []) if f.get("name") == finding), None)
         if row is not None:
             return Verdict(PRESENT, f"{name} saw it: {str((row.get('evidence') or [''])[0])[:240]}")
+        cond = FINDINGS[finding].condition if finding in FINDINGS else None
+        archs = cond.archs if cond is not None else frozenset()
+        died = [c["config"] for c in data.get("configs", []) if str(c.get("config", "")).split("_")[0] in archs
+                and (c.get("failure") or any(k in FINDINGS and FINDINGS[k].property == "libllama_abort"
+                                             for k in c.get("finding_counts", {})))]  # fmt: skip
+        if died:
+            return Verdict(SKIPPED, f"{name}'s run of {', '.join(died)} ended early (an abort or a failure), before "
+                                    "it could show it")  # fmt: skip
         ran = sum(int(n) for per in (data.get("checks") or {}).values() for n in dict(per).values())
     else:
         known = next((k for k in data.get("known_findings", []) if k.get("id") == finding), None)
