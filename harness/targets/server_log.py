@@ -128,6 +128,7 @@ class _Scan:
         return best
 
 
+_SAVING = re.compile(r"saving prompt with length (\d+)")
 _OBSOLETE = re.compile(r"removing obsolete cached prompt with length (\d+)")
 _TOKEN_EVICT = re.compile(r"cache token limit \((\d+), est: (\d+)\) reached, removing oldest entry")
 _NEW = ""  # the entry a save appends, before a state names its address
@@ -142,6 +143,7 @@ class _Order:
 
     entries: list[tuple[str, int, float]] = field(default_factory=list)  # address, tokens, MiB
     saving: bool = False  # a save began and was not refused: its entry is appended at the next event
+    saving_tokens: int = 0  # its length, from the save's own line (its size is known only when a state lists it)
     unsure: str = ""  # why this cycle cannot be replayed (then it is not checked)
     room: list[float] = field(default_factory=list)  # the cache's MiB before each make-room eviction
     token_pops: list[tuple[int, int]] = field(default_factory=list)  # tokens held before a token eviction, est
@@ -150,7 +152,7 @@ class _Order:
 
     def appended(self) -> None:
         if self.saving:
-            self.entries.append((_NEW, 0, 0.0))
+            self.entries.append((_NEW, self.saving_tokens, 0.0))
             self.saving = False
 
     def pop_oldest(self, why: str) -> None:
@@ -161,8 +163,8 @@ class _Order:
 
     def event(self, line: str) -> None:
         """One line of the log between two states."""
-        if "saving prompt with length" in line:
-            self.saving = True
+        if (m := _SAVING.search(line)) is not None:
+            self.saving, self.saving_tokens = True, int(m[1])
         elif "already in the cache, skipping" in line or "exceeds cache size limit" in line:
             self.saving = False
         elif "failed to allocate memory for prompt cache state" in line:
@@ -182,9 +184,7 @@ class _Order:
             self.pop_oldest("update's size eviction")
         elif (m := _TOKEN_EVICT.search(line)) is not None:
             self.appended()
-            held = sum(n for _a, n, _m in self.entries)
-            if any(a == _NEW for a, _n, _m in self.entries):
-                self.unsure = self.unsure or "a token eviction while the new entry's size is unknown"
+            held = sum(n for _a, n, _m in self.entries)  # the new entry's tokens are its save line's length
             self.token_pops.append((held, int(m[2])))
             self.update_pops += 1
             self.pop_oldest("update's token eviction")
