@@ -307,6 +307,8 @@ class UbatchTwin(Engine):
 
     def __init__(self, main: Engine, twin: Engine) -> None:
         self.__dict__.update(main.__dict__)
+        # the engine's own handles, also through a wrapper that keeps them on the engine it wraps (a journal)
+        self.__dict__.update({k: getattr(main, k) for k in ("ll", "model", "ctx", "mem", "n_seq")})
         self.main = main
         self.twin = twin
         self.split_differs = False
