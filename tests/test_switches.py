@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 
+from harness.model.sites import SITES
 from harness.trees.pinned import sdist_source
 from harness.trees.switches import COMMON_H, PINNED, SERVER_CONTEXT, read_switches, switches_from_text
 from harness.trees.tree import check_tree
@@ -42,3 +43,7 @@ def test_upstream_b11549_has_26004(tmp_path: Path) -> None:
     assert sw.checkpoint_load_bool.on and sw.checkpoint_load_bool.where.startswith(f"{COMMON_H}:")
     b11434 = read_switches(check_tree(Path("b11434")))  # before it: off
     assert not b11434.slot_file_checkpoints.on and not b11434.checkpoint_load_bool.on
+    for site, up in SITES.items():  # the model's allocations of #26004, where b11549 makes them
+        if up.since == "b11549":
+            file, line = up.where.rsplit(":", 1)
+            assert "buf.resize(n);" in (tree / file).read_text().splitlines()[int(line) - 1], site

@@ -5,8 +5,9 @@ on a full disk), is named by a site (``alloc.state_tgt``, ``ckpt_copy.tgt``, ...
 argument of :meth:`~harness.model.memory.Host.allocate` and its kin, in :mod:`harness.model.cache`,
 :mod:`harness.model.checkpoint`, :mod:`harness.model.provider`). :data:`SITES` says, for each, the upstream
 function whose allocation it mirrors, where that allocation is (file:line at 0c1e570, as vendored by
-llama-cpp-python 0.3.36) and which functions a native stack of that allocation may show as its first frame
-in llama.cpp code once allocator and STL frames are skipped (``frames``, fnmatch patterns): a function the
+llama-cpp-python 0.3.36, or at the build ``since`` names for an allocation upstream added after the pin) and
+which functions a native stack of that allocation may show as its first frame in llama.cpp code once allocator and
+STL frames are skipped (``frames``, fnmatch patterns): a function the
 compiler inlined shows up as its caller, so an implicit copy constructor (``common_prompt_checkpoint``'s) is
 seen as the function that copies the list.
 
@@ -30,6 +31,7 @@ class UpstreamSite:
     where: str  # file:line of that allocation at 0c1e570
     what: str  # the allocation itself
     frames: tuple[str, ...]  # fnmatch patterns: a native stack's first llama.cpp frame for it
+    since: str = ""  # an allocation of upstream after the pin (``where`` is at that build): the model's switch
 
     def shows(self, function: str) -> bool:
         """Whether a stack whose first llama.cpp frame is ``function`` (qualified, no parameters) is this site."""
@@ -121,6 +123,12 @@ SITES: dict[str, UpstreamSite] = {
         "not an allocation: the fwrite of a slot file (POST /slots/{id}?action=save), which fails on a full disk "
         "(ENOSPC) or a write error (harness/model/slot_files.py)",
         ("llama_file::impl::write_raw", "llama_file::write_raw*", "llama_state_seq_save_file*"),
+    ),
+    "slot_file.read_ckpt": UpstreamSite(
+        "server_context_impl::load_slot_checkpoints", "tools/server/server-context.cpp:2605",
+        "a checkpoint's blob read back from a slot file's appendix (ckpt_read_buf: buf.resize(n)), only where the "
+        "model follows #26004 (harness/trees/switches.py: slot_file_checkpoints)",
+        ("*ckpt_read_buf*", "*load_slot_checkpoints*"), since="b11549",
     ),
 }  # fmt: skip
 
