@@ -319,11 +319,25 @@ def _find_build(digest: str, args: Sequence[str], compiler: str) -> Path | None:
     return None
 
 
-def _forget_ui_assets(build_dir: Path) -> None:
-    """The web UI's provisioned assets are generated into the build directory, which every tree built with the same
-    flags shares: one tree's assets fail another's embed step ("missing required asset(s)", b9631), so no tree
-    inherits them (the harness never serves the UI)."""
-    shutil.rmtree(build_dir / "tools" / "ui" / "dist", ignore_errors=True)
+def _forget_ui_assets(build_dir: Path, src: Path) -> None:
+    """The web UI's generated files (provisioned assets, ``ui.cpp``, the embed stamps) live in the build directory,
+    which every tree built with the same flags shares: one tree's fail another tree's embed step ("missing required
+    asset(s)", b9631). They are dropped when the staged tree's UI generation (``scripts/ui-assets.cmake``,
+    ``tools/ui``'s CMake files and templates) differs from the last build's, and kept otherwise, so near-identical
+    trees still recompile only what differs (the harness never serves the UI)."""
+    h = hashlib.sha256()
+    for f in sorted([src / "scripts" / "ui-assets.cmake", *(src / "tools" / "ui").glob("*.cmake"),
+                     *(src / "tools" / "ui").glob("*.in"), *(src / "tools" / "ui").glob("CMakeLists.txt"),
+                     *(src / "tools" / "ui").glob("*.cpp")]):  # fmt: skip
+        if f.is_file():
+            h.update(f.name.encode() + b"\0" + f.read_bytes())
+    marker = build_dir / ".harness-ui-generation"
+    with contextlib.suppress(OSError):
+        if marker.read_text() == h.hexdigest():
+            return
+    shutil.rmtree(build_dir / "tools" / "ui", ignore_errors=True)
+    build_dir.mkdir(parents=True, exist_ok=True)
+    marker.write_text(h.hexdigest())
 
 
 def _tree_args(src: Path) -> list[str]:
@@ -435,7 +449,7 @@ def _build_locked(
             log(f"[{label}] staged {origin} in {src} ({changed} file{'' if changed == 1 else 's'} changed since the "
                 f"stage's last build)")  # fmt: skip
             build_dir = root / ("build-" + hashlib.sha256("\n".join(args).encode()).hexdigest()[:12])
-            _forget_ui_assets(build_dir)
+            _forget_ui_assets(build_dir, src)
             ninja = _tool("ninja")
             gen = ["-G", "Ninja", f"-DCMAKE_MAKE_PROGRAM={ninja}"] if ninja else []
             log(f"[{label}] configuring with cmake in {build_dir} (log: {log_path})")
