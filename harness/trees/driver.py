@@ -57,8 +57,15 @@ class Driver:
 
     name = "libllama"
 
+    _lib: Any  # the bound functions: llama-cpp-python's module or the cffi module's ``lib``
+
     def __getattr__(self, name: str) -> Any:
-        raise DriverMissing(f"{self.name} has no {name}")
+        if name.startswith("_"):
+            raise AttributeError(name)
+        try:
+            return getattr(self._lib, name)
+        except AttributeError:
+            raise DriverMissing(f"{self.name} has no {name}") from None
 
     def has(self, name: str) -> bool:
         try:
@@ -97,14 +104,6 @@ class PackageDriver(Driver):
         self._cb: Any = None  # the quiet log callback, kept alive for the life of the process
         self.name = f"llama-cpp-python {version}"
 
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return getattr(self._lib, name)
-        except AttributeError:
-            raise DriverMissing(f"{self.name} has no {name}") from None
-
     def buffer(self, size: int) -> Any:
         return (ctypes.c_uint8 * max(size, 1))()
 
@@ -135,19 +134,11 @@ class BoundDriver(Driver):
 
     def __init__(self, module: ModuleType, name: str) -> None:
         self._ffi = module.ffi
-        self._c = module.lib
+        self._lib = module.lib
         self.name = name
-        for fn in dir(self._c):  # cffi makes a function's object at its first use: not inside a measured call
-            getattr(self._c, fn)
+        for fn in dir(self._lib):  # cffi makes a function's object at its first use: not inside a measured call
+            getattr(self._lib, fn)
         self.path = Path(str(module.__file__))
-
-    def __getattr__(self, name: str) -> Any:
-        if name.startswith("_"):
-            raise AttributeError(name)
-        try:
-            return getattr(self._c, name)
-        except AttributeError:
-            raise DriverMissing(f"{self.name} has no {name}") from None
 
     def buffer(self, size: int) -> Any:
         return self._ffi.new("uint8_t[]", max(size, 1))
@@ -165,11 +156,11 @@ class BoundDriver(Driver):
         return self._ffi.new("llama_pos[]", size)
 
     def quiet_logs(self) -> None:
-        self._c.harness_quiet_logs()
+        self._lib.harness_quiet_logs()
 
     def meta(self, model: Any, key: str) -> str | None:
         buf = self._ffi.new("char[]", 256)
-        n = int(self._c.llama_model_meta_val_str(model, key.encode(), buf, 256))
+        n = int(self._lib.llama_model_meta_val_str(model, key.encode(), buf, 256))
         return self._ffi.string(buf).decode(errors="replace") if n >= 0 else None
 
 
