@@ -1,4 +1,6 @@
-"""Which ``llama-server`` the server gate runs, from its flags as plain values: one function, :func:`choose_builds`.
+"""Which ``llama-server`` the server gate runs, from its flags as plain values: one function, :func:`choose_builds`,
+whose answer (:class:`ChosenServers`) also says the semantics the model runs in, why, and which upstream
+switches (:mod:`harness.trees.switches`) it follows there, so the gate reads its tree once.
 
 The server backend's flags name the server one of three ways: ``--server-bin PATH`` (a binary as it is),
 ``--source TREE`` with an optional ``--base TREE|REV`` (a tree, and the tree its change starts from, both built
@@ -20,9 +22,23 @@ from pathlib import Path
 from harness.errors import BuildError, UsageError
 from harness.trees.build import ServerBuild, server_build
 from harness.trees.semantics import infer_semantics
+from harness.trees.switches import switches_of_binary
 from harness.trees.tree import check_tree, registry_spec, tree_at_revision
 
-__all__ = ["ServerChoice", "choose_builds"]
+__all__ = ["ChosenServers", "ServerChoice", "choose_builds"]
+
+
+@dataclass(frozen=True)
+class ChosenServers:
+    """What the server gate runs: the build under test, the build of the tree its change starts from (``--base``,
+    else None), the semantics the model runs in for each and why, and the model's switches read from the tree."""
+
+    build: ServerBuild
+    base: ServerBuild | None
+    semantics: str
+    base_semantics: str
+    how: str  # why these semantics
+    follows: str  # the switches the model follows, one line (``Switches.lines`` joined)
 
 
 @dataclass(frozen=True)
@@ -54,8 +70,25 @@ def choose_builds(
     semantics: str,
     semantics_given: bool,
     log: Callable[[str], None],
+) -> ChosenServers:
+    """The build the gate tests and, with ``base``, the build of the tree its change starts from, with the
+    semantics the model runs in (``semantics`` if given, else the one the tree shows) and the switches it follows."""
+    build, base_build = _builds(source, base, server_bin, asan, semantics, semantics_given, log)
+    sem, how = _semantics_for(build, semantics, semantics_given)
+    base_sem = sem if base_build is None else (base_build.semantics or sem)
+    follows = "; ".join(switches_of_binary(build.binary).lines())
+    return ChosenServers(build, base_build, sem, base_sem, how, follows)
+
+
+def _builds(
+    source: Path | None,
+    base: str | None,
+    server_bin: Path | None,
+    asan: bool,
+    semantics: str,
+    semantics_given: bool,
+    log: Callable[[str], None],
 ) -> tuple[ServerBuild, ServerBuild | None]:
-    """The build the gate tests and, with ``base``, the build of the tree its change starts from (else None)."""
     if base is not None and source is None:
         raise UsageError("--base names the tree a change starts from; it needs --source TREE (the changed tree)")
     try:
@@ -72,6 +105,29 @@ def choose_builds(
         return server_build(semantics=semantics or "shared", asan=asan, log=log), None
     except BuildError as e:
         raise BuildError(f"llama-server could not be built: {e}") from None
+
+
+def _semantics_for(build: ServerBuild, semantics: str, semantics_given: bool) -> tuple[str, str]:
+    """The semantics the model runs in (``--semantics`` if given, else the one the tree shows) and why."""
+    if semantics_given:
+        how = "from --semantics"
+        if build.semantics is not None and build.semantics != semantics:
+            how += (
+                f"; note: the tree reads as {build.semantics} ({build.semantics_why}): expect the differential "
+                "to diverge"
+            )
+        return semantics, how
+    if build.semantics is None:
+        what = "binary" if build.tree is None else "tree"
+        why = build.semantics_why or "no build-info.json beside it says"
+        raise UsageError(
+            f"cannot tell the semantics of the {what} {build.label} ({why}): "
+            "pass --semantics shared (PR #27451) or --semantics master"
+        )
+    if build.by_name:
+        return build.semantics, f"the {build.label} build; --semantics overrides"
+    where = "inferred from the tree" if build.tree is not None else "from its build-info.json"
+    return build.semantics, f"{where}: {build.semantics_why}; --semantics overrides"
 
 
 def _from_source(

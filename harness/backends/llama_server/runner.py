@@ -2,7 +2,7 @@
 
 :class:`ServerBackend` (what :mod:`harness.backends` registers) has the server chosen in one call
 (:func:`harness.trees.choose.choose_builds`: ``--server-bin``, ``--source`` with ``--base``, or a pinned build),
-chooses the semantics the model runs in, and runs either
+with the semantics the model runs in and the switches it follows, and runs either
 :func:`run_server_backend` (the differential machines, the eviction and full-context programs, the memory
 properties, the sanitizers) or :func:`run_change_backend` (``TREE`` against ``BASE``: the change differential,
 each difference shrunk on fresh servers, then the memory properties of both). What the checks are: the package's
@@ -43,8 +43,7 @@ from harness.backends.llama_server.section import ServerRun, describe, hypothesi
 from harness.errors import ServerStartError, UsageError
 from harness.targets.llama_server import ServerConfig
 from harness.trees.build import PINNED_COMMIT, ServerBuild
-from harness.trees.choose import choose_builds
-from harness.trees.switches import switches_of_binary
+from harness.trees.choose import ChosenServers, choose_builds
 from properties.run import run_seeded
 
 __all__ = ["ServerBackend", "ServerOptions", "run_change_backend", "run_server_backend"]
@@ -78,7 +77,7 @@ class ServerBackend(Backend):
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         own = opts.of(ServerOptions)
-        build, base = choose_builds(
+        chosen = choose_builds(
             source=own.source,
             base=own.base,
             server_bin=own.server_bin,
@@ -87,14 +86,11 @@ class ServerBackend(Backend):
             semantics_given=opts.semantics_given,
             log=lambda m: out("  build: " + m),
         )
-        semantics, how = _semantics_for(build, opts)
-        report.semantics = semantics
-        if base is not None:
-            base_sem = base.semantics or semantics
-            run_change_backend(report, build, base, semantics, base_sem, opts.profile, opts.seed, opts.max_examples,
-                               out, how)  # fmt: skip
+        report.semantics = chosen.semantics
+        if chosen.base is not None:
+            run_change_backend(report, chosen, opts.profile, opts.seed, opts.max_examples, out)
         else:
-            run_server_backend(report, build, semantics, opts.profile, opts.seed, opts.max_examples, out, how)
+            run_server_backend(report, chosen, opts.profile, opts.seed, opts.max_examples, out)
 
     def campaign_machines(self, plan: Plan) -> list[MachineSpec]:
         return campaign_machines(plan, self.name)
@@ -103,40 +99,11 @@ class ServerBackend(Backend):
         return campaign_models(), True
 
 
-def _semantics_for(build: ServerBuild, opts: GateOptions) -> tuple[str, str]:
-    """The semantics the model runs in (``--semantics`` if given, else the one the tree shows) and why."""
-    if opts.semantics_given:
-        how = "from --semantics"
-        if build.semantics is not None and build.semantics != opts.semantics:
-            how += (
-                f"; note: the tree reads as {build.semantics} ({build.semantics_why}): expect the differential "
-                "to diverge"
-            )
-        return opts.semantics, how
-    if build.semantics is None:
-        what = "binary" if build.tree is None else "tree"
-        why = build.semantics_why or "no build-info.json beside it says"
-        raise UsageError(
-            f"cannot tell the semantics of the {what} {build.label} ({why}): "
-            "pass --semantics shared (PR #27451) or --semantics master"
-        )
-    if build.by_name:
-        return build.semantics, f"the {build.label} build; --semantics overrides"
-    where = "inferred from the tree" if build.tree is not None else "from its build-info.json"
-    return build.semantics, f"{where}: {build.semantics_why}; --semantics overrides"
-
-
 def run_server_backend(
-    report: GateReport,
-    build: ServerBuild,
-    semantics: str,
-    profile: str,
-    seed: int,
-    max_examples: int | None,
-    out: Out,
-    how: str = "",
+    report: GateReport, chosen: ChosenServers, profile: str, seed: int, max_examples: int | None, out: Out
 ) -> None:
     """``gate --backend server``: differential machines, full context, memory, faults, sanitizers."""
+    build, semantics, how = chosen.build, chosen.semantics, chosen.how
     replay = f"python -m harness gate --backend server {build.replay_flags}"
     if not build.by_name:
         replay += f" --semantics {semantics}"
@@ -147,7 +114,7 @@ def run_server_backend(
     out(f"  binary {binary}" + (" (AddressSanitizer)" if build.asan else ""))
     if how:
         out(f"  semantics {semantics}: {how}")
-    out("  the model follows: " + "; ".join(switches_of_binary(binary).lines()))
+    out("  the model follows: " + chosen.follows)
     pinned = describe(build, out)
     if build.origin == "build asan" and not build.asan:
         raise UsageError(
@@ -293,26 +260,20 @@ def _machines(run: ServerRun, binary: Path, semantics: str, hs: settings, seed: 
 
 
 def run_change_backend(
-    report: GateReport,
-    tree: ServerBuild,
-    base: ServerBuild,
-    semantics: str,
-    base_semantics: str,
-    profile: str,
-    seed: int,
-    max_examples: int | None,
-    out: Out,
-    how: str = "",
+    report: GateReport, chosen: ChosenServers, profile: str, seed: int, max_examples: int | None, out: Out
 ) -> None:
     """``gate --backend server --source TREE --base BASE``: the change differential, then the memory
     properties on ``TREE`` with ``BASE``'s figures beside them."""
+    tree, semantics, base_semantics, how = chosen.build, chosen.semantics, chosen.base_semantics, chosen.how
+    assert chosen.base is not None, "run_change_backend needs a BASE"
+    base = chosen.base
     replay = (f"python -m harness gate --backend server {tree.replay_flags} --base {base.replay_flags.split(' ', 1)[1]}"
               f" --profile {profile} --seed {seed}")  # fmt: skip
     out(f"gate: backend=server change TREE={tree.origin} BASE={base.origin} semantics={semantics} "
         f"(BASE {base_semantics}) profile={profile} seed={seed} commit={report.commit}")  # fmt: skip
     if how:
         out(f"  semantics {semantics}: {how}")
-    out("  the model follows: " + "; ".join(switches_of_binary(tree.binary).lines()))
+    out("  the model follows: " + chosen.follows)
     describe(tree, out)
     base_pinned = describe(base, out)
     run = ServerRun(report, tree, semantics, replay, out, pinned=base_pinned)
