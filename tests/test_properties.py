@@ -10,6 +10,7 @@ import importlib
 import json
 import subprocess
 import sys
+from collections import Counter
 from dataclasses import replace
 from pathlib import Path
 from typing import Any, ClassVar
@@ -20,12 +21,13 @@ from hypothesis.internal.conjecture import engine
 from hypothesis.stateful import RuleBasedStateMachine, invariant, rule
 
 from harness.backends import BACKENDS
-from harness.backends.base import GateOptions
+from harness.backends.base import GateOptions, GateReport, MachineResult
 from harness.backends.lcp_cache import LcpOptions
 from harness.backends.libllama import LlamaOptions
 from harness.backends.llama_server import ServerOptions
+from harness.backends.llama_server.section import NOT_OBSERVABLE
 from harness.backends.synthetic import KNOWN_MACHINES, SyntheticBackend
-from harness.commands.gate import add_arguments, options_from_args
+from harness.commands.gate import _print_report, add_arguments, options_from_args
 from harness.commands.gate import run_gate as _run_gate
 from harness.commands.mutants import kill
 from properties.families import FAMILY_MUTANTS
@@ -376,6 +378,23 @@ def test_cli_gate_json_schema(tmp_path) -> None:  # type: ignore[no-untyped-def]
     assert f["replay"].startswith("python -m harness gate --semantics master")
     assert "<testsuite" in junit.read_text()
     assert "--- replay ---" in r.stdout
+
+
+def test_a_property_no_run_of_a_backend_can_see_is_said_as_such_not_left_unchecked() -> None:
+    """The server's table: a property of its internals is ``not-observable`` with why, in the JSON and the table;
+    one that was simply not reached stays ``not-checked``; a property checked by another backend stays checked."""
+    report = GateReport("shared", "server", "ci", 0, "c0ffee")
+    report.not_observable.update(NOT_OBSERVABLE)
+    checked = Counter({"limit": 3, "immutability": 2})  # immutability checked elsewhere in the run: not hidden
+    report.machines.append(MachineResult(MachineConfig("shared", "hybrid"), 0.0, None, checked, Counter(), []))
+    props = {p["name"]: p for p in report.to_json()["properties"]}
+    assert props["refcount"]["status"] == "not-observable" and "pointers" in props["refcount"]["why"]
+    assert props["immutability"]["status"] == "passed" and "why" not in props["immutability"]
+    assert props["checkpoint_policy"]["status"] == "not-checked"
+    lines: list[str] = []
+    _print_report(report, lines.append)
+    assert any(line.startswith("  refcount             not-observable ") for line in lines), lines
+    assert any(line.startswith("  limit                passed ") and " 3 checks" in line for line in lines), lines
 
 
 def test_cli_gate_llama_backend_reports_each_model(tmp_path) -> None:  # type: ignore[no-untyped-def]

@@ -338,3 +338,7 @@ def test_the_server_gate_fails_a_cpp_mutant_by_the_property_it_breaks(trees: Tre
     held = [n for n in ("accounting", "checkpoint_lists", "load_choice", "alloc_eviction") if props[n]["examples"] > 0]
     assert held == ["accounting", "checkpoint_lists", "load_choice", "alloc_eviction"], props
     assert "FAILED limit" in r.stdout and ("LimitRun(" in r.stdout or "Differential(" in r.stdout)
+    hidden = {n for n, p in props.items() if p["status"] == "not-observable"}
+    assert hidden == {"immutability", "refcount", "draft_in_step", "restore_bytes"} and all(
+        props[n]["why"] for n in hidden), props  # fmt: skip
+    assert "  refcount             not-observable" in r.stdout

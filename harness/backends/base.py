@@ -123,6 +123,8 @@ class GateReport:
     machines: list[MachineResult] = field(default_factory=list)
     known: list[KnownRow] = field(default_factory=list)
     sections: dict[str, Section] = field(default_factory=dict)  # per-backend sections: "llama", "server", ...
+    # property -> why no run of this backend can see it (the server's internals): "not-observable", not a gap
+    not_observable: dict[str, str] = field(default_factory=dict)
 
     @property
     def failures(self) -> list[Failure]:
@@ -148,7 +150,10 @@ class GateReport:
             examples = sum(m.checked[name] for m in self.machines)
             seconds = sum(m.check_seconds[name] for m in self.machines)
             status = "failed" if name in failed else ("passed" if examples else "not-checked")
-            out.append({"name": name, "status": status, "examples": examples, "seconds": round(seconds, 3)})
+            row: dict[str, Any] = {"name": name, "status": status, "examples": examples, "seconds": round(seconds, 3)}
+            if status == "not-checked" and name in self.not_observable:
+                row.update(status="not-observable", why=self.not_observable[name])
+            out.append(row)
         return out
 
     def to_json(self) -> dict[str, Any]:

@@ -91,10 +91,13 @@ def new_report(opts: GateOptions, runners: Sequence[Backend]) -> GateReport:
 
 def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
     props = report.properties()
-    if any(p["status"] != "not-checked" for p in props):
+    if any(p["status"] in ("passed", "failed") for p in props):  # no table when nothing was checked
         out("properties:")
-    for p in props if any(p["status"] != "not-checked" for p in props) else []:
-        out(f"  {p['name']:<20} {p['status']:<12} {p['examples']:>8} checks {p['seconds']:8.3f}s")
+        for p in props:
+            if p["status"] == "not-observable":
+                out(f"  {p['name']:<20} {p['status']:<14} {p['why']}")
+            else:
+                out(f"  {p['name']:<20} {p['status']:<14} {p['examples']:>6} checks {p['seconds']:8.3f}s")
     peaks = [p for m in report.machines for p in m.peaks]
     if peaks:
         worst = max(peaks, key=lambda p: p[0] - p[1])

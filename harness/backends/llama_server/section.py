@@ -31,7 +31,7 @@ from harness.trees.build import PINNED_COMMIT, ServerBuild, pinned_status
 from harness.trees.tree import registry_spec
 from properties.machine import MachineConfig
 
-__all__ = ["ServerRun", "ServerSection", "describe", "hypothesis_settings", "unflaked"]
+__all__ = ["NOT_OBSERVABLE", "ServerRun", "ServerSection", "describe", "hypothesis_settings", "unflaked"]
 
 
 def hypothesis_settings(profile: str, max_examples: int | None) -> settings:
@@ -75,6 +75,16 @@ class ServerSection:
         return {"server": self.figures}
 
 
+NOT_OBSERVABLE: dict[str, str] = {
+    "immutability": "a checkpoint's payload bytes never leave the server: no answer, endpoint or log line shows them",
+    "refcount": "who holds a checkpoint payload is the server's own pointers: neither /metrics nor the log counts them",
+    "draft_in_step": "the draft context's memory is not exposed; answers show drafted tokens, not what it holds",
+    "restore_bytes": "a restored state's bytes are not exposed over HTTP; restore_equivalence checks its answers",
+}
+"""The properties no request to a real ``llama-server`` can show, and why: its table says ``not-observable`` for
+them rather than leaving them unchecked (they are checked on the model and the libllama backend)."""
+
+
 class ServerRun:
     """One server-backend run's report section, its output and how it files a failure."""
 
@@ -105,6 +115,7 @@ class ServerRun:
             "sanitizer_reports": 0,
         }
         report.sections["server"] = ServerSection(self.section)
+        report.not_observable.update(NOT_OBSERVABLE)
 
     def fail(self, prop: str, kind: str, message: str, program: str, machine: str) -> None:
         message += self.note
