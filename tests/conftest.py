@@ -291,6 +291,22 @@ EARLY_EDIT: Edits = {"tools/server/server-task.cpp": [
     ("        while (!states.empty() && n_tokens() > limit_tokens_cur) {",
      "        while (!states.empty() && 2 * n_tokens() > limit_tokens_cur) {")]}  # fmt: skip
 
+#: load restores an entry's state with the last 64th of its bytes zeroed (server-task.cpp:1832; the tail of the last
+#: layer's V or recurrent state, past every header, so the restore succeeds) -> restore_equivalence
+CORRUPT_EDIT: Edits = {"tools/server/server-task.cpp": [
+    ("            const size_t n = llama_state_seq_set_data_ext(ctx_tgt, data.data(), size, id_slot, 0);",
+     "            std::fill(data.end() - size / 64, data.end(), 0); "
+     "const size_t n = llama_state_seq_set_data_ext(ctx_tgt, data.data(), size, id_slot, 0);")]}  # fmt: skip
+
+#: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
+#: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
+BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
+    ("struct server_prompt_cache {\n    server_prompt_cache(int32_t limit_size_mib, size_t limit_tokens) {",
+     "struct server_block_cache {\n    server_block_cache(int32_t limit_size_mib, size_t limit_tokens) {"),
+    ("    void update();\n};\n\n// used exclusively by router mode",
+     "    void update();\n};\n\nusing server_prompt_cache = server_block_cache;\n\n// used exclusively by router mode"),
+]}  # fmt: skip
+
 
 def merged(*edits: Edits) -> Edits:
     """Several trees' edits in one tree (a row of trees that each add one change: ``history``'s tests)."""
@@ -315,6 +331,8 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "contained": ("shared", CONTAINED_EDIT),
     "kept": ("shared", KEPT_EDIT),
     "early": ("shared", EARLY_EDIT),
+    "corrupt": ("shared", CORRUPT_EDIT),
+    "block": ("shared", BLOCK_EDIT),
     "newest": ("shared", NEWEST_EDIT),
     "extra": ("shared", EXTRA_EDIT),
     "fail": ("shared", FAIL_EDIT),
@@ -342,7 +360,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
-         "kept", "early", "newest", "extra", "offset-cap", "offset-cap-threshold")
+         "kept", "early", "corrupt", "block", "newest", "extra", "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

@@ -9,7 +9,7 @@ import pytest
 
 from harness.model.sites import SITES
 from harness.trees.pinned import sdist_source
-from harness.trees.switches import COMMON_H, PINNED, SERVER_CONTEXT, read_switches, switches_from_text
+from harness.trees.switches import COMMON_H, PINNED, SERVER_CONTEXT, SERVER_TASK_H, read_switches, switches_from_text
 from harness.trees.tree import check_tree
 
 
@@ -21,17 +21,29 @@ def test_each_switch_is_read_with_the_line_that_decided_it() -> None:
     assert sw.checkpoint_load_bool.on and sw.checkpoint_load_bool.where == f"{COMMON_H}:2"
     old = switches_from_text({SERVER_CONTEXT: "// SLOT_CKPT_MAGIC\n", COMMON_H: "void load_tgt(llama_context * c);"})
     assert not old.slot_file_checkpoints.on and not old.checkpoint_load_bool.on
-    unreadable = switches_from_text({SERVER_CONTEXT: None, COMMON_H: None})
+    unreadable = switches_from_text({SERVER_CONTEXT: None, COMMON_H: None, SERVER_TASK_H: None})
     assert unreadable.all() == tuple(
         type(s)(s.name, False, f"{p} not readable: the pinned behaviour", s.change)
-        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H), strict=True)
+        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H), strict=True)
     )
+
+
+def test_a_tree_without_server_prompt_cache_is_read_as_replaced_with_where() -> None:
+    """The block cache upstream has spoken of: no ``struct server_prompt_cache`` in server-task.h is the switch on
+    (the model's policy describes nothing there); the struct's line is it off, as on the pinned tree."""
+    has = "// struct server_prompt_cache { in a comment\n\nstruct server_prompt_cache {\n    int x;\n};\n"
+    kept = switches_from_text({SERVER_TASK_H: has}).prompt_cache_replaced
+    assert not kept.on and kept.where == f"{SERVER_TASK_H}:3"
+    gone = switches_from_text({SERVER_TASK_H: "struct server_block_cache {\n};\n"}).prompt_cache_replaced
+    assert gone.on and gone.where == f"not in {SERVER_TASK_H}"
+    assert "prompt_cache_replaced: on (no server_prompt_cache" in gone.line()
 
 
 def test_the_pinned_tree_has_every_switch_off() -> None:
     sw = read_switches(sdist_source())
-    assert [s.on for s in sw.all()] == [False, False]
+    assert [s.on for s in sw.all()] == [False, False, False]
     assert "not in tools/server/server-context.cpp" in sw.slot_file_checkpoints.line()
+    assert sw.prompt_cache_replaced.where.startswith(f"{SERVER_TASK_H}:")
 
 
 @pytest.mark.user_trees
@@ -43,6 +55,7 @@ def test_upstream_b11549_has_26004(tmp_path: Path) -> None:
     assert sw.checkpoint_load_bool.on and sw.checkpoint_load_bool.where.startswith(f"{COMMON_H}:")
     b11434 = read_switches(check_tree(Path("b11434")))  # before it: off
     assert not b11434.slot_file_checkpoints.on and not b11434.checkpoint_load_bool.on
+    assert not sw.prompt_cache_replaced.on and not b11434.prompt_cache_replaced.on  # both still have it
     for site, up in SITES.items():  # the model's allocations of #26004, where b11549 makes them
         if up.since == "b11549":
             file, line = up.where.rsplit(":", 1)

@@ -22,7 +22,14 @@ from pathlib import Path
 
 import pytest
 
-from harness.backends.llama_server.differential import LIMIT_PROGRAMS, Differential, ServerMismatch, run_program
+from harness.backends.llama_server.differential import (
+    LIMIT_PROGRAMS,
+    Differential,
+    MachineStats,
+    ServerMismatch,
+    run_program,
+    server_machine,
+)
 from harness.backends.llama_server.limits import LimitStats, limits_machine
 from harness.backends.llama_server.section import hypothesis_settings
 from harness.targets.llama_server import ServerConfig
@@ -320,6 +327,47 @@ def test_the_drawn_configurations_kill_the_cpp_mutants_on_any_seed(trees: Trees,
         run_seeded(limits_machine(binary, stats, None), hypothesis_settings("ci", None), seed)
     assert caught.value.name == SERVER_MUTANTS[name][1], caught.value.message
     assert "LimitRun(ServerConfig(" in caught.value.program and stats.examples >= 1
+
+
+def test_restore_equivalence_fails_on_a_server_whose_cache_load_corrupts_the_state(trees: Trees) -> None:
+    """C++ mutant ``corrupt``: ``server_prompt_cache::load`` restores an entry with the last 64th of its bytes zeroed;
+    the restore succeeds and ``cache_n`` is as the model says, so only a cached answer against a fresh server's shows
+    it: the gate's machine fails ``restore_equivalence`` with a shrunk program that replays it. The pinned build passes
+    the same machine (the gate's own run)."""
+    binary = build_source(trees("corrupt"), log=lambda _m: None)
+    cfg = ServerConfig("llama", n_parallel=1, cache_ram_mib=8)
+    stats = MachineStats()
+    with pytest.raises(ServerMismatch) as caught:
+        run_seeded(server_machine(cfg, binary, "shared", stats, None), hypothesis_settings("ci", None), 0)
+    e = caught.value
+    assert e.name == "restore_equivalence", (e.name, e.message)
+    assert "a fresh server generates" in e.message and "d.request(" in e.program, e.message
+    assert stats.cache_loads >= 1 or stats.restore_checks >= 1
+
+
+def test_a_tree_whose_prompt_cache_the_model_cannot_read_runs_the_checks_that_need_no_model(
+    trees: Trees, tmp_path: Path
+) -> None:
+    """``block``: no ``struct server_prompt_cache`` in server-task.h (a block cache in its place). The server gate says
+    in one line which checks are model-exact and were skipped, and still runs the drawn configurations: the log's
+    properties and every cached answer against a fresh server's (restore_equivalence), counted; exit 6, nothing
+    failed."""
+    binary = build_source(trees("block"), log=lambda _m: None)
+    out = tmp_path / "gate.json"
+    r = _harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared",
+                 "--json", str(out))  # fmt: skip
+    _no_traceback(r)
+    assert r.returncode == 6, r.stdout[-3000:]
+    assert "prompt_cache_replaced: on (no server_prompt_cache" in r.stdout
+    skips = [line for line in r.stdout.splitlines() if line.startswith("  [skip] the model cannot read")]
+    assert len(skips) == 1 and "not in tools/server/server-task.h" in skips[0] and "still run:" in skips[0], skips
+    report = json.loads(out.read_text())
+    assert "model-exact" in report["skipped"]["server backend: model-exact checks"]
+    props = {p["name"]: p for p in report["properties"]}
+    assert props["restore_equivalence"]["status"] == "passed" and props["restore_equivalence"]["examples"] > 0
+    assert props["limit"]["examples"] > 0 and props["checkpoint_lists"]["examples"] > 0, props
+    assert "[ok  ] drawn configurations" in r.stdout
+    assert "outputs checked against a fresh server" not in r.stdout  # no machine of the model ran
 
 
 def test_the_server_gate_fails_a_cpp_mutant_by_the_property_it_breaks(trees: Trees, tmp_path: Path) -> None:

@@ -22,7 +22,7 @@ from pathlib import Path
 from harness.errors import BuildError, UsageError
 from harness.trees.build import ServerBuild, server_build
 from harness.trees.semantics import infer_semantics
-from harness.trees.switches import switches_of_binary
+from harness.trees.switches import Switches, switches_of_binary
 from harness.trees.tree import check_tree, registry_spec, tree_at_revision
 
 __all__ = ["ChosenServers", "ServerChoice", "choose_builds"]
@@ -38,7 +38,12 @@ class ChosenServers:
     semantics: str
     base_semantics: str
     how: str  # why these semantics
-    follows: str  # the switches the model follows, one line (``Switches.lines`` joined)
+    switches: Switches  # the upstream changes the model follows on ``build``'s tree
+
+    @property
+    def follows(self) -> str:
+        """The switches, one line."""
+        return "; ".join(self.switches.lines())
 
 
 @dataclass(frozen=True)
@@ -76,8 +81,7 @@ def choose_builds(
     build, base_build = _builds(source, base, server_bin, asan, semantics, semantics_given, log)
     sem, how = _semantics_for(build, semantics, semantics_given)
     base_sem = sem if base_build is None else (base_build.semantics or sem)
-    follows = "; ".join(switches_of_binary(build.binary).lines())
-    return ChosenServers(build, base_build, sem, base_sem, how, follows)
+    return ChosenServers(build, base_build, sem, base_sem, how, switches_of_binary(build.binary))
 
 
 def _builds(

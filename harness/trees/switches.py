@@ -11,6 +11,10 @@ change the model's checks can see, read from the tree's text with the file and l
 * ``checkpoint_load_bool`` -- the same change: ``common_prompt_checkpoint::load_tgt``/``load_dft`` return whether
   the state loaded (common/common.h); a task's own checkpoint that fails aborts the server, one restored from a
   slot file falls back to reprocessing the prompt. Read: ``bool load_tgt(`` in common/common.h.
+* ``prompt_cache_replaced`` -- not an upstream change yet: upstream has said a block cache may replace
+  ``server_prompt_cache``. On when the tree's tools/server/server-task.h declares no ``struct server_prompt_cache``:
+  the model's policy (``alloc``, ``load``, ``update``) then describes nothing in the tree, and the server gate runs
+  only its checks that need no model of the policy (:func:`harness.backends.llama_server.runner.run_server_backend`).
 
 :func:`read_switches` never guesses: a file it cannot read leaves the pinned value, said in ``where``.
 """
@@ -25,9 +29,10 @@ from pathlib import Path
 from harness.trees.build import tree_of_build
 from harness.trees.semantics import blank_comments
 
-__all__ = ["PINNED", "Switch", "Switches", "read_switches", "switches_from_text", "switches_of_binary"]
+__all__ = ["PINNED", "SERVER_TASK_H", "Switch", "Switches", "read_switches", "switches_from_text", "switches_of_binary"]
 
 SERVER_CONTEXT = "tools/server/server-context.cpp"
+SERVER_TASK_H = "tools/server/server-task.h"
 COMMON_H = "common/common.h"
 
 
@@ -50,9 +55,10 @@ class Switches:
 
     slot_file_checkpoints: Switch
     checkpoint_load_bool: Switch
+    prompt_cache_replaced: Switch
 
     def all(self) -> tuple[Switch, ...]:
-        return (self.slot_file_checkpoints, self.checkpoint_load_bool)
+        return (self.slot_file_checkpoints, self.checkpoint_load_bool, self.prompt_cache_replaced)
 
     def lines(self) -> list[str]:
         return [s.line() for s in self.all()]
@@ -60,10 +66,12 @@ class Switches:
 
 _SLOT = "slot files carry the checkpoints, upstream #26004"
 _LOAD = "checkpoint loads return bool, upstream #26004"
+_CACHE = "no server_prompt_cache: the model's cache policy describes nothing here"
 
 PINNED = Switches(
     Switch("slot_file_checkpoints", False, "the pinned tree, 0c1e570", _SLOT),
     Switch("checkpoint_load_bool", False, "the pinned tree, 0c1e570", _LOAD),
+    Switch("prompt_cache_replaced", False, "the pinned tree, 0c1e570", _CACHE),
 )
 
 
@@ -75,9 +83,10 @@ def _line_of(text: str, pattern: str) -> int | None:
 def switches_from_text(files: dict[str, str | None]) -> Switches:
     """The switches of a tree whose files (path -> text; None: unreadable) are ``files``."""
     out = []
-    for name, path, pattern, change in (
-        ("slot_file_checkpoints", SERVER_CONTEXT, r"\bSLOT_CKPT_MAGIC\b", _SLOT),
-        ("checkpoint_load_bool", COMMON_H, r"\bbool\s+load_tgt\s*\(", _LOAD),
+    for name, path, pattern, change, on_when_found in (
+        ("slot_file_checkpoints", SERVER_CONTEXT, r"\bSLOT_CKPT_MAGIC\b", _SLOT, True),
+        ("checkpoint_load_bool", COMMON_H, r"\bbool\s+load_tgt\s*\(", _LOAD, True),
+        ("prompt_cache_replaced", SERVER_TASK_H, r"\bstruct\s+server_prompt_cache\s*\{", _CACHE, False),
     ):
         text = files.get(path)
         if text is None:
@@ -85,14 +94,14 @@ def switches_from_text(files: dict[str, str | None]) -> Switches:
             continue
         at = _line_of(text, pattern)
         where = f"{path}:{at}" if at is not None else f"not in {path}"
-        out.append(Switch(name, at is not None, where, change))
+        out.append(Switch(name, (at is not None) == on_when_found, where, change))
     return Switches(*out)
 
 
 def read_switches(tree: Path) -> Switches:
     """The switches of the llama.cpp tree at ``tree``."""
     files: dict[str, str | None] = {}
-    for path in (SERVER_CONTEXT, COMMON_H):
+    for path in (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H):
         try:
             files[path] = (tree / path).read_text(errors="replace")
         except OSError:

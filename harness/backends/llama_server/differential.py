@@ -55,8 +55,10 @@ __all__ = [
     "ServerMismatch",
     "check_output",
     "checkpoint_cap_program",
+    "compare_with_fresh",
     "eviction",
     "eviction_program",
+    "fresh_launch",
     "full_context",
     "full_context_program",
     "launch_of",
@@ -280,23 +282,37 @@ def check_output(fresh: ServerProcess, row: Row) -> str | None:
     tokens are within :data:`NEAR_TIE_LOGPROB` and the cached path took the second, the greedy
     choice flipped on a tie: ``"near-tie"`` (the known finding ``greedy-flip-on-cache-path``).
     """
-    r = fresh.completion(list(row.tokens), row.n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False,
+    return compare_with_fresh(fresh, row.tokens, row.n_predict, row.generated, row.describe())
+
+
+def compare_with_fresh(fresh: ServerProcess, tokens: tuple[int, ...], n_predict: int, generated: tuple[int, ...],
+                       what: str) -> str | None:  # fmt: skip
+    """:func:`check_output` on plain values (no model's row): ``generated`` is what the server under test answered
+    ``tokens``; ``what`` names the request in the message."""
+    r = fresh.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False,
                          n_probs=2)  # fmt: skip
     want = tuple(int(t) for t in r.get("tokens") or ())
-    if want == row.generated:
+    if want == generated:
         return None
-    i = next((k for k, (a, b) in enumerate(zip(want, row.generated, strict=False)) if a != b), None)
+    i = next((k for k, (a, b) in enumerate(zip(want, generated, strict=False)) if a != b), None)
     probs = r.get("completion_probabilities") or []
     # the server withholds the entries of tokens that end inside a UTF-8 sequence: align by id
     ids = [int(p["id"]) for p in probs]
     offset = next((o for o in range(len(want) - len(ids) + 1) if list(want[o : o + len(ids)]) == ids), None)
     if i is not None and offset is not None and 0 <= i - offset < len(probs):
         top = probs[i - offset].get("top_logprobs") or []
-        if len(top) >= 2 and int(top[1]["id"]) == row.generated[i]:
+        if len(top) >= 2 and int(top[1]["id"]) == generated[i]:
             gap = float(top[0]["logprob"]) - float(top[1]["logprob"])
             if gap < NEAR_TIE_LOGPROB:
                 return "near-tie"
-    return f"{row.describe()}: generated {list(row.generated)}, a fresh server generates {list(want)}"
+    return f"{what}: generated {list(generated)}, a fresh server generates {list(want)}"
+
+
+def fresh_launch(cfg: ServerConfig) -> Launch:
+    """The reference server of ``cfg``: its model, context and flags, one slot and no prompt cache, so every answer
+    is computed from scratch (``cache_prompt`` off on each request as well)."""
+    return Launch(model=model_path(cfg.arch), n_parallel=1, ctx_size=cfg.n_ctx, cache_ram=0,
+                  ctx_checkpoints=cfg.ctx_checkpoints, args=cfg.server_args())  # fmt: skip
 
 
 class ServerMismatch(PropertyFailure):
@@ -363,18 +379,8 @@ def server_machine(
             super().__init__()
             self.d = Differential(cfg, binary, semantics, log_dir, binary_expr=binary_expr)
             self.d.__enter__()
-            self.fresh = ServerProcess(
-                binary,
-                Launch(
-                    model=model_path(cfg.arch),
-                    n_parallel=1,
-                    ctx_size=cfg.n_ctx,
-                    cache_ram=0,
-                    ctx_checkpoints=cfg.ctx_checkpoints,
-                    args=cfg.server_args(),
-                ),
-                log_path=None if log_dir is None else unique_log(log_dir, f"{cfg.name}-fresh"),
-            )
+            fresh_log = None if log_dir is None else unique_log(log_dir, f"{cfg.name}-fresh")
+            self.fresh = ServerProcess(binary, fresh_launch(cfg), log_path=fresh_log)
             self.fresh.start()
             self.sent: list[tuple[int, ...]] = []
 

@@ -8,7 +8,10 @@ starts that server at ``-lv 4`` and sends prompts that share, extend and diverge
 slots (``POST /slots/N?action=erase``, a slot cleared while it may hold checkpoints). After every step the log's
 new lines are checked (:class:`~harness.targets.server_log.CacheLog`: ``limit``, ``accounting``,
 ``checkpoint_lists``, ``load_choice``, ``alloc_eviction``); no model is asked, so a configuration the reference
-model does not cover is still held to what the server itself shows. A failure prints the configuration and the
+model does not cover is still held to what the server itself shows. With ``fresh`` (the gate on a tree whose
+prompt cache the model cannot read) every answer served partly from the cache is also held to a fresh server's
+(``restore_equivalence``, :func:`~harness.backends.llama_server.differential.compare_with_fresh`).
+A failure prints the configuration and the
 steps as a program (:meth:`LimitRun.program`) that replays them on a fresh server.
 
 Deviations: a server is started per example (the configuration changes with each); requests are sent one at a
@@ -28,7 +31,14 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition, rule
 
 from fixtures.gguf import ARCHS
-from harness.backends.llama_server.differential import ServerMismatch, launch_of, prompt_from, request_rule
+from harness.backends.llama_server.differential import (
+    ServerMismatch,
+    compare_with_fresh,
+    fresh_launch,
+    launch_of,
+    prompt_from,
+    request_rule,
+)
 from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog
 
@@ -61,17 +71,20 @@ class LimitStats:
     erases: int = 0
     configs: list[str] = field(default_factory=list)
     checked: Counter[str] = field(default_factory=Counter)
+    near_ties: int = 0  # cached answers a greedy tie flipped (the known finding greedy-flip-on-cache-path)
 
 
 class LimitRun:
     """One server of a drawn configuration and its log's checks; every step is kept for the replay program."""
 
     def __init__(self, cfg: ServerConfig, binary: Path, log_dir: str | None = None,
-                 binary_expr: str = "build_server('shared')") -> None:  # fmt: skip
+                 binary_expr: str = "build_server('shared')", *, fresh: bool = False) -> None:  # fmt: skip
         self.cfg = replace(cfg, log_verbosity=4)
         self.binary_expr = binary_expr
         self.steps: list[str] = []
         self.log = CacheLog(self.cfg.ctx_checkpoints)
+        self.checked: Counter[str] = Counter()  # restore_equivalence, with ``fresh``
+        self.near_ties = 0
         self.released = 0
         self._slots = tempfile.TemporaryDirectory(prefix="harness-limits-slots-")
         self.server = ServerProcess(
@@ -79,18 +92,26 @@ class LimitRun:
             launch_of(self.cfg, "--slot-save-path", self._slots.name),  # the slot actions need it
             log_path=None if log_dir is None else unique_log(log_dir, f"limits-{self.cfg.name}"),
         )
+        self.fresh = None if not fresh else ServerProcess(
+            binary, fresh_launch(self.cfg),
+            log_path=None if log_dir is None else unique_log(log_dir, f"limits-{self.cfg.name}-fresh"),
+        )  # fmt: skip
 
     def __enter__(self) -> LimitRun:
         try:
             self.server.start()
+            if self.fresh is not None:
+                self.fresh.start()
         except BaseException:
-            self._slots.cleanup()  # a server that did not start leaves nothing behind either
+            self.__exit__()  # a server that did not start leaves nothing behind either
             raise
         return self
 
     def __exit__(self, *exc: object) -> None:
         try:
             self.server.stop()
+            if self.fresh is not None:
+                self.fresh.stop()
         finally:
             self._slots.cleanup()
 
@@ -103,7 +124,27 @@ class LimitRun:
             self._failed(e)
         self.released += 1
         self.check()
+        if self.fresh is not None and int(answer["timings"]["cache_n"]) > 0:
+            self._equivalent(tokens, n_predict, tuple(int(t) for t in answer.get("tokens") or ()), answer)
         return answer
+
+    def _equivalent(self, tokens: tuple[int, ...], n_predict: int, generated: tuple[int, ...], answer: Any) -> None:
+        """``restore_equivalence``: an answer served partly from the cache equals a fresh server's (a greedy tie
+        flipped is the known finding, counted)."""
+        assert self.fresh is not None
+        what = (f"step {len(self.steps)}: prompt of {len(tokens)} tokens (…{list(tokens[-4:])}) on slot "
+                f"{answer['id_slot']}, cache_n {answer['timings']['cache_n']}")  # fmt: skip
+        try:
+            problem = compare_with_fresh(self.fresh, tokens, n_predict, generated, what)
+        except RequestFailed as e:
+            said = f"the fresh reference server, asked {what}: {e.describe()}"
+            raise ServerMismatch("http_error" if e.alive else "server_crash", said, self.program(),
+                                 "violation" if e.alive else "crash") from None  # fmt: skip
+        self.checked["restore_equivalence"] += 1
+        if problem == "near-tie":
+            self.near_ties += 1
+        elif problem is not None:
+            raise ServerMismatch("restore_equivalence", problem, self.program())
 
     def erase(self, slot: int) -> None:
         """Clear slot ``slot`` (``POST /slots/N?action=erase``), then check the log."""
@@ -133,15 +174,16 @@ class LimitRun:
             "from harness.trees.build import build_server, build_source",
             "from harness.backends.llama_server.limits import LimitRun",
             "from harness.targets.llama_server import ServerConfig",
-            f"with LimitRun({self.cfg!r}, {self.binary_expr}) as r:",
+            f"with LimitRun({self.cfg!r}, {self.binary_expr}{', fresh=True' if self.fresh else ''}) as r:",
             *(f"    {s}" for s in self.steps),
             "print('the log held every property')",
         ])  # fmt: skip
 
 
 def limits_machine(binary: Path, stats: LimitStats, log_dir: str | None,
-                   binary_expr: str = "build_server('shared')") -> type:  # fmt: skip
-    """A Hypothesis state machine class: a drawn configuration (:func:`configs`), then requests and erases."""
+                   binary_expr: str = "build_server('shared')", *, fresh: bool = False) -> type:  # fmt: skip
+    """A Hypothesis state machine class: a drawn configuration (:func:`configs`), then requests and erases (with
+    ``fresh``, each cached answer against a fresh server's too)."""
 
     class LimitsMachine(RuleBasedStateMachine):
         run: LimitRun | None = None
@@ -151,13 +193,15 @@ def limits_machine(binary: Path, stats: LimitStats, log_dir: str | None,
             self.cfg = cfg
             self.sent: list[tuple[int, ...]] = []
             self.since_erase = 0
-            self.run = LimitRun(cfg, binary, log_dir, binary_expr).__enter__()
+            self.run = LimitRun(cfg, binary, log_dir, binary_expr, fresh=fresh).__enter__()
             stats.examples += 1
             stats.configs.append(cfg.name + f"-cr{cfg.cache_ram_mib}-cp{cfg.ctx_checkpoints}-c{cfg.n_ctx}")
 
         def teardown(self) -> None:
             if self.run is not None:
                 stats.checked.update(self.run.log.checked)
+                stats.checked.update(self.run.checked)
+                stats.near_ties += self.run.near_ties
                 self.run.__exit__()
 
         @request_rule

@@ -42,6 +42,7 @@ from harness.backends.llama_server.memory import memory_and_faults
 from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
 from harness.errors import ServerStartError, UsageError
 from harness.targets.llama_server import ServerConfig
+from harness.targets.server_log import LOG_PROPERTIES
 from harness.trees.build import PINNED_COMMIT, ServerBuild
 from harness.trees.choose import ChosenServers, choose_builds
 from properties.run import run_seeded
@@ -99,6 +100,14 @@ class ServerBackend(Backend):
         return campaign_models(), True
 
 
+MODEL_EXACT = ("the differential machines (slot, cache_n and each cache event against the model), the fixed programs "
+               "at the limits, the memory step (the save's peak and each fault's outcome against the model's)")
+MODEL_FREE = (f"the drawn configurations: the server's log held to {', '.join(LOG_PROPERTIES)}; every cached answer "
+              "against a fresh server's (restore_equivalence); no crash or hang; the sanitizers")
+"""What the server gate skips and still runs on a tree whose prompt cache the model cannot read
+(:attr:`~harness.trees.switches.Switches.prompt_cache_replaced`)."""
+
+
 def run_server_backend(
     report: GateReport, chosen: ChosenServers, profile: str, seed: int, max_examples: int | None, out: Out
 ) -> None:
@@ -128,10 +137,20 @@ def run_server_backend(
     run = ServerRun(report, build, semantics, replay, out, pinned, note)
     run.version([build])
     hs = hypothesis_settings(profile, max_examples)
+    replaced = chosen.switches.prompt_cache_replaced
     with tempfile.TemporaryDirectory(prefix="server-gate-") as logs:
         if build.asan:
             # leaks are reported at exit, into the server's log
             os.environ.setdefault("ASAN_OPTIONS", "detect_leaks=1:abort_on_error=0")
+        if replaced.on:  # the model's policy describes nothing here: only the checks that need no model of it
+            why = (f"the model cannot read this tree's prompt cache ({replaced.where}): skipped, being model-exact: "
+                   f"{MODEL_EXACT}; still run: {MODEL_FREE}")  # fmt: skip
+            report.skip("server backend: model-exact checks", why)
+            out(f"  [skip] {why}")
+            _limits(run, binary, hs, seed, logs, fresh=True)
+            run.sanitizers(logs)
+            run.known_near_ties()
+            return
         _machines(run, binary, semantics, hs, seed, logs)
         _limits(run, binary, hs, seed, logs)
         _programs(run, binary, semantics, logs)
@@ -195,13 +214,14 @@ def _skip_memory(report: GateReport, e: ServerStartError, out: Callable[[str], N
     out(f"  [skip] memory checks: {why}")
 
 
-def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str) -> None:
-    """The drawn configurations (:mod:`harness.backends.llama_server.limits`): the server's own log at each step."""
+def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str, *, fresh: bool = False) -> None:
+    """The drawn configurations (:mod:`harness.backends.llama_server.limits`): the server's own log at each step
+    (and with ``fresh`` each cached answer against a fresh server's)."""
     stats = LimitStats()
     t0 = time.perf_counter()
     status = "ok  "
     try:
-        run_seeded(limits_machine(binary, stats, logs, run.build.replay_expr), hs, seed)
+        run_seeded(limits_machine(binary, stats, logs, run.build.replay_expr, fresh=fresh), hs, seed)
         run.passed(time.perf_counter() - t0, stats.checked)
     except ServerMismatch as e:
         status = "FAIL"
@@ -218,6 +238,7 @@ def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str) ->
         run.section["server_crashes"] += 1
         run.fail("server", "crash", str(e), "", "server-limits")
     run.section["requests"] += stats.requests
+    run.section["near_tie_flips"] += stats.near_ties
     run.out(f"  [{status}] drawn configurations {stats.examples:>3} servers, {stats.requests} requests, {stats.erases} "
             f"slot erases; the log's checks {dict(sorted(stats.checked.items()))} {time.perf_counter() - t0:5.1f}s")
 
