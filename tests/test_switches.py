@@ -36,7 +36,7 @@ def test_a_tree_without_server_prompt_cache_is_read_as_replaced_with_where() -> 
     assert not kept.on and kept.where == f"{SERVER_TASK_H}:3"
     gone = switches_from_text({SERVER_TASK_H: "struct server_block_cache {\n};\n"}).prompt_cache_replaced
     assert gone.on and gone.where == f"not in {SERVER_TASK_H}"
-    assert "prompt_cache_replaced: on (no server_prompt_cache" in gone.line()
+    assert "prompt_cache_replaced: on (server_prompt_cache replaced" in gone.line()
 
 
 def test_the_pinned_tree_has_every_switch_off() -> None:

@@ -358,7 +358,7 @@ def test_a_tree_whose_prompt_cache_the_model_cannot_read_runs_the_checks_that_ne
                  "--json", str(out))  # fmt: skip
     _no_traceback(r)
     assert r.returncode == 6, r.stdout[-3000:]
-    assert "prompt_cache_replaced: on (no server_prompt_cache" in r.stdout
+    assert "prompt_cache_replaced: on (server_prompt_cache replaced" in r.stdout
     skips = [line for line in r.stdout.splitlines() if line.startswith("  [skip] the model cannot read")]
     assert len(skips) == 1 and "not in tools/server/server-task.h" in skips[0] and "still run:" in skips[0], skips
     report = json.loads(out.read_text())

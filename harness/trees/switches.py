@@ -66,7 +66,7 @@ class Switches:
 
 _SLOT = "slot files carry the checkpoints, upstream #26004"
 _LOAD = "checkpoint loads return bool, upstream #26004"
-_CACHE = "no server_prompt_cache: the model's cache policy describes nothing here"
+_CACHE = "server_prompt_cache replaced, as by a block cache: the model's cache policy describes nothing there"
 
 PINNED = Switches(
     Switch("slot_file_checkpoints", False, "the pinned tree, 0c1e570", _SLOT),

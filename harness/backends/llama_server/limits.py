@@ -8,20 +8,25 @@ starts that server at ``-lv 4`` and sends prompts that share, extend and diverge
 slots (``POST /slots/N?action=erase``, a slot cleared while it may hold checkpoints). After every step the log's
 new lines are checked (:class:`~harness.targets.server_log.CacheLog`: ``limit``, ``accounting``,
 ``checkpoint_lists``, ``load_choice``, ``alloc_eviction``); no model is asked, so a configuration the reference
-model does not cover is still held to what the server itself shows. With ``fresh`` (the gate on a tree whose
-prompt cache the model cannot read) every answer served partly from the cache is also held to a fresh server's
+model does not cover is still held to what the server itself shows. With ``fresh`` (as the gate runs it) every
+answer served partly from the cache is also held to a fresh server's
 (``restore_equivalence``, :func:`~harness.backends.llama_server.differential.compare_with_fresh`).
 A failure prints the configuration and the
-steps as a program (:meth:`LimitRun.program`) that replays them on a fresh server.
+steps as a program (:meth:`LimitRun.program`) that replays them on a fresh server; the gate first shrinks them
+(:func:`shrink_steps`: delta debugging over the steps on fresh servers, then ``n_predict`` cut to 1).
 
-Deviations: a server is started per example (the configuration changes with each); requests are sent one at a
-time; a drawn ``--cache-ram`` is at least 1 MiB, the granularity of the flag, so an entry alone above the limit
+Deviations: a server is started per example, never reused across examples even where the configuration is the
+same: no request empties a server's prompt cache (``/slots?action=erase`` clears a slot, not the cache), so a reused
+server would carry one example's entries into the next, and an example would no longer replay alone (a start costs
+about 0.2 s on the fixture models: the drawn configurations take seconds). Requests are sent one at a time; a
+drawn ``--cache-ram`` is at least 1 MiB, the granularity of the flag, so an entry alone above the limit
 needs a state above 1 MiB (the fixture models' are a few hundred KiB: that case is in the memory checks instead).
 """
 
 from __future__ import annotations
 
 import tempfile
+import time
 from collections import Counter
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -39,10 +44,14 @@ from harness.backends.llama_server.differential import (
     prompt_from,
     request_rule,
 )
+from harness.errors import ServerStartError
 from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog
 
-__all__ = ["LimitRun", "LimitStats", "configs", "limits_machine"]
+__all__ = ["Action", "LimitRun", "LimitStats", "configs", "limits_machine", "shrink_steps"]
+
+Action = tuple[str, tuple[Any, ...]]
+"""One step of a :class:`LimitRun` as a call: ``("request", (tokens, n_predict))`` or ``("erase", (slot,))``."""
 
 _DRAFTABLE = ("llama", "jamba")  # the fixture models the draft model can serve (the differential's)
 
@@ -71,6 +80,7 @@ class LimitStats:
     erases: int = 0
     configs: list[str] = field(default_factory=list)
     checked: Counter[str] = field(default_factory=Counter)
+    last: LimitRun | None = None  # the latest example's run: the failing one when the machine fails
     near_ties: int = 0  # cached answers a greedy tie flipped (the known finding greedy-flip-on-cache-path)
 
 
@@ -80,8 +90,9 @@ class LimitRun:
     def __init__(self, cfg: ServerConfig, binary: Path, log_dir: str | None = None,
                  binary_expr: str = "build_server('shared')", *, fresh: bool = False) -> None:  # fmt: skip
         self.cfg = replace(cfg, log_verbosity=4)
-        self.binary_expr = binary_expr
+        self.binary, self.binary_expr = binary, binary_expr
         self.steps: list[str] = []
+        self.actions: list[Action] = []  # the steps as calls, for :func:`shrink`
         self.log = CacheLog(self.cfg.ctx_checkpoints)
         self.checked: Counter[str] = Counter()  # restore_equivalence, with ``fresh``
         self.near_ties = 0
@@ -118,6 +129,7 @@ class LimitRun:
     def request(self, tokens: tuple[int, ...], n_predict: int) -> Any:
         """One completion; then the log's new lines are checked (a problem raises :class:`ServerMismatch`)."""
         self.steps.append(f"r.request({list(tokens)!r}, {n_predict})")
+        self.actions.append(("request", (tokens, n_predict)))
         try:
             answer = self.server.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True)
         except RequestFailed as e:
@@ -149,6 +161,7 @@ class LimitRun:
     def erase(self, slot: int) -> None:
         """Clear slot ``slot`` (``POST /slots/N?action=erase``), then check the log."""
         self.steps.append(f"r.erase({slot})")
+        self.actions.append(("erase", (slot,)))
         try:
             self.server.request("POST", f"/slots/{slot}?action=erase", {})
         except RequestFailed as e:
@@ -193,7 +206,9 @@ def limits_machine(binary: Path, stats: LimitStats, log_dir: str | None,
             self.cfg = cfg
             self.sent: list[tuple[int, ...]] = []
             self.since_erase = 0
-            self.run = LimitRun(cfg, binary, log_dir, binary_expr, fresh=fresh).__enter__()
+            self.run = LimitRun(cfg, binary, log_dir, binary_expr, fresh=fresh)
+            stats.last = self.run
+            self.run.__enter__()
             stats.examples += 1
             stats.configs.append(cfg.name + f"-cr{cfg.cache_ram_mib}-cp{cfg.ctx_checkpoints}-c{cfg.n_ctx}")
 
@@ -222,3 +237,65 @@ def limits_machine(binary: Path, stats: LimitStats, log_dir: str | None,
             stats.erases += 1
 
     return LimitsMachine
+
+
+def _replay(run: LimitRun, actions: list[Action]) -> tuple[ServerMismatch | None, int]:
+    """``actions`` on a fresh :class:`LimitRun` of ``run``'s configuration: the mismatch they end in (None: none) and
+    how many of them it took."""
+    again = LimitRun(run.cfg, run.binary, None, run.binary_expr, fresh=run.fresh is not None)
+    try:
+        with again:
+            for name, args in actions:
+                getattr(again, name)(*args)
+    except ServerMismatch as e:
+        return e, len(again.actions)
+    except ServerStartError:
+        return None, 0
+    return None, len(actions)
+
+
+def shrink_steps(run: LimitRun, prop: str, *, budget_s: float = 180.0) -> tuple[ServerMismatch | None, str]:
+    """The shortest sub-sequence of ``run``'s steps (delta debugging, then each request's ``n_predict`` cut to 1)
+    that still fails ``prop`` on a fresh server: its mismatch, whose program replays just those steps (None: it did
+    not fail again), and one line on how the shrink went."""
+    t0 = time.monotonic()
+    replays = 0
+
+    def fails(actions: list[Action]) -> tuple[ServerMismatch | None, int]:
+        nonlocal replays
+        replays += 1
+        e, n = _replay(run, actions)
+        return (e, n) if e is not None and e.name == prop else (None, n)
+
+    def over() -> bool:
+        return time.monotonic() - t0 > budget_s
+
+    found, n_used = fails(list(run.actions))
+    if found is None:
+        return None, f"{prop} did not fail again on a fresh server (1 replay): not shrunk"
+    best = list(run.actions[:n_used])
+    chunks = 2
+    while len(best) >= 2 and not over():
+        size = max(1, len(best) // chunks)
+        smaller = False
+        for start in range(0, len(best), size):
+            cand = best[:start] + best[start + size :]
+            if not cand or over():
+                continue
+            e, n = fails(cand)
+            if e is not None:
+                best, found, chunks, smaller = cand[:n], e, max(chunks - 1, 2), True
+                break
+        if not smaller:
+            if size == 1:
+                break
+            chunks = min(chunks * 2, len(best))
+    for i, (name, args) in enumerate(best):
+        if name == "request" and args[1] > 1 and not over():
+            cand = [*best[:i], (name, (args[0], 1)), *best[i + 1 :]]
+            e, n = fails(cand)
+            if e is not None and n == len(cand):
+                best, found = cand, e
+    late = f" (stopped at the {budget_s:.0f}s budget)" if over() else ""
+    return found, (f"shrunk from {len(run.actions)} to {len(best)} steps, {replays} replays on fresh servers, "
+                   f"{time.monotonic() - t0:.0f}s{late}")  # fmt: skip

@@ -37,7 +37,7 @@ from harness.backends.llama_server.differential import (
     server_configs,
     server_machine,
 )
-from harness.backends.llama_server.limits import LimitStats, limits_machine
+from harness.backends.llama_server.limits import LimitStats, limits_machine, shrink_steps
 from harness.backends.llama_server.memory import memory_and_faults
 from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
 from harness.errors import ServerStartError, UsageError
@@ -147,7 +147,7 @@ def run_server_backend(
                    f"{MODEL_EXACT}; still run: {MODEL_FREE}")  # fmt: skip
             report.skip("server backend: model-exact checks", why)
             out(f"  [skip] {why}")
-            _limits(run, binary, hs, seed, logs, fresh=True)
+            _limits(run, binary, hs, seed, logs)
             run.sanitizers(logs)
             run.known_near_ties()
             return
@@ -214,18 +214,18 @@ def _skip_memory(report: GateReport, e: ServerStartError, out: Callable[[str], N
     out(f"  [skip] memory checks: {why}")
 
 
-def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str, *, fresh: bool = False) -> None:
-    """The drawn configurations (:mod:`harness.backends.llama_server.limits`): the server's own log at each step
-    (and with ``fresh`` each cached answer against a fresh server's)."""
+def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str) -> None:
+    """The drawn configurations (:mod:`harness.backends.llama_server.limits`): the server's own log at each step,
+    and each cached answer against a fresh server's (restore_equivalence at every limit the draws reach)."""
     stats = LimitStats()
     t0 = time.perf_counter()
     status = "ok  "
     try:
-        run_seeded(limits_machine(binary, stats, logs, run.build.replay_expr, fresh=fresh), hs, seed)
+        run_seeded(limits_machine(binary, stats, logs, run.build.replay_expr, fresh=True), hs, seed)
         run.passed(time.perf_counter() - t0, stats.checked)
     except ServerMismatch as e:
         status = "FAIL"
-        run.mismatch(e, "server-limits")
+        run.mismatch(_shrunk(e, stats, run.out), "server-limits")
     except FlakyFailure as group:
         found = unflaked(group, ServerMismatch)
         if found is None:
@@ -241,6 +241,19 @@ def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str, *,
     run.section["near_tie_flips"] += stats.near_ties
     run.out(f"  [{status}] drawn configurations {stats.examples:>3} servers, {stats.requests} requests, {stats.erases} "
             f"slot erases; the log's checks {dict(sorted(stats.checked.items()))} {time.perf_counter() - t0:5.1f}s")
+
+
+def _shrunk(e: ServerMismatch, stats: LimitStats, out: Out) -> ServerMismatch:
+    """The drawn configuration's failure with its steps shrunk on fresh servers
+    (:func:`~harness.backends.llama_server.limits.shrink_steps`), the shrink's line in its message; as it was when
+    the failure does not show again."""
+    if stats.last is None:
+        return e
+    out(f"  shrinking the {len(stats.last.actions)} steps that failed {e.name} on fresh servers ...")
+    small, how = shrink_steps(stats.last, e.name)
+    if small is None:
+        return ServerMismatch(e.name, f"{e.message} [{how}]", e.program, e.kind)
+    return ServerMismatch(small.name, f"{small.message} [{how}]", small.program, small.kind)
 
 
 def _machines(run: ServerRun, binary: Path, semantics: str, hs: settings, seed: int, logs: str) -> None:
