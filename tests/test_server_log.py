@@ -217,3 +217,15 @@ def test_an_update_that_evicts_for_tokens_below_its_estimate_fails_update_evicti
     needless, _ = _problems(two + _TOKEN_EVICT.format(est=5000) + one)  # 1802 <= 5000: nothing to evict
     assert [p.property for p in needless] == ["update_eviction"], needless
     assert "though the cache held 1802 <= 5000 tokens" in needless[0].message
+
+
+def test_a_load_that_failed_to_restore_keeps_its_entry_and_is_no_removal() -> None:
+    """``load`` logs the entry it found, then "failed to restore state" and returns before erasing it
+    (server-task.cpp:1833): the entry staying is no load_transfer problem; one that left anyway is."""
+    failed = "0.1 E srv          load: failed to restore state with size 311296\n"
+    both = [(901, 2, 0.148), (901, 2, 0.148)]
+    kept = _state(2, 0.297, 1.0, 2048, 6070, both) + _scan((0.0, 0.0), [(0.9, 0.5)], (0.9, 0.5)) + failed
+    problems, log = _problems(kept + _state(2, 0.297, 1.0, 2048, 6070, both))
+    assert problems == [] and log.checked["load_transfer"] == 1, problems
+    gone, _ = _problems(kept + _state(1, 0.148, 1.0, 2048, 6070, both[:1]))
+    assert [p.property for p in gone] == ["load_transfer"], gone

@@ -339,6 +339,8 @@ class CacheLog:
             self._cycle["unsaved"] += 1
         elif "removing obsolete cached prompt" in line or "removing oldest entry" in line or _FOUND.search(line):
             self._cycle["removals"] += 1
+        elif "failed to restore state with size" in line:  # the load found its entry, then kept it (server-task.cpp:1833)
+            self._cycle["removals"] -= 1
 
     def _transfers(self, ids: list[str], line: int) -> list[LogProblem]:
         prev, self._prev_ids = self._prev_ids, ids
