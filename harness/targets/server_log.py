@@ -149,6 +149,7 @@ class _Order:
     token_pops: list[tuple[int, int]] = field(default_factory=list)  # tokens held before a token eviction, est
     known: bool = False  # a state has been listed: the replay starts from the first one (as load_transfer)
     update_pops: int = 0  # update's own evictions (size, tokens) in this cycle: ``update_eviction`` is at stake
+    taken: tuple[int, tuple[str, int, float]] | None = None  # the last load's entry and its place, until it restores
 
     def appended(self) -> None:
         if self.saving:
@@ -182,6 +183,9 @@ class _Order:
             self.appended()
             self.update_pops += 1
             self.pop_oldest("update's size eviction")
+        elif "failed to restore state with size" in line and self.taken is not None:
+            self.entries.insert(*self.taken)  # the load returned before erasing it (server-task.cpp:1833)
+            self.taken = None
         elif (m := _TOKEN_EVICT.search(line)) is not None:
             self.appended()
             held = sum(n for _a, n, _m in self.entries)  # the new entry's tokens are its save line's length
@@ -196,7 +200,7 @@ class _Order:
         if len(scan.spans) != len(self.entries):
             self.unsure = self.unsure or f"the scan lists {len(scan.spans)} entries where {len(self.entries)} remain"
         elif i is not None:
-            self.entries.pop(i)
+            self.taken = (i, self.entries.pop(i))
 
     def check(self, ids: list[str], entries: list[tuple[int, int, float]], limit_mib: float) -> str | None:
         """The state just listed against the replay: the same entries in the same order (the new one anywhere a
@@ -339,7 +343,7 @@ class CacheLog:
             self._cycle["unsaved"] += 1
         elif "removing obsolete cached prompt" in line or "removing oldest entry" in line or _FOUND.search(line):
             self._cycle["removals"] += 1
-        elif "failed to restore state with size" in line:  # the load found its entry, then kept it (server-task.cpp:1833)
+        elif "failed to restore state with size" in line:  # the load found its entry, then kept it (:1833)
             self._cycle["removals"] -= 1
 
     def _transfers(self, ids: list[str], line: int) -> list[LogProblem]:
