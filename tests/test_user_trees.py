@@ -30,7 +30,7 @@ from harness.backends.llama_server.differential import (
     run_program,
     server_machine,
 )
-from harness.backends.llama_server.limits import LimitStats, limits_machine
+from harness.backends.llama_server.limits import LimitStats, limits_machine, shrink_steps
 from harness.backends.llama_server.section import hypothesis_settings
 from harness.targets.llama_server import ServerConfig
 from harness.targets.server_log import LOG_PROPERTIES
@@ -329,20 +329,42 @@ def test_the_drawn_configurations_kill_the_cpp_mutants_on_any_seed(trees: Trees,
     assert "LimitRun(ServerConfig(" in caught.value.program and stats.examples >= 1
 
 
-def test_restore_equivalence_fails_on_a_server_whose_cache_load_corrupts_the_state(trees: Trees) -> None:
-    """C++ mutant ``corrupt``: ``server_prompt_cache::load`` restores an entry with the last 64th of its bytes zeroed;
-    the restore succeeds and ``cache_n`` is as the model says, so only a cached answer against a fresh server's shows
-    it: the gate's machine fails ``restore_equivalence`` with a shrunk program that replays it. The pinned build passes
-    the same machine (the gate's own run)."""
+@pytest.mark.parametrize("seed", [0, 1])
+def test_restore_equivalence_fails_on_a_server_whose_cache_load_corrupts_the_state(trees: Trees, seed: int) -> None:
+    """C++ mutant ``corrupt``: ``server_prompt_cache::load`` restores an entry with a 128th of its bytes zeroed; the
+    restore succeeds and ``cache_n`` is what the model says, so only a cached answer against a fresh server's shows
+    it: the gate's differential machine fails ``restore_equivalence`` (the pinned build passes the same machine: the
+    gate's own run)."""
     binary = build_source(trees("corrupt"), log=lambda _m: None)
-    cfg = ServerConfig("llama", n_parallel=1, cache_ram_mib=8)
+    cfg = ServerConfig("llama", n_parallel=1, cache_ram_mib=8, n_ctx=1024)
     stats = MachineStats()
     with pytest.raises(ServerMismatch) as caught:
-        run_seeded(server_machine(cfg, binary, "shared", stats, None), hypothesis_settings("ci", None), 0)
+        run_seeded(server_machine(cfg, binary, "shared", stats, None), hypothesis_settings("ci", None), seed)
     e = caught.value
     assert e.name == "restore_equivalence", (e.name, e.message)
     assert "a fresh server generates" in e.message and "d.request(" in e.program, e.message
-    assert stats.cache_loads >= 1 or stats.restore_checks >= 1
+
+
+def test_the_drawn_configurations_fail_restore_equivalence_on_the_corrupt_mutant_and_shrink_it(trees: Trees) -> None:
+    """The drawn configurations hold every cached answer to a fresh server's: on ``corrupt`` some seed of the first
+    four fails ``restore_equivalence`` there (a drawn configuration loads from its cache only now and then), and the
+    failing steps shrink on fresh servers to a program that still fails it."""
+    binary = build_source(trees("corrupt"), log=lambda _m: None)
+    found: ServerMismatch | None = None
+    for seed in range(4):
+        stats = LimitStats()
+        try:
+            run_seeded(limits_machine(binary, stats, None, fresh=True), hypothesis_settings("ci", None), seed)
+        except ServerMismatch as e:
+            if e.name == "restore_equivalence":
+                found = e
+                break
+    assert found is not None, "no seed of 0..3 failed restore_equivalence on the drawn configurations"
+    assert stats.last is not None
+    small, how = shrink_steps(stats.last, "restore_equivalence")
+    assert small is not None and small.name == "restore_equivalence", how
+    assert small.program.count("r.request(") <= found.program.count("r.request("), how
+    assert "fresh=True" in small.program and how.startswith("shrunk from "), how
 
 
 def test_a_tree_whose_prompt_cache_the_model_cannot_read_runs_the_checks_that_need_no_model(

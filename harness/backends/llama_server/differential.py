@@ -36,7 +36,7 @@ from typing import Any
 from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
-from fixtures.gguf import draft_path, model_path
+from fixtures.gguf import draft_path, model_path, n_ctx_train
 from harness.errors import PropertyFailure
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
@@ -357,11 +357,12 @@ def request_rule(f: Callable[..., None]) -> Callable[..., None]:
 
 def prompt_from(bases: Sequence[tuple[int, ...]], cfg: ServerConfig, source: int, keep: int, n_new: int,
                 seed: int) -> tuple[int, ...]:  # fmt: skip
-    """0-100 % (``keep`` 24ths) of the ``source``-th base, then ``n_new`` new tokens; fitted to a slot's context."""
+    """0-100 % (``keep`` 24ths) of the ``source``-th base, then ``n_new`` new tokens; fitted to a slot's context, which
+    the server caps at the model's trained context (1024 for every fixture model but ``mamba-big``)."""
     base = bases[source % len(bases)] if bases else ()
     head = base[: len(base) * keep // 24]
     new = tuple(3 + (seed * 31 + i * 17) % 256 for i in range(n_new))
-    return (head + new)[-(cfg.n_ctx // cfg.n_parallel - 16) :] or (1,)
+    return (head + new)[-(min(cfg.n_ctx // cfg.n_parallel, n_ctx_train(cfg.arch)) - 16) :] or (1,)
 
 
 def server_machine(
