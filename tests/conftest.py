@@ -299,6 +299,12 @@ CORRUPT_EDIT: Edits = {"tools/server/server-task.cpp": [
      "            std::fill(data.begin() + size * 19 / 100, data.begin() + size * 19 / 100 + size / 128, 0); "
      "const size_t n = llama_state_seq_set_data_ext(ctx_tgt, data.data(), size, id_slot, 0);")]}  # fmt: skip
 
+#: a prompt of exactly the slot's n_ctx tokens is taken, not refused (server-context.cpp:3186; the model's mutant
+#: prompt-fills-ctx) -> slot_within_ctx, at the context's edge of the drawn configurations
+EDGE_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("                            if (slot.task->n_tokens() >= slot.n_ctx) {",
+     "                            if (slot.task->n_tokens() > slot.n_ctx) {")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -333,6 +339,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "kept": ("shared", KEPT_EDIT),
     "early": ("shared", EARLY_EDIT),
     "corrupt": ("shared", CORRUPT_EDIT),
+    "edge": ("shared", EDGE_EDIT),
     "block": ("shared", BLOCK_EDIT),
     "newest": ("shared", NEWEST_EDIT),
     "extra": ("shared", EXTRA_EDIT),
@@ -361,7 +368,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
-         "kept", "early", "corrupt", "block", "newest", "extra", "offset-cap", "offset-cap-threshold")
+         "kept", "early", "corrupt", "edge", "block", "newest", "extra", "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

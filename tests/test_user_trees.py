@@ -330,6 +330,25 @@ def test_the_drawn_configurations_kill_the_cpp_mutants_on_any_seed(trees: Trees,
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_the_drawn_configurations_refuse_a_prompt_of_the_slots_context_and_fail_a_server_that_takes_it(
+    trees: Trees, seed: int
+) -> None:
+    """C++ mutant ``edge``: a prompt of exactly the slot's ``n_ctx`` tokens is taken (server-context.cpp:3186 ``>=``
+    made ``>``): the drawn configurations' context edge fails ``slot_within_ctx`` with a program that replays it, and
+    the pinned build passes the same seed, with the property counted."""
+    stats = LimitStats()
+    with pytest.raises(ServerMismatch) as caught:
+        run_seeded(limits_machine(build_source(trees("edge"), log=lambda _m: None), stats, None),
+                   hypothesis_settings("ci", None), seed)  # fmt: skip
+    assert caught.value.name == "slot_within_ctx", caught.value.message
+    assert "the server refuses a prompt of n_ctx tokens" in caught.value.message
+    assert "r.boundary([" in caught.value.program
+    held = LimitStats()
+    run_seeded(limits_machine(build_server("shared"), held, None), hypothesis_settings("ci", None), seed)
+    assert held.boundaries >= 1 and held.checked["slot_within_ctx"] > held.requests, held
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_restore_equivalence_fails_on_a_server_whose_cache_load_corrupts_the_state(trees: Trees, seed: int) -> None:
     """C++ mutant ``corrupt``: ``server_prompt_cache::load`` restores an entry with a 128th of its bytes zeroed; the
     restore succeeds and ``cache_n`` is what the model says, so only a cached answer against a fresh server's shows

@@ -5,7 +5,10 @@ limit of the prompt cache binds somewhere, and the server's own log is held to i
 fixture models; 1 to 4 slots; unified KV or not; a draft model on the two that have one; ``--cache-ram`` -1 (the
 token limit binds), 1, 2, 4 or 8 MiB; ``--ctx-checkpoints`` 1 to 32; ``-cms`` 0 to 256; ``-c`` 512 or 1024),
 starts that server at ``-lv 4`` and sends prompts that share, extend and diverge from earlier ones, and erases
-slots (``POST /slots/N?action=erase``, a slot cleared while it may hold checkpoints). After every step the log's
+slots (``POST /slots/N?action=erase``, a slot cleared while it may hold checkpoints), and once an example sends the
+context's boundary (:meth:`LimitRun.boundary`: a prompt of the slot's ``n_ctx`` tokens, which the server refuses, and
+one of ``n_ctx - 1``, which it answers: ``slot_within_ctx``; under a unified KV that prompt fills the cells other
+slots hold). After every step the log's
 new lines are checked (:class:`~harness.targets.server_log.CacheLog`: ``limit``, ``accounting``,
 ``checkpoint_lists``, ``load_choice``, ``alloc_eviction``); no model is asked, so a configuration the reference
 model does not cover is still held to what the server itself shows. With ``fresh`` (as the gate runs it) every
@@ -51,7 +54,8 @@ from harness.targets.server_log import CacheLog
 __all__ = ["Action", "LimitRun", "LimitStats", "configs", "limits_machine", "shrink_steps"]
 
 Action = tuple[str, tuple[Any, ...]]
-"""One step of a :class:`LimitRun` as a call: ``("request", (tokens, n_predict))`` or ``("erase", (slot,))``."""
+"""One step of a :class:`LimitRun` as a call: ``("request", (tokens, n_predict))``, ``("erase", (slot,))`` or
+``("boundary", (tokens,))``."""
 
 _DRAFTABLE = ("llama", "jamba")  # the fixture models the draft model can serve (the differential's)
 
@@ -78,6 +82,7 @@ class LimitStats:
     examples: int = 0
     requests: int = 0
     erases: int = 0
+    boundaries: int = 0  # examples that sent the context's edge (LimitRun.boundary)
     configs: list[str] = field(default_factory=list)
     checked: Counter[str] = field(default_factory=Counter)
     last: LimitRun | None = None  # the latest example's run: the failing one when the machine fails
@@ -94,7 +99,8 @@ class LimitRun:
         self.steps: list[str] = []
         self.actions: list[Action] = []  # the steps as calls, for :func:`shrink`
         self.log = CacheLog(self.cfg.ctx_checkpoints)
-        self.checked: Counter[str] = Counter()  # restore_equivalence, with ``fresh``
+        self.checked: Counter[str] = Counter()  # slot_within_ctx; restore_equivalence, with ``fresh``
+        self.slot_ctx = 0  # the slots' n_ctx as the server reports it (GET /slots), once started
         self.near_ties = 0
         self.released = 0
         self._slots = tempfile.TemporaryDirectory(prefix="harness-limits-slots-")
@@ -113,6 +119,7 @@ class LimitRun:
             self.server.start()
             if self.fresh is not None:
                 self.fresh.start()
+            self.slot_ctx = int(self.server.request("GET", "/slots")[0]["n_ctx"])
         except BaseException:
             self.__exit__()  # a server that did not start leaves nothing behind either
             raise
@@ -130,15 +137,51 @@ class LimitRun:
         """One completion; then the log's new lines are checked (a problem raises :class:`ServerMismatch`)."""
         self.steps.append(f"r.request({list(tokens)!r}, {n_predict})")
         self.actions.append(("request", (tokens, n_predict)))
+        return self._complete(tokens, n_predict)
+
+    def _complete(self, tokens: tuple[int, ...], n_predict: int) -> Any:
         try:
             answer = self.server.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True)
         except RequestFailed as e:
             self._failed(e)
         self.released += 1
         self.check()
+        self._within_ctx(tokens, answer)
         if self.fresh is not None and int(answer["timings"]["cache_n"]) > 0:
             self._equivalent(tokens, n_predict, tuple(int(t) for t in answer.get("tokens") or ()), answer)
         return answer
+
+    def _within_ctx(self, tokens: tuple[int, ...], answer: Any) -> None:
+        """``slot_within_ctx`` on an answer: its prompt and the tokens it generated fit the slot's ``n_ctx``."""
+        held = len(tokens) + len(answer.get("tokens") or ())
+        self.checked["slot_within_ctx"] += 1
+        if len(tokens) >= self.slot_ctx or held > self.slot_ctx:
+            raise ServerMismatch("slot_within_ctx", f"step {len(self.steps)}: a prompt of {len(tokens)} tokens was "
+                                 f"answered with {held - len(tokens)} more on slot {answer['id_slot']}, whose n_ctx is "
+                                 f"{self.slot_ctx}", self.program())  # fmt: skip
+
+    def boundary(self, tokens: tuple[int, ...]) -> None:
+        """``slot_within_ctx`` at the context's edge: ``tokens`` (at least ``n_ctx``) cut to the slot's ``n_ctx`` are
+        refused (HTTP 400, "exceeds the available context size", server-context.cpp:3186 at 0c1e570: the slot is
+        taken, and may have loaded from the cache, before it refuses), and the first ``n_ctx - 1`` are answered (one
+        token: the slot then holds exactly ``n_ctx``); the log is checked after each."""
+        over = tokens[: self.slot_ctx]
+        self.steps.append(f"r.boundary({list(over)!r})")
+        self.actions.append(("boundary", (over,)))
+        try:
+            answer = self.server.completion(list(over), 1, ignore_eos=True, return_tokens=True)
+        except RequestFailed as e:
+            if not (e.alive and e.status == 400 and "exceeds the available context size" in (e.message or "")):
+                self._failed(e)
+        else:
+            said = (f"step {len(self.steps)}: a prompt of {len(over)} tokens, the slot's n_ctx, was answered (slot "
+                    f"{answer['id_slot']}, cache_n {answer['timings']['cache_n']}): the server refuses a prompt of "
+                    "n_ctx tokens or more")  # fmt: skip
+            raise ServerMismatch("slot_within_ctx", said, self.program())
+        self.checked["slot_within_ctx"] += 1
+        self.released += 1  # the refusal releases the slot (server_slot::release logs it)
+        self.check()
+        self._complete(over[:-1], 1)
 
     def _equivalent(self, tokens: tuple[int, ...], n_predict: int, generated: tuple[int, ...], answer: Any) -> None:
         """``restore_equivalence``: an answer served partly from the cache equals a fresh server's (a greedy tie
@@ -206,6 +249,7 @@ def limits_machine(binary: Path, stats: LimitStats, log_dir: str | None,
             self.cfg = cfg
             self.sent: list[tuple[int, ...]] = []
             self.since_erase = 0
+            self.edged = False
             self.run = LimitRun(cfg, binary, log_dir, binary_expr, fresh=fresh)
             stats.last = self.run
             self.run.__enter__()
@@ -235,6 +279,18 @@ def limits_machine(binary: Path, stats: LimitStats, log_dir: str | None,
             self.run.erase(slot % self.cfg.n_parallel)
             self.since_erase = 0
             stats.erases += 1
+
+        @precondition(lambda self: self.run is not None and len(self.sent) >= 2 and not self.edged)
+        @rule(source=st.integers(0, 7), seed=st.integers(0, 255))
+        def boundary(self, source: int, seed: int) -> None:
+            """The context's edge, once an example: an earlier prompt extended to the slot's ``n_ctx`` tokens."""
+            assert self.run is not None
+            n = self.run.slot_ctx
+            tokens = (self.sent[source % len(self.sent)] + tuple(3 + (seed * 31 + i * 17) % 256 for i in range(n)))[:n]
+            self.run.boundary(tokens)
+            self.sent.append(tokens[:-1])
+            self.edged = True
+            stats.boundaries += 1
 
     return LimitsMachine
 

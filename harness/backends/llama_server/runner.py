@@ -240,7 +240,8 @@ def _limits(run: ServerRun, binary: Path, hs: settings, seed: int, logs: str) ->
     run.section["requests"] += stats.requests
     run.section["near_tie_flips"] += stats.near_ties
     run.out(f"  [{status}] drawn configurations {stats.examples:>3} servers, {stats.requests} requests, {stats.erases} "
-            f"slot erases; the log's checks {dict(sorted(stats.checked.items()))} {time.perf_counter() - t0:5.1f}s")
+            f"slot erases, {stats.boundaries} context edges; the checks {dict(sorted(stats.checked.items()))} "
+            f"{time.perf_counter() - t0:5.1f}s")  # fmt: skip
 
 
 def _shrunk(e: ServerMismatch, stats: LimitStats, out: Out) -> ServerMismatch:
