@@ -152,7 +152,10 @@ def test_the_gate_classifies_them_and_writes_its_json(
     rep = json.loads(out.read_text())
     mine = [f for f in rep["failures"] if f["property"] == prop]
     # each program ends with the request that failed: the differential's d.request(), the drawn limits' r.request()
-    assert mine and all(f["program"].count(".request(") == 4 for f in mine), rep["failures"]
+    # (a context edge, r.boundary(), is two completions)
+    assert mine and all(f["program"].count(".request(") + 2 * f["program"].count(".boundary(") == 4 for f in mine), [
+        (f["machine"], f["program"][-300:]) for f in mine
+    ]
     assert any(f["machine"] == "server-limits" and "LimitRun(" in f["program"] for f in mine), rep["failures"]
     assert all(f["replay"].startswith("python -m harness gate --backend server --source ") for f in mine)
     assert f"FAILED {prop}" in r.stdout and "--- replay ---" in r.stdout
@@ -327,6 +330,24 @@ def test_the_drawn_configurations_kill_the_cpp_mutants_on_any_seed(trees: Trees,
         run_seeded(limits_machine(binary, stats, None), hypothesis_settings("ci", None), seed)
     assert caught.value.name == SERVER_MUTANTS[name][1], caught.value.message
     assert "LimitRun(ServerConfig(" in caught.value.program and stats.examples >= 1
+
+
+def test_checkpoints_at_other_positions_fail_checkpoint_policy_against_the_model(trees: Trees) -> None:
+    """C++ mutant ``checkpoint-offset`` (the prompt's last checkpoint 5 tokens before its end, not 4): each request's
+    checkpoints, as the server's log says it created them, against the model's ``create_checkpoint``: the gate's fixed
+    program at the checkpoint cap fails ``checkpoint_policy`` on its first request, where ``cache_n`` still agrees, and
+    so does the differential machine of every configuration that creates checkpoints, on seeds 0 and 1."""
+    binary = build_source(trees("checkpoint-offset"), log=lambda _m: None)
+    with pytest.raises(ServerMismatch) as caught:
+        run_program(*LIMIT_PROGRAMS["checkpoint-cap"](), binary, "shared", None)
+    e = caught.value
+    assert e.name == "checkpoint_policy" and "[(0, 232), (0, 295)]" in e.message, e.message
+    assert e.program.count("d.check(d.request(") == 1, e.program
+    for seed in (0, 1):
+        with pytest.raises(ServerMismatch) as caught:
+            run_seeded(server_machine(ServerConfig("mamba"), binary, "shared", MachineStats(), None),
+                       hypothesis_settings("ci", None), seed)  # fmt: skip
+        assert caught.value.name == "checkpoint_policy", caught.value.message
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -322,6 +322,8 @@ class ServerContext:
     events: list[Event] = field(default_factory=list)
     errors: list[tuple[int, str]] = field(default_factory=list)
     cancels: list[int] = field(default_factory=list)  # task ids of the queued SERVER_TASK_TYPE_CANCEL tasks
+    #: every checkpoint :meth:`create_checkpoint` made, in order: (slot, n_tokens), what upstream logs of it (:2349)
+    created: list[tuple[int, int]] = field(default_factory=list)
     clock: int = 0
     next_task_id: int = 0
     # cache entries saved from a slot whose last task was stateless (the finding idle-stateless-slot-cached)
@@ -826,6 +828,7 @@ class ServerContext:
                 cps.erase(it)
         cur = cps.emplace_back(self.checkpoint_cls(self.host, self.sem, id_task=id_task))
         cur.update_pos(n_tokens_new, pos_min, pos_max)
+        self.created.append((slot.id, n_tokens_new))
         cur.made_for = slot.prompt.tokens[:n_tokens_new]
         cur.update_tgt(self.ctx_tgt, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)
         cur.update_dft(self.ctx_dft, slot.id, STATE_SEQ_FLAGS_PARTIAL_ONLY)

@@ -73,7 +73,9 @@ _STATE = re.compile(
     r"cache state: (\d+) prompts, ([\d.]+) MiB \(limits: ([\d.]+) MiB, (\d+) tokens, (\d+) est\)"
 )
 _ENTRY = re.compile(r"- prompt (0x[0-9a-f]+|\(nil\)|[0-9a-fx]+):\s+(\d+) tokens, checkpoints:\s+(\d+),\s+([\d.]+) MiB")
-_CREATED = re.compile(r"created context checkpoint (\d+) of (\d+)")
+_CREATED = re.compile(
+    r"created context checkpoint (\d+) of (\d+)(?: \(pos_min = (-?\d+), pos_max = (-?\d+), n_tokens = (\d+))?"
+)
 _LOOKING = re.compile(r"looking for better prompt, base f_keep = (-?[\d.]+), f_sim = ([\d.]+)")
 _CANDIDATE = re.compile(r"- prompt with length\s+(\d+), lcp =\s+(\d+), f_keep = ([\d.]+), f_sim = ([\d.]+)")
 _FOUND = re.compile(r"found better prompt with f_keep = ([\d.]+), f_sim = ([\d.]+)")
@@ -246,6 +248,8 @@ class CacheLog:
         self._order = _Order()  # the cache starts empty
         self._cleared: dict[int, int] = {}  # slot -> the log line that cleared it, until a checkpoint event settles it
         self._load_pending = False  # a load moved an entry: into the slot the next launch_slot_ line names
+        #: every checkpoint created, in order: (slot, n_tokens) as its line says (server-context.cpp:2349 at 0c1e570)
+        self.created: list[tuple[int, int]] = []
 
     def feed(self, text: str) -> list[LogProblem]:
         """Check the whole lines of ``text`` (the log so far) not seen before; the problems found, in order. A
@@ -279,6 +283,8 @@ class CacheLog:
             self._state = (int(m[1]), float(m[2]), float(m[3]), int(m[4]), int(m[5]), self._line)
         elif (m := _CREATED.search(line)) is not None:
             out += self._created(int(m[1]), int(m[2]))
+            if m[5] is not None and (slot := _SLOT_LINE.search(line)) is not None:
+                self.created.append((int(slot[2]), int(m[5])))
         elif (m := _LOOKING.search(line)) is not None:
             out += self._close_scan(None)
             self._order.appended()

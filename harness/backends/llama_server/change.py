@@ -309,6 +309,9 @@ class ChangePair:
                 row = self.base_model.record(toks, n_predict, base.raw)
                 if not row.ok:
                     drift = f"request #{len(self.sent)}: BASE {row.describe()}"
+                elif row.checkpoints != row.predicted_checkpoints:
+                    drift = (f"request #{len(self.sent)}: BASE created checkpoints (slot, n_tokens) "
+                             f"{list(row.checkpoints)}, the model {list(row.predicted_checkpoints)}")  # fmt: skip
             self.drift = drift
         step = Step(len(self.sent), toks, n_predict, tree, base, difference(tree, base), drift)
         self.steps.append(step)

@@ -7,7 +7,9 @@ temperature 0, ``cache_prompt``, ``ignore_eos``, ``return_tokens``, plus what th
 :func:`harness.targets.llama_server.probe`) goes to the server first; the model is then fed the same
 request with the tokens the server generated (``Task.forced``), picks its own slot, and predicts the slot,
 ``timings.cache_n`` (prompt tokens reused from the slot, a cache load or a checkpoint) and the evictions the
-server logs. Any difference is a mismatch, reported with the request sequence as a script that replays it.
+server logs, and the checkpoints the request created, (slot, ``n_tokens``) as the server's ``-lv 4`` log says it
+created them (server-context.cpp:2349 at 0c1e570) against the model's ``create_checkpoint`` (``checkpoint_policy``).
+Any difference is a mismatch, reported with the request sequence as a script that replays it.
 A request the server answers with an HTTP error, drops, or never answers is a failure too
 (:func:`request_failure`: ``http_error``, ``server_crash``, ``hang``), with the same replay.
 
@@ -91,6 +93,9 @@ class Row:
     reuse_finding: str | None = None  # the registered finding the model's shortfall is, if it fell short
     log_problems: tuple[LogProblem, ...] = ()  # what the server's own log showed broken (harness.targets.server_log)
     log_checked: dict[str, int] = field(default_factory=dict)  # the server-side checks so far, per property
+    #: the checkpoints this request created, (slot, n_tokens) in order: the server's log's and the model's
+    checkpoints: tuple[tuple[int, int], ...] = ()
+    predicted_checkpoints: tuple[tuple[int, int], ...] = ()
 
     def reuse_problem(self) -> str | None:
         """The ``reuse`` property on the server's answer: ``cache_n`` below the best usable source, unexplained."""
@@ -136,6 +141,8 @@ class Differential:
     _sent: int = field(default=0, init=False, repr=False)  # requests answered: the log's releases to wait for
     pending: tuple[tuple[int, ...], int] | None = field(default=None, init=False, repr=False)  # sent, unanswered
     reuse_counts: Counter[str] = field(default_factory=Counter)  # reuse findings: requests, "id:tokens" tokens
+    checked: Counter[str] = field(default_factory=Counter)  # checkpoint_policy: the requests whose creations matched
+    _created: tuple[int, int] = field(default=(0, 0), init=False, repr=False)  # creations seen: server's, model's
 
     def __post_init__(self) -> None:
         if self.cfg.log_verbosity is None:  # -lv 4: the cache's own trace lines, for the server-side properties
@@ -205,6 +212,10 @@ class Differential:
         self._sent += 1
         log = self.server.log_through(self._sent)  # written by a worker thread: wait for this release
         cache = self.model.prompt_cache
+        problems = tuple(self.cache_log.feed(log))
+        server_made, model_made = self.cache_log.created, self.model.created
+        made = (tuple(server_made[self._created[0] :]), tuple(model_made[self._created[1] :]))
+        self._created = (len(server_made), len(model_made))
         row = Row(
             toks,
             n_predict,
@@ -218,8 +229,9 @@ class Differential:
             int(answer["timings"].get("draft_n", 0)),
             self.reuse.best_of.get(res.task, -1),
             self.reuse.finding_of.get(res.task),
-            tuple(self.cache_log.feed(log)),
-            dict(self.cache_log.checked),
+            problems,
+            dict(self.cache_log.checked + self.checked),
+            *made,
         )
         self.rows.append(row)
         return row
@@ -235,6 +247,11 @@ class Differential:
             raise ServerMismatch(first.property, f"the server's log: {first.message}", self.program())
         if not row.ok:
             raise ServerMismatch("cache_n", row.describe(), self.program())
+        if row.checkpoints != row.predicted_checkpoints:
+            raise ServerMismatch("checkpoint_policy", f"{row.describe()}: the server created checkpoints (slot, "
+                                 f"n_tokens) {list(row.checkpoints)}, the model's create_checkpoint "
+                                 f"{list(row.predicted_checkpoints)}", self.program())  # fmt: skip
+        self.checked["checkpoint_policy"] += bool(row.checkpoints)  # a request that created some (held equal)
         if (problem := row.reuse_problem()) is not None:
             raise ServerMismatch("reuse", problem, self.program())
         return row.describe()
@@ -390,7 +407,7 @@ def server_machine(
             if cache is not None:
                 stats.evictions += cache.evictions
                 stats.cache_loads += cache.loads
-            stats.log_checks.update(self.d.cache_log.checked)
+            stats.log_checks.update(self.d.cache_log.checked + self.d.checked)
             try:
                 self.fresh.stop()
             finally:
