@@ -305,6 +305,12 @@ EDGE_EDIT: Edits = {"tools/server/server-context.cpp": [
     ("                            if (slot.task->n_tokens() >= slot.n_ctx) {",
      "                            if (slot.task->n_tokens() > slot.n_ctx) {")]}  # fmt: skip
 
+#: the idle-slot pass saves an idle slot under a unified KV but no longer clears it (server-context.cpp:2429)
+#: -> idle_pass
+IDLE_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("// [TAG_IDLE_SLOT_CLEAR]\n                                    slot.prompt_clear();",
+     "// [TAG_IDLE_SLOT_CLEAR] (mutant: the slot is kept)")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -340,6 +346,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "early": ("shared", EARLY_EDIT),
     "corrupt": ("shared", CORRUPT_EDIT),
     "edge": ("shared", EDGE_EDIT),
+    "idle-kept": ("shared", IDLE_EDIT),
     "block": ("shared", BLOCK_EDIT),
     "newest": ("shared", NEWEST_EDIT),
     "extra": ("shared", EXTRA_EDIT),
@@ -368,7 +375,8 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
-         "kept", "early", "corrupt", "edge", "block", "newest", "extra", "offset-cap", "offset-cap-threshold")
+         "kept", "early", "corrupt", "edge", "idle-kept", "block", "newest", "extra", "offset-cap",
+         "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

@@ -351,6 +351,22 @@ def test_checkpoints_at_other_positions_fail_checkpoint_policy_against_the_model
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_an_idle_slot_kept_under_a_unified_kv_fails_idle_pass(trees: Trees, seed: int) -> None:
+    """C++ mutant ``idle-kept``: the idle-slot pass saves an idle slot under a unified KV and no longer clears it
+    (server-context.cpp:2429): each request's pass, (slot, cleared) as the log says, against the model's fails
+    ``idle_pass`` on the first request whose launch passes over an idle slot."""
+    binary = build_source(trees("idle-kept"), log=lambda _m: None)
+    with pytest.raises(ServerMismatch) as caught:
+        run_seeded(server_machine(ServerConfig("jamba", kv_unified=True), binary, "shared", MachineStats(), None),
+                   hypothesis_settings("ci", None), seed)  # fmt: skip
+    e = caught.value
+    assert e.name == "idle_pass" and "the idle-slot pass took (slot, cleared)" in e.message, e.message
+    server_side = e.message.split("the idle-slot pass took (slot, cleared) ")[1].split(" on the server")[0]
+    assert "False)" in server_side and "True)" not in server_side, e.message  # saved, never cleared
+    assert e.program.count("d.check(d.request(") >= 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_the_drawn_configurations_refuse_a_prompt_of_the_slots_context_and_fail_a_server_that_takes_it(
     trees: Trees, seed: int
 ) -> None:

@@ -324,6 +324,8 @@ class ServerContext:
     cancels: list[int] = field(default_factory=list)  # task ids of the queued SERVER_TASK_TYPE_CANCEL tasks
     #: every checkpoint :meth:`create_checkpoint` made, in order: (slot, n_tokens), what upstream logs of it (:2349)
     created: list[tuple[int, int]] = field(default_factory=list)
+    #: every slot the idle-slot pass took, in order: (slot, cleared), what upstream logs of it (:2421, :2429)
+    idle_passed: list[tuple[int, bool]] = field(default_factory=list)
     clock: int = 0
     next_task_id: int = 0
     # cache entries saved from a slot whose last task was stateless (the finding idle-stateless-slot-cached)
@@ -520,6 +522,7 @@ class ServerContext:
                     self.prompt_cache.update()
                 if self.params.kv_unified:
                     s.prompt_clear()
+                self.idle_passed.append((s.id, self.params.kv_unified))
 
     def _note_stateless(self, slot: ServerSlot, where: str, by: str) -> None:
         """Record a save that just appended ``slot``'s prompt, when its last task was stateless."""

@@ -250,6 +250,10 @@ class CacheLog:
         self._load_pending = False  # a load moved an entry: into the slot the next launch_slot_ line names
         #: every checkpoint created, in order: (slot, n_tokens) as its line says (server-context.cpp:2349 at 0c1e570)
         self.created: list[tuple[int, int]] = []
+        #: every slot the idle-slot pass took, in order: (slot, cleared), from its "saving idle slot to prompt cache"
+        #: line (server-context.cpp:2421 at 0c1e570) and the "clearing prompt" line of that slot right after it (:2429)
+        self.idle: list[tuple[int, bool]] = []
+        self._idle_open = False  # the last idle-pass line was a slot's "saving idle slot": its clear may follow
 
     def feed(self, text: str) -> list[LogProblem]:
         """Check the whole lines of ``text`` (the log so far) not seen before; the problems found, in order. A
@@ -278,6 +282,7 @@ class CacheLog:
             return out
         out += self._close_state()
         out += self._cleared_slots(line)
+        self._idle_pass(line)
         if (m := _STATE.search(line)) is not None:
             out += self._close_scan(None)  # update follows load: the scan found nothing
             self._state = (int(m[1]), float(m[2]), float(m[3]), int(m[4]), int(m[5]), self._line)
@@ -306,6 +311,19 @@ class CacheLog:
         self._count_cycle(line)
         self._order.event(line)
         return out
+
+    def _idle_pass(self, line: str) -> None:
+        """Keep :attr:`idle`: the pass logs an idle slot, saves it, and under a unified KV clears it before the next."""
+        if "saving idle slot to prompt cache" not in line and "clearing prompt with" not in line:
+            return
+        if (m := _SLOT_LINE.search(line)) is None:
+            return
+        slot = int(m[2])
+        if "saving idle slot" in line:
+            self.idle.append((slot, False))
+        elif self.idle and self.idle[-1] == (slot, False) and self._idle_open:
+            self.idle[-1] = (slot, True)
+        self._idle_open = "saving idle slot" in line
 
     def _cleared_slots(self, line: str) -> list[LogProblem]:
         """``cleared_checkpoints``: a cleared slot's next checkpoint event is a creation of checkpoint 1."""

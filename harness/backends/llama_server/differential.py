@@ -8,7 +8,8 @@ temperature 0, ``cache_prompt``, ``ignore_eos``, ``return_tokens``, plus what th
 request with the tokens the server generated (``Task.forced``), picks its own slot, and predicts the slot,
 ``timings.cache_n`` (prompt tokens reused from the slot, a cache load or a checkpoint) and the evictions the
 server logs, and the checkpoints the request created, (slot, ``n_tokens``) as the server's ``-lv 4`` log says it
-created them (server-context.cpp:2349 at 0c1e570) against the model's ``create_checkpoint`` (``checkpoint_policy``).
+created them (server-context.cpp:2349 at 0c1e570) against the model's ``create_checkpoint`` (``checkpoint_policy``),
+and the slots its launch's idle-slot pass saved and cleared (:2421, :2429) against the model's (``idle_pass``).
 Any difference is a mismatch, reported with the request sequence as a script that replays it.
 A request the server answers with an HTTP error, drops, or never answers is a failure too
 (:func:`request_failure`: ``http_error``, ``server_crash``, ``hang``), with the same replay.
@@ -96,6 +97,9 @@ class Row:
     #: the checkpoints this request created, (slot, n_tokens) in order: the server's log's and the model's
     checkpoints: tuple[tuple[int, int], ...] = ()
     predicted_checkpoints: tuple[tuple[int, int], ...] = ()
+    #: the slots the idle-slot pass took during this request, (slot, cleared): the server's log's and the model's
+    idle: tuple[tuple[int, bool], ...] = ()
+    predicted_idle: tuple[tuple[int, bool], ...] = ()
 
     def reuse_problem(self) -> str | None:
         """The ``reuse`` property on the server's answer: ``cache_n`` below the best usable source, unexplained."""
@@ -143,6 +147,7 @@ class Differential:
     reuse_counts: Counter[str] = field(default_factory=Counter)  # reuse findings: requests, "id:tokens" tokens
     checked: Counter[str] = field(default_factory=Counter)  # checkpoint_policy: the requests whose creations matched
     _created: tuple[int, int] = field(default=(0, 0), init=False, repr=False)  # creations seen: server's, model's
+    _idle: tuple[int, int] = field(default=(0, 0), init=False, repr=False)  # idle-pass slots seen: server's, model's
 
     def __post_init__(self) -> None:
         if self.cfg.log_verbosity is None:  # -lv 4: the cache's own trace lines, for the server-side properties
@@ -216,6 +221,9 @@ class Differential:
         server_made, model_made = self.cache_log.created, self.model.created
         made = (tuple(server_made[self._created[0] :]), tuple(model_made[self._created[1] :]))
         self._created = (len(server_made), len(model_made))
+        server_idle, model_idle = self.cache_log.idle, self.model.idle_passed
+        idle = (tuple(server_idle[self._idle[0] :]), tuple(model_idle[self._idle[1] :]))
+        self._idle = (len(server_idle), len(model_idle))
         row = Row(
             toks,
             n_predict,
@@ -232,6 +240,7 @@ class Differential:
             problems,
             dict(self.cache_log.checked + self.checked),
             *made,
+            *idle,
         )
         self.rows.append(row)
         return row
@@ -252,6 +261,11 @@ class Differential:
                                  f"n_tokens) {list(row.checkpoints)}, the model's create_checkpoint "
                                  f"{list(row.predicted_checkpoints)}", self.program())  # fmt: skip
         self.checked["checkpoint_policy"] += bool(row.checkpoints)  # a request that created some (held equal)
+        if row.idle != row.predicted_idle:
+            raise ServerMismatch("idle_pass", f"{row.describe()}: the idle-slot pass took (slot, cleared) "
+                                 f"{list(row.idle)} on the server, {list(row.predicted_idle)} in the model",
+                                 self.program())  # fmt: skip
+        self.checked["idle_pass"] += bool(row.idle)  # a request whose launch passed over idle slots (held equal)
         if (problem := row.reuse_problem()) is not None:
             raise ServerMismatch("reuse", problem, self.program())
         return row.describe()
