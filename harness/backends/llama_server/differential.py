@@ -145,7 +145,7 @@ class Differential:
     _sent: int = field(default=0, init=False, repr=False)  # requests answered: the log's releases to wait for
     pending: tuple[tuple[int, ...], int] | None = field(default=None, init=False, repr=False)  # sent, unanswered
     reuse_counts: Counter[str] = field(default_factory=Counter)  # reuse findings: requests, "id:tokens" tokens
-    checked: Counter[str] = field(default_factory=Counter)  # checkpoint_policy: the requests whose creations matched
+    checked: Counter[str] = field(default_factory=Counter)  # checkpoint_policy, idle_pass: the requests held to them
     _created: tuple[int, int] = field(default=(0, 0), init=False, repr=False)  # creations seen: server's, model's
     _idle: tuple[int, int] = field(default=(0, 0), init=False, repr=False)  # idle-pass slots seen: server's, model's
 
