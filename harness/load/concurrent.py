@@ -47,6 +47,7 @@ from contextlib import nullcontext
 from pathlib import Path
 
 from fixtures.gguf import model_path
+from harness.backends.llama_server.probe import ensure_form
 from harness.findings import CONCURRENT_OUTPUT_DIVERGENCE, GREEDY_FLIP_ON_CACHE_PATH
 from harness.load.clients import BUSY, EMBED, Req, Sent, replay_program, run_clients
 from harness.load.order import parse_log
@@ -363,6 +364,7 @@ def run_concurrent(
 
 def replay(cfg: ServerConfig, binary: Path, semantics: str, reqs: Sequence[Req]) -> str:
     """Send ``reqs`` again with their timing and check them; the figures and each failure, as text."""
+    ensure_form(binary)  # pasted into a new process: the request form its run used
     with fresh_server(cfg, binary, extra=_extra_args(cfg, reqs)) as fresh:
         r = run_trace(cfg, binary, semantics, reqs, fresh)
     lines = [f"{r.requests} requests, {r.interleavings} interleaved, {r.busy_requests} named a busy slot, "

@@ -54,6 +54,7 @@ __all__ = [
     "ServerStartError",
     "Timeouts",
     "completion_fields",
+    "completion_form_known",
     "log_sanitizer_reports",
     "proc_status",
     "sanitizer_reports",
@@ -536,6 +537,12 @@ def completion_fields(binary: Path) -> dict[str, Any]:
 
 def set_completion_fields(binary: Path, fields: dict[str, Any]) -> None:
     _FORMS[binary.resolve()] = dict(fields)
+
+
+def completion_form_known(binary: Path) -> bool:
+    """Whether this process registered what ``binary``'s completions carry (a probe, or a form agreed between
+    servers); a replay program pasted into a new process has none until it probes."""
+    return binary.resolve() in _FORMS
 
 
 # --------------------------------------------------------------------------------------------

@@ -41,6 +41,7 @@ from harness.backends.llama_server.differential import (
     prompt_from,
     request_rule,
 )
+from harness.backends.llama_server.probe import ensure_form
 from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog, LogProblem
 
@@ -277,6 +278,7 @@ class ChangePair:
 
     def __enter__(self) -> ChangePair:
         try:
+            ensure_form(self.tree.server.binary, self.base.server.binary)  # one form, also in a pasted replay
             self.base.server.start()
             self.tree.server.start()
         except BaseException:

@@ -40,6 +40,7 @@ from hypothesis import strategies as st
 from hypothesis.stateful import RuleBasedStateMachine, precondition, rule
 
 from fixtures.gguf import draft_path, model_path, n_ctx_train
+from harness.backends.llama_server.probe import ensure_form
 from harness.errors import PropertyFailure
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
@@ -176,6 +177,7 @@ class Differential:
         self.reuse = ReuseTracer(self.model, self.reuse_counts, strict=False)
 
     def __enter__(self) -> Differential:
+        ensure_form(self.binary)  # a replay program in a new process drives the version as its run did
         self.server.start()
         return self
 

@@ -47,6 +47,7 @@ from harness.backends.llama_server.differential import (
     prompt_from,
     request_rule,
 )
+from harness.backends.llama_server.probe import ensure_form
 from harness.errors import ServerStartError
 from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog
@@ -116,6 +117,7 @@ class LimitRun:
 
     def __enter__(self) -> LimitRun:
         try:
+            ensure_form(self.binary)  # a replay program in a new process drives the version as its run did
             self.server.start()
             if self.fresh is not None:
                 self.fresh.start()

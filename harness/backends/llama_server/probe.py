@@ -16,9 +16,9 @@ from typing import Any
 
 from fixtures.gguf import model_path
 from harness.errors import RequestFailed, UsageError
-from harness.targets.llama_server import Launch, ServerProcess, set_completion_fields
+from harness.targets.llama_server import Launch, ServerProcess, completion_form_known, set_completion_fields
 
-__all__ = ["HIGH_BYTES", "NEEDED_FIELDS", "ServerVersion", "agree_forms", "probe"]
+__all__ = ["HIGH_BYTES", "NEEDED_FIELDS", "ServerVersion", "agree_forms", "ensure_form", "probe"]
 
 
 HIGH_BYTES = tuple(3 + b for b in range(0x80, 0x100))
@@ -134,3 +134,15 @@ def probe(binary: Path, *, log: Callable[[str], None] = lambda _m: None) -> Serv
     _PROBED[key] = version
     set_completion_fields(path, fields)
     return version
+
+
+def ensure_form(*binaries: Path) -> None:
+    """The request form of ``binaries``, probed where this process has none registered: a replay program pasted
+    into a new process then drives a version that needs one (the byte-token ban) as its run did. Several binaries,
+    whose answers are compared, get one agreed form (:func:`agree_forms`). Nothing is asked where a run already
+    registered a form (it may be an agreed one)."""
+    if all(completion_form_known(b) for b in binaries):
+        return
+    versions = [probe(b) for b in binaries]
+    if len(versions) > 1:
+        agree_forms(versions)
