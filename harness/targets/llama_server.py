@@ -496,6 +496,14 @@ class ServerProcess:
     def health(self) -> Any:
         return self.request("GET", "/health")
 
+    def slot_n_ctx(self) -> int:
+        """The slots' ``n_ctx`` as ``GET /slots`` reports it (``server_slot::to_json``); 0 where the server does not
+        say (``--no-slots``, another version's fields, a failed request)."""
+        try:
+            return int(self.request("GET", "/slots")[0]["n_ctx"])
+        except (RequestFailed, LookupError, TypeError, ValueError):
+            return 0
+
 
 # --------------------------------------------------------------------------------------------
 # command

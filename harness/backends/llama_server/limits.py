@@ -121,20 +121,12 @@ class LimitRun:
             self.server.start()
             if self.fresh is not None:
                 self.fresh.start()
-            self.slot_ctx = self._slot_ctx()
+            # 0 where the server does not say: slot_within_ctx is then not checked, and the context's edge not sent
+            self.slot_ctx = self.server.slot_n_ctx()
         except BaseException:
             self.__exit__()  # a server that did not start leaves nothing behind either
             raise
         return self
-
-    def _slot_ctx(self) -> int:
-        """The slots' ``n_ctx`` as ``GET /slots`` reports it; 0 where the server does not say (``--no-slots``, another
-        version's fields): ``slot_within_ctx`` is then not checked, and the context's edge not sent."""
-        try:
-            slots = self.server.request("GET", "/slots")
-            return int(slots[0]["n_ctx"])
-        except (RequestFailed, LookupError, TypeError, ValueError):
-            return 0
 
     def __exit__(self, *exc: object) -> None:
         try:
