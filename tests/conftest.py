@@ -311,6 +311,19 @@ IDLE_EDIT: Edits = {"tools/server/server-context.cpp": [
     ("// [TAG_IDLE_SLOT_CLEAR]\n                                    slot.prompt_clear();",
      "// [TAG_IDLE_SLOT_CLEAR] (mutant: the slot is kept)")]}  # fmt: skip
 
+#: a stateless task (embedding, rerank) that takes a slot by LRU also updates the prompt cache: it saves the slot's
+#: prompt and loads the best entry for its own (server-context.cpp:1620-1621, the model's mutant
+#: stateless-select-saves) -> stateless_not_cached, in the server gate's stateless step
+STATELESS_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("            update_cache = update_cache && task.type == SERVER_TASK_TYPE_COMPLETION;\n",
+     "            // (mutant: every task type updates the prompt cache)\n")]}  # fmt: skip
+
+#: a stateless task resumes from the slot's common prefix as a completion does (server-context.cpp:3198,
+#: ``&& !is_stateless_task`` dropped; the model's mutant stateless-reuses) -> stateless_fresh, in the stateless step
+STATELESS_REUSE_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("                            if (slot.task->params.cache_prompt && !is_stateless_task) {",
+     "                            if (slot.task->params.cache_prompt) { (void) is_stateless_task;")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -347,6 +360,8 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "corrupt": ("shared", CORRUPT_EDIT),
     "edge": ("shared", EDGE_EDIT),
     "idle-kept": ("shared", IDLE_EDIT),
+    "stateless-saves": ("shared", STATELESS_EDIT),
+    "stateless-resumes": ("shared", STATELESS_REUSE_EDIT),
     "block": ("shared", BLOCK_EDIT),
     "newest": ("shared", NEWEST_EDIT),
     "extra": ("shared", EXTRA_EDIT),
@@ -375,7 +390,8 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
-         "kept", "early", "corrupt", "edge", "idle-kept", "block", "newest", "extra", "offset-cap",
+         "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes",
+         "block", "newest", "extra", "offset-cap",
          "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()

@@ -172,6 +172,15 @@ def test_gate_on_a_binary_built_elsewhere(pr_binary: Path, tmp_path: Path) -> No
     server = json.loads(out.read_text())["server"]
     assert server["build"] == f"binary {binary}" and server["pinned"] is False and server["requests"] > 0
     assert server["fault_trials"] == 3 and server["rss_peak_bytes"] > 0
+    # the stateless step after the backend: the cache's entries from embeddings and reranks, counted on the server
+    doc = json.loads(out.read_text())
+    held = server["stateless"]
+    stateless = sum(run["stateless_requests"] for run in held.values())
+    for name in ("stateless_not_cached", "stateless_fresh"):  # every embedding and rerank, with and without idle
+        counted = {p["name"]: p for p in doc["properties"]}[name]
+        assert counted["status"] == "passed" and counted["examples"] == stateless > 0, counted
+    assert held["llama-np2-kvs"]["stateless_entries"] == held["llama-np2-kvs"]["predicted_entries"] > 0
+    assert held["llama-np2-kvs-no-idle"]["problems"] == [] and held["llama-np2-kvs-no-idle"]["failed"] is None
 
 
 def test_a_mismatch_hypothesis_calls_flaky_is_unwrapped_not_a_traceback() -> None:

@@ -32,6 +32,9 @@ from harness.backends.llama_server.differential import (
 )
 from harness.backends.llama_server.limits import LimitStats, limits_machine, shrink_steps
 from harness.backends.llama_server.section import hypothesis_settings
+from harness.load.concurrent import load_config
+from harness.load.gate_step import STATELESS_RUNS, stateless_program
+from harness.load.stateless import stateless_differential
 from harness.targets.llama_server import ServerConfig
 from harness.targets.server_log import LOG_PROPERTIES
 from harness.trees.api import check_libllama
@@ -364,6 +367,40 @@ def test_an_idle_slot_kept_under_a_unified_kv_fails_idle_pass(trees: Trees, seed
     server_side = e.message.split("the idle-slot pass took (slot, cleared) ")[1].split(" on the server")[0]
     assert "False)" in server_side and "True)" not in server_side, e.message  # saved, never cleared
     assert e.program.count("d.check(d.request(") >= 1
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_stateless_task_that_updates_the_cache_fails_stateless_not_cached_in_the_gates_stateless_step(
+    trees: Trees, seed: int
+) -> None:
+    """C++ mutant ``stateless-saves``: an embedding or rerank that takes a slot by LRU saves the slot's prompt and
+    loads an entry as a completion does (server-context.cpp:1621 removed). The gate's stateless step without the
+    idle-slot cache sees the entries left by stateless tasks differ from the model's and fails
+    ``stateless_not_cached``; its printed program replays it in a new process; the pinned build passes the same
+    programs, with the idle-slot cache on and off, every stateless request counted."""
+    binary = build_source(trees("stateless-saves"), log=lambda _m: None)
+    cfg = load_config("llama", 2, False)
+    d = stateless_differential(cfg, binary, "shared", seed, STATELESS_RUNS, idle=False)
+    assert "stateless_not_cached" in d.failed_all, d.problems
+    assert any("entries left by stateless tasks: server [" in p for p in d.problems)
+    r = subprocess.run([sys.executable, "-c", stateless_program(binary, "shared", seed, False)], capture_output=True,
+                       text=True, cwd=REPO, timeout=300, check=False)  # fmt: skip
+    assert r.returncode == 0 and "entries left by stateless tasks: server [" in r.stdout, r.stdout + r.stderr
+    for idle in (True, False):
+        held = stateless_differential(cfg, build_server("shared"), "shared", seed, STATELESS_RUNS, idle=idle)
+        assert held.failed is None and held.fresh_checked == held.stateless_requests > 0, held.problems
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_a_stateless_task_that_resumes_from_the_slots_prefix_fails_stateless_fresh(trees: Trees, seed: int) -> None:
+    """C++ mutant ``stateless-resumes``: an embedding or rerank keeps the slot's common prefix as a completion does
+    (server-context.cpp:3198, ``&& !is_stateless_task`` dropped). The stateless step reads each stateless task's
+    lines of the log and fails ``stateless_fresh`` ("resumed from N cached tokens"), with the idle-slot cache on
+    (the step's first run); the pinned build passes these programs (the test above)."""
+    binary = build_source(trees("stateless-resumes"), log=lambda _m: None)
+    d = stateless_differential(load_config("llama", 2, False), binary, "shared", seed, STATELESS_RUNS)
+    assert d.failed == "stateless_fresh", d.problems
+    assert any("cached tokens; a stateless task starts from none" in p for p in d.problems), d.problems
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -1,4 +1,7 @@
-"""The gate's short concurrent run: ``gate --backend server`` runs it after the server backend's phases.
+"""The gate's steps after the server backend's phases (``gate --backend server``): the short concurrent run
+(:func:`server_concurrent_step`) and the stateless tasks (:func:`server_stateless_step`).
+
+The concurrent run:
 
 Two configurations (:func:`~harness.load.concurrent.concurrent_configs` ``short``): ``llama`` on two
 slots with per-slot KV and ``mamba`` on three slots with unified KV, two seeded traces each of K
@@ -13,6 +16,15 @@ Adds about half a minute to the server gate. The
 figures go to the server section's ``concurrent`` (``report.sections["server"]``); the known findings
 ``busy-slot-by-id`` (with the trace that showed it), ``busy-slot-by-id-livelock`` (a request hung: costs the request
 timeout, 15 s) and ``concurrent-output-divergence`` are reported, not failed.
+
+The stateless step (:func:`harness.load.stateless.stateless_differential`): on ``llama`` with two slots, mixed
+programs of completions, embeddings and reranks with the idle-slot cache on and with it off
+(``--no-cache-idle-slots``), three of each, each on a fresh ``-lv 4`` server: the entries the stateless tasks left in
+the cache (its last logged ``cache state``) against the model's (``stateless_not_cached``, counted per stateless
+request; the registered finding ``idle-stateless-slot-cached`` is in the model's prediction), every entry
+(``cache_entries``), each stateless task's lines of the log (``stateless_fresh``: no cache update when it took its
+slot, no cached prefix, no checkpoint, its prompt alone held at release), and each completion against a fresh
+cache-less server (``output``). Adds a few seconds.
 """
 
 from __future__ import annotations
@@ -22,19 +34,23 @@ import tempfile
 import time
 from collections import Counter
 from pathlib import Path
+from typing import Any
 
-from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out
+from harness.backends.base import Failure, GateOptions, GateReport, MachineResult, Out, Skipped
 from harness.backends.llama_server import ServerOptions
+from harness.backends.llama_server.runner import MODEL_EXACT_SKIP
 from harness.backends.llama_server.section import ServerSection
 from harness.findings import BUSY_SLOT_BY_ID, BUSY_SLOT_BY_ID_LIVELOCK, CONCURRENT_OUTPUT_DIVERGENCE, KnownRow
-from harness.load.concurrent import ConcurrentResult, concurrent_configs, run_concurrent
+from harness.load.concurrent import ConcurrentResult, concurrent_configs, load_config, run_concurrent
+from harness.load.stateless import stateless_differential
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import sanitizer_reports
 from properties.machine import MachineConfig
 
-__all__ = ["N_TRACES", "server_concurrent_step"]
+__all__ = ["N_TRACES", "STATELESS_RUNS", "server_concurrent_step", "server_stateless_step", "stateless_program"]
 
 N_TRACES = 2
+STATELESS_RUNS = 3  # mixed programs per idle-slot setting (each on a fresh server: about half a second)
 
 
 def _replay(opts: GateOptions, semantics: str) -> str:
@@ -49,14 +65,75 @@ def _replay(opts: GateOptions, semantics: str) -> str:
     return line + f" --semantics {semantics} --seed {opts.seed}"
 
 
-def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> None:
-    """Run the short concurrent differential on the binary the server backend just tested."""
+def _tested(report: GateReport) -> tuple[dict[str, Any], Path, str] | None:
+    """The server section, the binary the server backend tested and its semantics; None when the backend did
+    not get as far as a binary (nothing to run)."""
     server = report.sections.get("server")
     section = server.figures if isinstance(server, ServerSection) else None
     if not section or not section.get("binary"):
-        return  # the server backend did not get as far as a binary: nothing to run
-    binary = Path(section["binary"])
-    semantics = str(section["semantics"])
+        return None
+    return section, Path(section["binary"]), str(section["semantics"])
+
+
+def stateless_program(binary: Path, semantics: str, seed: int, idle: bool) -> str:
+    """The stateless step's run of one configuration as a program to paste into ``python`` (repository root)."""
+    return "\n".join([
+        "from pathlib import Path",
+        "from harness.load.concurrent import load_config",
+        "from harness.load.stateless import stateless_differential",
+        f"d = stateless_differential(load_config('llama', 2, False), Path({str(binary)!r}), {semantics!r}, {seed}, "
+        f"{STATELESS_RUNS}, "
+        f"idle={idle})",
+        "print('\\n'.join(d.problems) or 'the cache held what the model predicts')",
+    ])  # fmt: skip
+
+
+def server_stateless_step(report: GateReport, opts: GateOptions, out: Out) -> None:
+    """Run the stateless tasks' differential (idle-slot cache on, then off) on the binary the server backend just
+    tested: ``stateless_not_cached`` counted on the server."""
+    tested = _tested(report)
+    if tested is None:
+        return
+    section, binary, semantics = tested
+    skipped = report.sections.get("skipped")
+    if isinstance(skipped, Skipped) and MODEL_EXACT_SKIP in skipped.why:  # the model cannot read this tree's cache
+        why = "the model cannot read this tree's prompt cache: its prediction of the entries means nothing there"
+        report.skip("server backend: stateless step", why)
+        out(f"  [skip] stateless step: {why}")
+        return
+    replay = _replay(opts, semantics)
+    figures: dict[str, Any] = {}
+    with tempfile.TemporaryDirectory(prefix="server-stateless-") as logs:
+        for idle in (True, False):
+            t0 = time.perf_counter()
+            d = stateless_differential(load_config("llama", 2, False), binary, semantics, opts.seed, STATELESS_RUNS,
+                                       idle=idle, log_dir=logs)  # fmt: skip
+            figures[d.config] = d.as_dict()
+            out(f"  [{'FAIL' if d.problems else 'ok  '}] stateless {d.config:<20} {d.requests} mixed requests, "
+                f"{d.stateless_requests} embeddings/reranks; {d.stateless_entries} cache entries from them (model "
+                f"{d.predicted_entries}: idle-stateless-slot-cached) {time.perf_counter() - t0:5.1f}s")  # fmt: skip
+            failure = None
+            if d.failed is not None:
+                program = stateless_program(binary, semantics, opts.seed, idle)
+                failure = Failure(d.failed, "violation", f"{d.config}: {d.problems[0]}", program, replay,
+                                  f"server-stateless-{d.config}", d.requests)  # fmt: skip
+                for p in d.problems[:3]:
+                    out(f"      {p}")
+                out("  the program that replays it:\n    " + program.replace("\n", "\n    "))
+            checked = Counter({"stateless_not_cached": d.stateless_requests, "stateless_fresh": d.fresh_checked,
+                               "output": d.requests - d.stateless_requests})  # fmt: skip
+            report.machines.append(
+                MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
+            )
+    section["stateless"] = figures
+
+
+def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> None:
+    """Run the short concurrent differential on the binary the server backend just tested."""
+    tested = _tested(report)
+    if tested is None:
+        return
+    section, binary, semantics = tested
     replay = _replay(opts, semantics)
     total = ConcurrentResult("concurrent")
     traces = ServerTrace(binary)  # a failed output's trace is kept (harness-traces-*), the others deleted

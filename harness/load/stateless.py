@@ -41,6 +41,7 @@ from properties.stateless import check_stateless_not_cached
 
 __all__ = [
     "SERVER_ARGS",
+    "STATELESS_ENTRIES",
     "MixedResult",
     "Prediction",
     "StatelessCounts",
@@ -48,6 +49,7 @@ __all__ = [
     "StatelessPhase",
     "Step",
     "cache_entries",
+    "fresh_problems",
     "mismatches",
     "mixed_program",
     "mixed_run",
@@ -213,6 +215,8 @@ class MixedResult:
     rss_before: int = 0
     rss_after: int = 0
     errors: list[str] = field(default_factory=list)
+    fresh_checked: int = 0  # stateless tasks whose log was held to stateless_fresh (:func:`fresh_problems`)
+    fresh_problems: list[str] = field(default_factory=list)
 
     def stateless_entries(self, program: Sequence[Step]) -> list[tuple[int, float]]:
         lengths = {len(s.tokens) for s in program if s.kind != "completion"}
@@ -233,6 +237,50 @@ def cache_entries(log: str) -> list[tuple[int, float]]:
     return out
 
 
+_RELEASED = "stop processing: n_tokens"
+_NEW_PROMPT = re.compile(r"\| task \d+ \| new prompt, n_ctx_slot = \d+, n_keep = \d+, task\.n_tokens = (\d+)")
+_CACHED = re.compile(r"\| task \d+ \| cached n_tokens = (\d+), memory_seq_rm")
+_HELD = re.compile(r"\| task \d+ \| stop processing: n_tokens = (\d+)")
+
+
+def fresh_problems(log: str, program: Sequence[Step]) -> tuple[int, list[str]]:
+    """``stateless_fresh`` read from a ``-lv 4`` log of ``program`` sent one request at a time (each request is one
+    task; its lines run from the previous task's release to its own): each embedding or rerank task took its slot
+    without updating the prompt cache ("updating prompt cache", server-context.cpp:1624 at 0c1e570, is for
+    completions only, :1620-1621), resumed from no cached prefix ("cached n_tokens = 0", :3423: ``n_past`` stays 0
+    for a stateless task, :3196-3198), created no checkpoint (:2350) and left its slot holding its prompt alone
+    (the release's ``n_tokens``, :518, equals the prompt's ``task.n_tokens``, :3126). The tasks checked and the
+    problems; nothing is checked when the log does not show one release per request."""
+    tasks: list[list[str]] = [[]]
+    for line in log.splitlines():
+        tasks[-1].append(line)
+        if _RELEASED in line:
+            tasks.append([])
+    if len(tasks) - 1 != len(program):
+        return 0, []
+    checked, problems = 0, []
+    for i, (step, lines) in enumerate(zip(program, tasks, strict=False)):
+        if step.kind == "completion":
+            continue
+        checked += 1
+        text = "\n".join(lines)
+        what = f"step {i} ({step.kind} of {len(step.tokens)} tokens)"
+        prompt = [int(n) for n in _NEW_PROMPT.findall(text)]
+        cached = [int(n) for n in _CACHED.findall(text)]
+        held = [int(n) for n in _HELD.findall(text)]
+        if "updating prompt cache" in text:
+            problems.append(f"{what}: the prompt cache was updated (the slot's prompt saved, an entry loaded) when it "
+                            "took its slot; upstream updates it for completions only (server-context.cpp:1620)")
+        if any(cached):
+            problems.append(f"{what}: resumed from {max(cached)} cached tokens; a stateless task starts from none "
+                            "(server-context.cpp:3196-3198)")  # fmt: skip
+        if "created context checkpoint" in text:
+            problems.append(f"{what}: created a context checkpoint; a stateless task leaves none")
+        if prompt and held and held[-1] != prompt[-1]:
+            problems.append(f"{what}: its slot held {held[-1]} tokens at release, its prompt {prompt[-1]}")
+    return checked, problems
+
+
 def mixed_run(server: ServerProcess, program: Sequence[Step]) -> MixedResult:
     """Send ``program`` one request at a time (each answered before the next) to a ``-lv 4`` server."""
     res = MixedResult(rss_before=rss_bytes(server.pid))
@@ -250,6 +298,8 @@ def mixed_run(server: ServerProcess, program: Sequence[Step]) -> MixedResult:
     res.rss_after = rss_bytes(server.pid)
     log = server.log_through(len(program)) if server.log_path is not None else ""
     res.entries = cache_entries(log)
+    if not res.errors:
+        res.fresh_checked, res.fresh_problems = fresh_problems(log, program)
     return res
 
 
@@ -304,12 +354,15 @@ def predict(
             close_server(m)
 
 
+STATELESS_ENTRIES = "entries left by stateless tasks"
+
+
 def mismatches(program: Sequence[Step], res: MixedResult, want: Prediction) -> list[str]:
     """Where the server's last cache block differs from the model's prediction (token counts of the entries)."""
     out = []
     got = tuple(sorted(n for n, _ in res.stateless_entries(program)))
     if got != want.stateless:
-        out.append(f"entries left by stateless tasks: server {list(got)}, model {list(want.stateless)}")
+        out.append(f"{STATELESS_ENTRIES}: server {list(got)}, model {list(want.stateless)}")
     every = tuple(sorted(n for n, _ in res.entries))
     if every != want.lengths:
         out.append(f"cache entries: server {list(every)}, model {list(want.lengths)}")
@@ -340,6 +393,16 @@ class StatelessDiff:
     predicted_entries: int = 0  # the model's (the finding idle-stateless-slot-cached, as the check counts it)
     rss_growth: int = 0  # bytes, summed over the runs
     problems: list[str] = field(default_factory=list)
+    fresh_checked: int = 0  # stateless tasks held to stateless_fresh in the server's log
+    failed: str | None = None  # the first problem's property (stateless_not_cached, stateless_fresh, output, ...)
+    failed_all: list[str] = field(default_factory=list)  # every property a problem was filed under, in order
+
+    def fail(self, prop: str, problems: Sequence[str]) -> None:
+        """File ``problems``, all of property ``prop``."""
+        if problems:
+            self.failed = self.failed or prop
+            self.failed_all += [prop] if prop not in self.failed_all else []
+        self.problems += problems
 
     def as_dict(self) -> dict[str, Any]:
         return {k: v for k, v in self.__dict__.items() if k != "problems"} | {"problems": self.problems[:20]}
@@ -347,13 +410,17 @@ class StatelessDiff:
 
 def stateless_differential(
     cfg: ServerConfig, binary: Path, semantics: str | Semantics, seed: int, runs: int, *, n: int = 24,
-    log_dir: str | None = None,
+    log_dir: str | None = None, idle: bool = True,
 ) -> StatelessDiff:  # fmt: skip
-    """``runs`` mixed programs of ``n`` requests on ``cfg`` (plus ``--rerank``, ``-lv 4``), each on a fresh
-    server: its cache entries against the model's, its completions against a fresh cache-less server."""
-    out = StatelessDiff(cfg.name)
-    args = [*cfg.server_args(), *server_args(cfg.arch)]
-    params = replace(cfg.params(), n_batch=cfg.n_ubatch)  # embeddings on: n_batch = n_ubatch (server.cpp:150-154)
+    """``runs`` mixed programs of ``n`` requests on ``cfg`` (plus ``--rerank``, ``-lv 4``; ``idle`` False:
+    ``--no-cache-idle-slots``), each on a fresh server: its cache entries against the model's
+    (``stateless_not_cached``: those the stateless tasks left; ``cache_entries``: all of them), each stateless
+    task's lines of its log (``stateless_fresh``, :func:`fresh_problems`), its completions against a fresh
+    cache-less server (``output``)."""
+    out = StatelessDiff(cfg.name if idle else f"{cfg.name}-no-idle")
+    args = [*cfg.server_args(), *server_args(cfg.arch), *(() if idle else ("--no-cache-idle-slots",))]
+    params = replace(cfg.params(), n_batch=cfg.n_ubatch,  # embeddings on: n_batch = n_ubatch (server.cpp:150-154)
+                     cache_idle_slots=idle)  # fmt: skip
     base = Launch(model=model_path(cfg.arch), ctx_size=cfg.n_ctx, ctx_checkpoints=cfg.ctx_checkpoints, args=args)
     fresh_log = None if log_dir is None else f"{log_dir}/{cfg.name}-stateless-fresh.log"
     with ServerProcess(binary, replace(base, n_parallel=1, cache_ram=0), log_path=fresh_log) as fresh:
@@ -373,6 +440,11 @@ def stateless_differential(
             out.predicted_entries += want.finding_entries
             out.rss_growth += res.rss_after - res.rss_before
             where = f"run {i} (seed {seed * 1000 + i}, log {log})"
-            out.problems += [f"{where}: {p}" for p in res.errors + mismatches(program, res, want)]
-            out.problems += [f"{where}: {p}" for p in unexplained_outputs(fresh, program, res, cfg.arch)]
+            out.fail("request_error", [f"{where}: {p}" for p in res.errors])
+            for p in mismatches(program, res, want):
+                prop = "stateless_not_cached" if p.startswith(STATELESS_ENTRIES) else "cache_entries"
+                out.fail(prop, [f"{where}: {p}"])
+            out.fresh_checked += res.fresh_checked
+            out.fail("stateless_fresh", [f"{where}: {p}" for p in res.fresh_problems])
+            out.fail("output", [f"{where}: {p}" for p in unexplained_outputs(fresh, program, res, cfg.arch)])
     return out

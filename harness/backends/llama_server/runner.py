@@ -47,7 +47,7 @@ from harness.trees.build import PINNED_COMMIT, ServerBuild
 from harness.trees.choose import ChosenServers, choose_builds
 from properties.run import run_seeded
 
-__all__ = ["ServerBackend", "ServerOptions", "run_change_backend", "run_server_backend"]
+__all__ = ["MODEL_EXACT_SKIP", "ServerBackend", "ServerOptions", "run_change_backend", "run_server_backend"]
 
 
 @dataclass(frozen=True)
@@ -106,6 +106,8 @@ MODEL_FREE = (f"the drawn configurations: the server's log held to {', '.join(LO
               "against a fresh server's (restore_equivalence); no crash or hang; the sanitizers")
 """What the server gate skips and still runs on a tree whose prompt cache the model cannot read
 (:attr:`~harness.trees.switches.Switches.prompt_cache_replaced`)."""
+MODEL_EXACT_SKIP = "server backend: model-exact checks"
+"""The skip's name in the report (the steps after the backend that need the model skip too)."""
 
 
 def run_server_backend(
@@ -145,7 +147,7 @@ def run_server_backend(
         if replaced.on:  # the model's policy describes nothing here: only the checks that need no model of it
             why = (f"the model cannot read this tree's prompt cache ({replaced.where}): skipped, being model-exact: "
                    f"{MODEL_EXACT}; still run: {MODEL_FREE}")  # fmt: skip
-            report.skip("server backend: model-exact checks", why)
+            report.skip(MODEL_EXACT_SKIP, why)
             out(f"  [skip] {why}")
             _limits(run, binary, hs, seed, logs)
             run.sanitizers(logs)
