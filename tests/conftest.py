@@ -324,6 +324,23 @@ STATELESS_REUSE_EDIT: Edits = {"tools/server/server-context.cpp": [
     ("                            if (slot.task->params.cache_prompt && !is_stateless_task) {",
      "                            if (slot.task->params.cache_prompt) { (void) is_stateless_task;")]}  # fmt: skip
 
+#: the --cache-reuse chunk loop takes runs of more than N tokens, not of at least N (server-context.cpp:3241; the
+#: model's mutant reuse-off-by-one) -> reuse_chunks, in the reuse step
+REUSE_CHUNK_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("                                        if (n_match >= (size_t) n_cache_reuse) {",
+     "                                        if (n_match > (size_t) n_cache_reuse) {")]}  # fmt: skip
+
+#: a generating slot shifts its context one token early, when n_tokens + 2 >= n_ctx (server-context.cpp:2892)
+#: -> shift_timing, in the reuse step
+SHIFT_EARLY_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("slot.state == SLOT_STATE_GENERATING && slot.prompt.n_tokens() + 1 >= slot.n_ctx) {",
+     "slot.state == SLOT_STATE_GENERATING && slot.prompt.n_tokens() + 2 >= slot.n_ctx) {")]}  # fmt: skip
+
+#: a context shift discards a third of the tokens past n_keep, not half (server-context.cpp:2923) -> context_shift
+SHIFT_DISCARD_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("slot.task->params.n_discard ? slot.task->params.n_discard : (n_left / 2);",
+     "slot.task->params.n_discard ? slot.task->params.n_discard : (n_left / 3);")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -362,6 +379,9 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "idle-kept": ("shared", IDLE_EDIT),
     "stateless-saves": ("shared", STATELESS_EDIT),
     "stateless-resumes": ("shared", STATELESS_REUSE_EDIT),
+    "reuse-chunk": ("shared", REUSE_CHUNK_EDIT),
+    "shift-early": ("shared", SHIFT_EARLY_EDIT),
+    "shift-discard": ("shared", SHIFT_DISCARD_EDIT),
     "block": ("shared", BLOCK_EDIT),
     "newest": ("shared", NEWEST_EDIT),
     "extra": ("shared", EXTRA_EDIT),
@@ -391,7 +411,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
          "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes",
-         "block", "newest", "extra", "offset-cap",
+         "reuse-chunk", "shift-early", "shift-discard", "block", "newest", "extra", "offset-cap",
          "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()

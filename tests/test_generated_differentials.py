@@ -49,12 +49,13 @@ def test_reuse_programs_pass_on_the_pr_build(binary: Path) -> None:
     fig = reuse_programs.run_model("llama", binary, examples=12, seed=0)
     assert fig.failure is None, fig.failure and fig.failure.program
     assert fig.chunks_moved > 0 and fig.shifts > 0 and fig.outputs_equal > 0
+    assert fig.shift_checks == fig.requests  # every request's shifts (none, or when and how many) held to the model
 
 
 def test_reuse_programs_find_a_chunk_loop_off_by_one(binary: Path) -> None:
     fig = reuse_programs.run_model("llama", binary, examples=30, seed=0, mutant="reuse-off-by-one")
-    assert fig.failure is not None and fig.failure.name == "cache_n"
-    assert _replays(fig.failure.program).name == "cache_n"
+    assert fig.failure is not None and fig.failure.name == "reuse_chunks"
+    assert _replays(fig.failure.program).name == "reuse_chunks"
 
 
 @pytest.mark.parametrize("argv", [["reuse", "--arch", "mamba"], ["reuse", "--examples", "0"],

@@ -33,7 +33,8 @@ from harness.backends.llama_server.differential import (
 from harness.backends.llama_server.limits import LimitStats, limits_machine, shrink_steps
 from harness.backends.llama_server.section import hypothesis_settings
 from harness.load.concurrent import load_config
-from harness.load.gate_step import STATELESS_RUNS, stateless_program
+from harness.load.gate_step import REUSE_EXAMPLES, STATELESS_RUNS, stateless_program
+from harness.load.reuse_programs import run_model as run_reuse_programs
 from harness.load.stateless import stateless_differential
 from harness.targets.llama_server import ServerConfig
 from harness.targets.server_log import LOG_PROPERTIES
@@ -389,6 +390,23 @@ def test_a_stateless_task_that_updates_the_cache_fails_stateless_not_cached_in_t
     for idle in (True, False):
         held = stateless_differential(cfg, build_server("shared"), "shared", seed, STATELESS_RUNS, idle=idle)
         assert held.failed is None and held.fresh_checked == held.stateless_requests > 0, held.problems
+
+
+@pytest.mark.parametrize(("tree", "prop"), [("reuse-chunk", "reuse_chunks"), ("shift-early", "shift_timing"),
+                                          ("shift-discard", "context_shift")])  # fmt: skip
+def test_the_reuse_step_fails_a_server_whose_chunk_loop_or_context_shift_changed(
+    trees: Trees, tree: str, prop: str
+) -> None:
+    """C++ mutants of the ``--cache-reuse`` chunk loop (``reuse-chunk``: runs of more than N tokens,
+    server-context.cpp:3241), of when a context shifts (``shift-early``: at n_tokens + 2 >= n_ctx, :2892) and of how
+    much it discards (``shift-discard``: a third, :2923): the gate's reuse step fails each by its own property, with
+    a shrunk program that replays it on that binary in a new process."""
+    binary = build_source(trees(tree), log=lambda _m: None)
+    fig = run_reuse_programs("llama", binary, examples=REUSE_EXAMPLES, seed=0, binary_expr=f"Path({str(binary)!r})")
+    assert fig.failure is not None and fig.failure.name == prop, fig.failure and fig.failure.message
+    r = subprocess.run([sys.executable, "-c", fig.failure.program], capture_output=True, text=True, cwd=REPO,
+                       timeout=300, check=False)  # fmt: skip
+    assert r.returncode == 1 and f"GeneratedFailure: {prop}: " in r.stderr, r.stdout + r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -1,5 +1,6 @@
 """The gate's steps after the server backend's phases (``gate --backend server``): the short concurrent run
-(:func:`server_concurrent_step`) and the stateless tasks (:func:`server_stateless_step`).
+(:func:`server_concurrent_step`), the stateless tasks (:func:`server_stateless_step`) and the generated
+``--cache-reuse`` and context-shift programs (:func:`server_reuse_step`).
 
 The concurrent run:
 
@@ -25,6 +26,11 @@ request; the registered finding ``idle-stateless-slot-cached`` is in the model's
 (``cache_entries``), each stateless task's lines of the log (``stateless_fresh``: no cache update when it took its
 slot, no cached prefix, no checkpoint, its prompt alone held at release), and each completion against a fresh
 cache-less server (``output``). Adds a few seconds.
+
+The reuse step (:func:`harness.load.reuse_programs.run_model`, as ``python -m harness reuse`` runs it):
+:data:`REUSE_EXAMPLES` programs on ``llama``, each a one-slot server with ``--cache-reuse N`` and
+``--context-shift``: every ``cache_n`` against the model's chunk loop (``reuse_chunks``), every context shift's
+moment and amounts in the log against the model's (``shift_timing``, ``context_shift``). Adds about five seconds.
 """
 
 from __future__ import annotations
@@ -42,14 +48,24 @@ from harness.backends.llama_server.runner import MODEL_EXACT_SKIP
 from harness.backends.llama_server.section import ServerSection
 from harness.findings import BUSY_SLOT_BY_ID, BUSY_SLOT_BY_ID_LIVELOCK, CONCURRENT_OUTPUT_DIVERGENCE, KnownRow
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, load_config, run_concurrent
+from harness.load.reuse_programs import run_model as run_reuse_programs
 from harness.load.stateless import stateless_differential
 from harness.load.traced import ServerTrace
-from harness.targets.llama_server import sanitizer_reports
+from harness.targets.llama_server import RequestFailed, ServerStartError, sanitizer_reports
 from properties.machine import MachineConfig
 
-__all__ = ["N_TRACES", "STATELESS_RUNS", "server_concurrent_step", "server_stateless_step", "stateless_program"]
+__all__ = [
+    "N_TRACES",
+    "REUSE_EXAMPLES",
+    "STATELESS_RUNS",
+    "server_concurrent_step",
+    "server_reuse_step",
+    "server_stateless_step",
+    "stateless_program",
+]
 
 N_TRACES = 2
+REUSE_EXAMPLES = 20  # generated --cache-reuse programs (about 5 s)
 STATELESS_RUNS = 3  # mixed programs per idle-slot setting (each on a fresh server: about half a second)
 
 
@@ -106,15 +122,29 @@ def server_stateless_step(report: GateReport, opts: GateOptions, out: Out) -> No
     with tempfile.TemporaryDirectory(prefix="server-stateless-") as logs:
         for idle in (True, False):
             t0 = time.perf_counter()
-            d = stateless_differential(load_config("llama", 2, False), binary, semantics, opts.seed, STATELESS_RUNS,
-                                       idle=idle, log_dir=logs)  # fmt: skip
+            program = stateless_program(binary, semantics, opts.seed, idle)
+            try:
+                d = stateless_differential(load_config("llama", 2, False), binary, semantics, opts.seed,
+                                           STATELESS_RUNS, idle=idle, log_dir=logs)  # fmt: skip
+            except ServerStartError as e:
+                if section.get("pinned"):  # the pinned build starts everywhere else: the environment's failure
+                    raise
+                why = f"its llama-server (--rerank) did not start on this tree's build: {e}"
+                report.skip("server backend: stateless step", why)
+                out(f"  [skip] stateless step: {why}")
+                break
+            except RequestFailed as e:  # the fresh reference server, asked for an output
+                f = Failure("http_error" if e.alive else "server_crash", "violation" if e.alive else "crash",
+                            f"the stateless step's fresh server: {e.describe()}", program, replay,
+                            "server-stateless", 0)  # fmt: skip
+                report.machines.append(MachineResult(MachineConfig(semantics), 0.0, f, Counter(), Counter(), []))
+                break
             figures[d.config] = d.as_dict()
             out(f"  [{'FAIL' if d.problems else 'ok  '}] stateless {d.config:<20} {d.requests} mixed requests, "
                 f"{d.stateless_requests} embeddings/reranks; {d.stateless_entries} cache entries from them (model "
                 f"{d.predicted_entries}: idle-stateless-slot-cached) {time.perf_counter() - t0:5.1f}s")  # fmt: skip
             failure = None
             if d.failed is not None:
-                program = stateless_program(binary, semantics, opts.seed, idle)
                 failure = Failure(d.failed, "violation", f"{d.config}: {d.problems[0]}", program, replay,
                                   f"server-stateless-{d.config}", d.requests)  # fmt: skip
                 for p in d.problems[:3]:
@@ -126,6 +156,42 @@ def server_stateless_step(report: GateReport, opts: GateOptions, out: Out) -> No
                 MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
             )
     section["stateless"] = figures
+
+
+def server_reuse_step(report: GateReport, opts: GateOptions, out: Out) -> None:
+    """Run the generated ``--cache-reuse`` and context-shift programs (:mod:`harness.load.reuse_programs`) on the
+    binary the server backend just tested: ``reuse_chunks``, ``shift_timing`` and ``context_shift`` counted on the
+    server; a failure is shrunk and printed as a program that replays it on that binary."""
+    tested = _tested(report)
+    if tested is None:
+        return
+    section, binary, semantics = tested
+    t0 = time.perf_counter()  # the programs run without a prompt cache (--cache-ram 0): a replaced one runs them too
+    try:
+        fig = run_reuse_programs("llama", binary, examples=REUSE_EXAMPLES, seed=opts.seed,
+                                 binary_expr=f"Path({str(binary)!r})")  # fmt: skip
+    except ServerStartError as e:
+        if section.get("pinned"):
+            raise
+        why = f"its llama-server (--cache-reuse, --context-shift) did not start on this tree's build: {e}"
+        report.skip("server backend: reuse step", why)
+        out(f"  [skip] reuse step: {why}")
+        return
+    section["reuse"] = fig.to_json()
+    out(f"  [{'FAIL' if fig.failure else 'ok  '}] reuse llama {fig.examples} programs, {fig.requests} requests, "
+        f"{fig.chunks_moved} chunks moved, {fig.shifts} context shifts; {fig.compared} outputs compared "
+        f"{time.perf_counter() - t0:5.1f}s")  # fmt: skip
+    failure = None
+    if fig.failure is not None:
+        found = fig.failure
+        failure = Failure(found.name, "violation", f"llama: {found.message}", found.program, _replay(opts, semantics),
+                          "server-reuse-llama", found.program.count("r.request("))  # fmt: skip
+        out("  the shrunk program that replays it:\n    " + found.program.replace("\n", "\n    "))
+    checked = Counter({"reuse_chunks": fig.requests, "shift_timing": fig.shift_checks, "context_shift": fig.shifts,
+                       "output": fig.compared})  # fmt: skip
+    report.machines.append(
+        MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
+    )
 
 
 def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> None:

@@ -14,8 +14,9 @@ a generation that runs past ``n_ctx`` so that the context shifts. Checked at eac
 failing on any difference no registered finding explains by its exact condition:
 
 * ``timings.cache_n`` is the model's (the common prefix plus every chunk of at least N tokens moved into place,
-  server-context.cpp:3219-3262; after a context shift, what the shifted slot holds);
-* every context shift's ``n_keep``/``n_discard`` in the server's log is the model's (:2928);
+  server-context.cpp:3219-3262; after a context shift, what the shifted slot holds): ``reuse_chunks``;
+* every context shift in the server's log came when the model's did (``n_left``: ``shift_timing``) and kept and
+  discarded what the model's did (``n_keep``, ``n_discard``: ``context_shift``) (:2927);
 * the answer is a fresh cache-less server's when no reused cell was moved (no chunk since the slot was last
   rebuilt from position 0, no context shift): a greedy flip within the model's batch-shape bound is
   ``greedy-flip-on-cache-path``;
@@ -79,6 +80,7 @@ class ReuseFigures(GeneratedFigures):
     chunks_moved: int = 0
     tokens_reused_by_chunks: int = 0
     shifts: int = 0
+    shift_checks: int = 0  # requests whose context shifts (none, or when and how many) were held to the model's
     compared: int = 0
     outputs_equal: int = 0
     moved_differs: int = 0  # by design: a moved KV cell keeps what it attended to (attention models only)
@@ -104,8 +106,9 @@ class _Run:
     """One program: the server, the model, the fresh server; each request checked and written as a replay line."""
 
     def __init__(self, arch: str, srv: ServerProcess, fresh: ServerProcess, fig: ReuseFigures, n_cache_reuse: int,
-                 mutant: str | None) -> None:  # fmt: skip
+                 mutant: str | None, binary_expr: str = "build_server('shared')") -> None:  # fmt: skip
         self.arch, self.srv, self.fresh, self.fig, self.mutant = arch, srv, fresh, fig, mutant
+        self.binary_expr = binary_expr  # the replay program's expression for the server's binary
         self.n_cache_reuse = n_cache_reuse
         self.m = _model(arch, n_cache_reuse, mutant)
         self.lines: list[str] = []
@@ -115,7 +118,8 @@ class _Run:
         self.log_shifts = 0
 
     def fail(self, name: str, message: str) -> None:
-        raise GeneratedFailure(name, message, replay_text(self.arch, self.n_cache_reuse, self.lines, self.mutant))
+        raise GeneratedFailure(name, message, replay_text(self.arch, self.n_cache_reuse, self.lines, self.mutant,
+                                                          self.binary_expr))  # fmt: skip
 
     def request(self, prompt: tuple[int, ...], n_predict: int) -> None:
         check()
@@ -133,12 +137,11 @@ class _Run:
         chunks = [c for _, _, cs in self.m.reuses[n_reuses:] for c in cs]
         want = self.m.slots[0].n_prompt_cached
         if cache_n != want:
-            self.fail("cache_n", f"a prompt of {len(prompt)} tokens: server cache_n {cache_n}, model {want} "
+            self.fail("reuse_chunks", f"a prompt of {len(prompt)} tokens: server cache_n {cache_n}, model {want} "
                       f"(chunks {[(c.head_c, c.head_p, c.n_match) for c in chunks]})")  # fmt: skip
-        shifts = [(int(k), int(d)) for k, _, d in _SHIFT.findall(self.srv.log_through(self.sent))]
-        model_shifts = [(k, d) for _, _, k, d in self.m.ctx_shifts]
-        if shifts != model_shifts:
-            self.fail("context_shift", f"server shifts (n_keep, n_discard) {shifts}, model {model_shifts}")
+        shifts = [(int(k), int(n), int(d)) for k, n, d in _SHIFT.findall(self.srv.log_through(self.sent))]
+        model_shifts = [(k, len(tokens) - k, d) for _, tokens, k, d in self.m.ctx_shifts]
+        self.shifts_agree(shifts, model_shifts)
         self.fig.shifts += len(model_shifts) - n_shifts
         self.fig.chunks_moved += len(chunks)
         self.fig.tokens_reused_by_chunks += sum(c.n_match for c in chunks)
@@ -147,6 +150,24 @@ class _Run:
         self.moved = self.moved or bool(chunks) or len(model_shifts) > n_shifts
         self.history = (*prompt, *gen[:-1])
         self.judge(prompt, gen, cache_n)
+
+    def shifts_agree(self, shifts: list[tuple[int, int, int]], model: list[tuple[int, int, int]]) -> None:
+        """Every context shift so far, (n_keep, n_left, n_discard) as the server logged it (server-context.cpp:2927
+        at 0c1e570) against the model's: ``shift_timing`` when one came at another length (``n_left``, the slot's
+        tokens past ``n_keep``: it shifts exactly when ``n_tokens + 1 >= n_ctx``, :2892) or the counts differ,
+        ``context_shift`` when one kept or discarded another number of tokens."""
+        for i, (got, want) in enumerate(zip(shifts, model, strict=False)):
+            if got[1] != want[1]:
+                self.fail("shift_timing", f"context shift {i}: the server shifted with n_left {got[1]} past n_keep "
+                          f"{got[0]}, the model with n_left {want[1]} (every shift (n_keep, n_left, n_discard): "
+                          f"server {shifts}, model {model})")  # fmt: skip
+            if got != want:
+                self.fail("context_shift", f"context shift {i}: server (n_keep, n_left, n_discard) {got}, model "
+                          f"{want} (every shift: server {shifts}, model {model})")  # fmt: skip
+        if len(shifts) != len(model):
+            self.fail("shift_timing", f"the server shifted its context {len(shifts)} times, the model {len(model)} "
+                      f"((n_keep, n_left, n_discard): server {shifts}, model {model})")  # fmt: skip
+        self.fig.shift_checks += 1
 
     def judge(self, prompt: tuple[int, ...], gen: tuple[int, ...], cache_n: int) -> None:
         if len(prompt) + len(gen) >= N_CTX:  # a shifted generation: the fresh server cannot hold the conversation
@@ -174,11 +195,13 @@ class _Run:
         self.request(prompt, n_predict)
 
 
-def replay_text(arch: str, n_cache_reuse: int, lines: Sequence[str], mutant: str | None = None) -> str:
+def replay_text(arch: str, n_cache_reuse: int, lines: Sequence[str], mutant: str | None = None,
+                binary_expr: str = "build_server('shared')") -> str:  # fmt: skip
     m = "" if mutant is None else f", mutant={mutant!r}"
-    head = ["from harness.trees.build import build_server",
+    head = ["from pathlib import Path",
+            "from harness.trees.build import build_server",
             "from harness.load.reuse_programs import replay",
-            f"with replay({arch!r}, build_server('shared'), {n_cache_reuse}{m}) as r:"]  # fmt: skip
+            f"with replay({arch!r}, {binary_expr}, {n_cache_reuse}{m}) as r:"]  # fmt: skip
     return "\n".join([*head, *lines])
 
 
@@ -213,7 +236,7 @@ class replay:
         except BaseException:
             self.fresh.stop()
             raise
-        self.run = _Run(self.arch, self.srv, self.fresh, self.fig, self.n, self.mutant)
+        self.run = _Run(self.arch, self.srv, self.fresh, self.fig, self.n, self.mutant, f"Path({str(self.binary)!r})")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -227,8 +250,9 @@ class replay:
 
 
 def run_model(arch: str, binary: Path, *, examples: int, seed: int, mutant: str | None = None,
-              shrinks: int | None = 15) -> ReuseFigures:  # fmt: skip
-    """``examples`` generated programs on ``arch``; the figures and the shrunk failure, if any."""
+              shrinks: int | None = 15, binary_expr: str = "build_server('shared')") -> ReuseFigures:  # fmt: skip
+    """``examples`` generated programs on ``arch``; the figures and the shrunk failure, if any (its program names
+    the server's binary as ``binary_expr``)."""
     if mutant is not None and mutant not in MUTANTS:
         raise ValueError(f"unknown reuse-program mutant {mutant!r}")
     fig = ReuseFigures(arch, seed=seed)
@@ -237,7 +261,7 @@ def run_model(arch: str, binary: Path, *, examples: int, seed: int, mutant: str 
         def run_one(program: tuple[Any, ...]) -> None:
             n, n_first, pseed, follows = program
             with _server(binary, arch, n) as srv:
-                run = _Run(arch, srv, fresh, fig, n, mutant)
+                run = _Run(arch, srv, fresh, fig, n, mutant, binary_expr)
                 run.request((1, *(3 + (pseed * 31 + i * 7) % 40 for i in range(n_first - 1))), 4)
                 for k, step in enumerate(follows):
                     run.follow(step, pseed + k)
