@@ -341,6 +341,12 @@ SHIFT_DISCARD_EDIT: Edits = {"tools/server/server-context.cpp": [
     ("slot.task->params.n_discard ? slot.task->params.n_discard : (n_left / 2);",
      "slot.task->params.n_discard ? slot.task->params.n_discard : (n_left / 3);")]}  # fmt: skip
 
+#: a request keeps three quarters of the prefix its slot shares with it (server-context.cpp:3200) -> reuse, before
+#: the differential's cache_n agreement
+REUSE_SHORT_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("n_past = slot.prompt.tokens.get_common_prefix(input_tokens);\n",
+     "n_past = slot.prompt.tokens.get_common_prefix(input_tokens) * 3 / 4;\n")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -380,6 +386,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "stateless-saves": ("shared", STATELESS_EDIT),
     "stateless-resumes": ("shared", STATELESS_REUSE_EDIT),
     "reuse-chunk": ("shared", REUSE_CHUNK_EDIT),
+    "reuse-short": ("shared", REUSE_SHORT_EDIT),
     "shift-early": ("shared", SHIFT_EARLY_EDIT),
     "shift-discard": ("shared", SHIFT_DISCARD_EDIT),
     "block": ("shared", BLOCK_EDIT),
@@ -411,7 +418,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
          "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes",
-         "reuse-chunk", "shift-early", "shift-discard", "block", "newest", "extra", "offset-cap",
+         "reuse-chunk", "reuse-short", "shift-early", "shift-discard", "block", "newest", "extra", "offset-cap",
          "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()

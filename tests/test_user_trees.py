@@ -410,6 +410,24 @@ def test_the_reuse_step_fails_a_server_whose_chunk_loop_or_context_shift_changed
 
 
 @pytest.mark.parametrize("seed", [0, 1])
+def test_a_server_that_resumes_from_less_than_its_slots_prefix_fails_reuse(trees: Trees, seed: int) -> None:
+    """C++ mutant ``reuse-short``: a request keeps three quarters of the prefix its slot shares with it
+    (server-context.cpp:3200). The differential machine holds each answer's ``cache_n`` to the best usable source
+    the model saw before it holds it to the model's ``cache_n``, so the failure is ``reuse``, with a program that
+    replays it; the pinned build passes the same seed with ``reuse`` counted on its requests."""
+    with pytest.raises(ServerMismatch) as caught:
+        run_seeded(server_machine(ServerConfig("llama"), build_source(trees("reuse-short"), log=lambda _m: None),
+                                  "shared", MachineStats(), None), hypothesis_settings("ci", None), seed)  # fmt: skip
+    e = caught.value
+    assert e.name == "reuse" and "the best usable source held" in e.message, (e.name, e.message)
+    assert e.program.count("d.check(d.request(") >= 1
+    stats = MachineStats()
+    run_seeded(server_machine(ServerConfig("llama"), build_server("shared"), "shared", stats, None),
+               hypothesis_settings("ci", None), seed)  # fmt: skip
+    assert 0 < stats.log_checks["reuse"] <= stats.requests, (stats.log_checks, stats.requests)
+
+
+@pytest.mark.parametrize("seed", [0, 1])
 def test_a_stateless_task_that_resumes_from_the_slots_prefix_fails_stateless_fresh(trees: Trees, seed: int) -> None:
     """C++ mutant ``stateless-resumes``: an embedding or rerank keeps the slot's common prefix as a completion does
     (server-context.cpp:3198, ``&& !is_stateless_task`` dropped). The stateless step reads each stateless task's

@@ -248,14 +248,18 @@ class Differential:
         return row
 
     def check(self, row: Row) -> str:
-        """``row`` held to what every request is: the model's slot, ``cache_n`` and evictions (``cache_n``), and
-        ``cache_n`` at least the best usable source (``reuse``, :meth:`Row.reuse_problem`); a failure raises
+        """``row`` held to what every request is: ``cache_n`` at least the best usable source the model saw (``reuse``,
+        :meth:`Row.reuse_problem`: a server that resumes from less fails it before it fails the agreement), the
+        model's slot, ``cache_n`` and evictions (``cache_n``), its checkpoints and idle-slot pass; a failure raises
         :class:`ServerMismatch` with the program so far. The program calls it on each row it replays, so a
         pasted program fails where the run did (it printed ``cache_n 517 = 517`` and passed before). What the
         server's own log shows broken (:mod:`harness.targets.server_log`) comes first: it needs no model."""
         if row.log_problems:
             first = row.log_problems[0]
             raise ServerMismatch(first.property, f"the server's log: {first.message}", self.program())
+        if (problem := row.reuse_problem()) is not None:  # the property before the agreement: it needs no policy
+            raise ServerMismatch("reuse", problem, self.program())
+        self.checked["reuse"] += row.best_usable >= 0  # a request whose best usable source the model knew
         if not row.ok:
             raise ServerMismatch("cache_n", row.describe(), self.program())
         if row.checkpoints != row.predicted_checkpoints:
@@ -268,8 +272,6 @@ class Differential:
                                  f"{list(row.idle)} on the server, {list(row.predicted_idle)} in the model",
                                  self.program())  # fmt: skip
         self.checked["idle_pass"] += bool(row.idle)  # a request whose launch passed over idle slots (held equal)
-        if (problem := row.reuse_problem()) is not None:
-            raise ServerMismatch("reuse", problem, self.program())
         return row.describe()
 
     def program(self) -> str:
