@@ -347,6 +347,12 @@ REUSE_SHORT_EDIT: Edits = {"tools/server/server-context.cpp": [
     ("n_past = slot.prompt.tokens.get_common_prefix(input_tokens);\n",
      "n_past = slot.prompt.tokens.get_common_prefix(input_tokens) * 3 / 4;\n")]}  # fmt: skip
 
+#: a slot file's restore replaces the slot's tokens but keeps its checkpoints, of the prompt it held before
+#: (server-context.cpp:2618, ``slot->prompt.clear()`` dropped) -> slot_file_restore, in the slot-file step
+RESTORE_KEEPS_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("slot->prompt.clear();\n                        slot->prompt.tokens = std::move(restored);",
+     "slot->prompt.tokens = std::move(restored); // (mutant: the checkpoints are kept)")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -387,6 +393,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "stateless-resumes": ("shared", STATELESS_REUSE_EDIT),
     "reuse-chunk": ("shared", REUSE_CHUNK_EDIT),
     "reuse-short": ("shared", REUSE_SHORT_EDIT),
+    "restore-keeps": ("shared", RESTORE_KEEPS_EDIT),
     "shift-early": ("shared", SHIFT_EARLY_EDIT),
     "shift-discard": ("shared", SHIFT_DISCARD_EDIT),
     "block": ("shared", BLOCK_EDIT),
@@ -417,8 +424,8 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
-         "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes",
-         "reuse-chunk", "reuse-short", "shift-early", "shift-discard", "block", "newest", "extra", "offset-cap",
+         "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes", "reuse-chunk",
+         "reuse-short", "shift-early", "shift-discard", "restore-keeps", "block", "newest", "extra", "offset-cap",
          "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()

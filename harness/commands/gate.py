@@ -37,7 +37,12 @@ from harness.errors import (
     HarnessLimit,
     UsageError,
 )
-from harness.load.gate_step import server_concurrent_step, server_reuse_step, server_stateless_step
+from harness.load.gate_step import (
+    server_concurrent_step,
+    server_reuse_step,
+    server_slot_files_step,
+    server_stateless_step,
+)
 from properties.run import PROFILES, commit
 
 __all__ = ["FOLLOW_UPS", "add_arguments", "options_from_args", "run", "run_gate"]
@@ -46,8 +51,9 @@ __all__ = ["FOLLOW_UPS", "add_arguments", "options_from_args", "run", "run_gate"
 # backends (harness.load), so it is listed here rather than called from the backend itself
 FOLLOW_UPS: dict[str, tuple[Callable[[GateReport, GateOptions, Callable[[str], None]], None], ...]] = {
     # the short concurrent run (issue 16); stateless tasks (stateless_not_cached, stateless_fresh on the server);
-    # --cache-reuse and context-shift programs (reuse_chunks, shift_timing, context_shift)
-    "server": (server_concurrent_step, server_stateless_step, server_reuse_step),
+    # --cache-reuse and context-shift programs (reuse_chunks, shift_timing, context_shift); slot-file programs
+    # (slot_file_restore)
+    "server": (server_concurrent_step, server_stateless_step, server_reuse_step, server_slot_files_step),
 }
 
 SEMANTICS = ("shared", "master")

@@ -1,6 +1,7 @@
 """The gate's steps after the server backend's phases (``gate --backend server``): the short concurrent run
-(:func:`server_concurrent_step`), the stateless tasks (:func:`server_stateless_step`) and the generated
-``--cache-reuse`` and context-shift programs (:func:`server_reuse_step`).
+(:func:`server_concurrent_step`), the stateless tasks (:func:`server_stateless_step`), the generated
+``--cache-reuse`` and context-shift programs (:func:`server_reuse_step`) and slot-file programs
+(:func:`server_slot_files_step`).
 
 The concurrent run:
 
@@ -31,6 +32,12 @@ The reuse step (:func:`harness.load.reuse_programs.run_model`, as ``python -m ha
 :data:`REUSE_EXAMPLES` programs on ``llama``, each a one-slot server with ``--cache-reuse N`` and
 ``--context-shift``: every ``cache_n`` against the model's chunk loop (``reuse_chunks``), every context shift's
 moment and amounts in the log against the model's (``shift_timing``, ``context_shift``). Adds about five seconds.
+
+The slot-file step (:func:`harness.load.slot_programs.run_model`, as ``python -m harness slot-files --differential``
+runs it): :data:`SLOT_EXAMPLES` programs on ``jamba``, completions with ``save``, ``restore`` and ``erase``: each
+restore's answer and the completion after it against the model and a fresh server (``slot_file_restore``), each
+completion's ``cache_n`` against the best usable source (``reuse``); the registered finding
+``slot-restore-drops-checkpoints`` is counted, not failed. Adds about five seconds.
 """
 
 from __future__ import annotations
@@ -49,6 +56,7 @@ from harness.backends.llama_server.section import ServerSection
 from harness.findings import BUSY_SLOT_BY_ID, BUSY_SLOT_BY_ID_LIVELOCK, CONCURRENT_OUTPUT_DIVERGENCE, KnownRow
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, load_config, run_concurrent
 from harness.load.reuse_programs import run_model as run_reuse_programs
+from harness.load.slot_programs import run_model as run_slot_programs
 from harness.load.stateless import stateless_differential
 from harness.load.traced import ServerTrace
 from harness.targets.llama_server import RequestFailed, ServerStartError, sanitizer_reports
@@ -57,15 +65,18 @@ from properties.machine import MachineConfig
 __all__ = [
     "N_TRACES",
     "REUSE_EXAMPLES",
+    "SLOT_EXAMPLES",
     "STATELESS_RUNS",
     "server_concurrent_step",
     "server_reuse_step",
+    "server_slot_files_step",
     "server_stateless_step",
     "stateless_program",
 ]
 
 N_TRACES = 2
 REUSE_EXAMPLES = 20  # generated --cache-reuse programs (about 5 s)
+SLOT_EXAMPLES = 20  # generated slot-file programs (about 5 s)
 STATELESS_RUNS = 3  # mixed programs per idle-slot setting (each on a fresh server: about half a second)
 
 
@@ -189,6 +200,43 @@ def server_reuse_step(report: GateReport, opts: GateOptions, out: Out) -> None:
         out("  the shrunk program that replays it:\n    " + found.program.replace("\n", "\n    "))
     checked = Counter({"reuse_chunks": fig.requests, "shift_timing": fig.shift_checks, "context_shift": fig.shifts,
                        "output": fig.compared})  # fmt: skip
+    report.machines.append(
+        MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
+    )
+
+
+def server_slot_files_step(report: GateReport, opts: GateOptions, out: Out) -> None:
+    """Run the generated slot-file programs (:mod:`harness.load.slot_programs`) on ``jamba`` (a hybrid: what a
+    restore leaves of the slot's checkpoints matters) on the binary the server backend just tested:
+    ``slot_file_restore`` (each restore's answer, then the slot, ``cache_n`` and output of the completion after it)
+    and ``reuse`` counted on the server."""
+    tested = _tested(report)
+    if tested is None:
+        return
+    section, binary, semantics = tested
+    t0 = time.perf_counter()  # the programs run without a prompt cache (--cache-ram 0)
+    try:
+        fig = run_slot_programs("jamba", binary, examples=SLOT_EXAMPLES, seed=opts.seed,
+                                binary_expr=f"Path({str(binary)!r})")  # fmt: skip
+    except ServerStartError as e:
+        if section.get("pinned"):
+            raise
+        why = f"its llama-server (--slot-save-path) did not start on this tree's build: {e}"
+        report.skip("server backend: slot-file step", why)
+        out(f"  [skip] slot-file step: {why}")
+        return
+    section["slot_files"] = fig.to_json()
+    found = ", ".join(f"{k} {v}" for k, v in sorted(fig.findings.items())) or "none"
+    out(f"  [{'FAIL' if fig.failure else 'ok  '}] slot files jamba {fig.examples} programs, {fig.requests} requests, "
+        f"{fig.actions} slot actions ({fig.restores} restores), {fig.compared} outputs compared; findings: {found} "
+        f"{time.perf_counter() - t0:5.1f}s")  # fmt: skip
+    failure = None
+    if fig.failure is not None:
+        bad = fig.failure
+        failure = Failure(bad.name, "violation", f"jamba: {bad.message}", bad.program, _replay(opts, semantics),
+                          "server-slot-files-jamba", bad.program.count("r.request("))  # fmt: skip
+        out("  the shrunk program that replays it:\n    " + bad.program.replace("\n", "\n    "))
+    checked = Counter({"slot_file_restore": fig.restore_checks, "reuse": fig.requests, "output": fig.compared})
     report.machines.append(
         MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
     )

@@ -10,12 +10,13 @@ it is a 400 that clears the slot). Checked at each step, and failing on any diff
 explains by its exact condition:
 
 * every action's HTTP status and token count (``n_saved``/``n_restored``/``n_erased``) are the model's
-  (:mod:`harness.model.slot_files`);
+  (:mod:`harness.model.slot_files`; a restore's is ``slot_file_restore``, the others ``slot_action``);
 * every completion's slot and ``timings.cache_n`` are the model's (``Row.ok``) and the reuse property holds
   (``Row.reuse_problem``; a shortfall the model's tracer names is counted under that finding);
-* after every restore, the next completion's tokens are a fresh cache-less server's
-  (:func:`~harness.load.generated.output_verdict`); a greedy flip within the model's batch-shape bound is
-  ``greedy-flip-on-cache-path`` (counted; none excused on mamba), anything else fails;
+* after every restore, the next completion's slot and ``cache_n`` are the model's and its tokens are a fresh
+  cache-less server's (:func:`~harness.load.generated.output_verdict`): ``slot_file_restore``; a greedy flip
+  within the model's batch-shape bound is ``greedy-flip-on-cache-path`` (counted; none excused on mamba), anything
+  else fails;
 * the same completion is also resumed as if the file had kept the checkpoints the slot had when it was saved
   (:func:`properties.reuse.resume_point` on the saved tokens, checkpoints and ``seq_pos_min``): when the server
   matched the model and resumed fewer tokens, that is ``slot-restore-drops-checkpoints`` (counted, with the
@@ -104,6 +105,7 @@ class ModelFigures(GeneratedFigures):
     actions: int = 0
     restores: int = 0  # restores the server answered 200
     compared: int = 0  # outputs compared with a fresh evaluation (the first completion after each restore)
+    restore_checks: int = 0  # restores held to slot_file_restore: the action's answer, and the completion after it
     outputs_equal: int = 0
     findings: Counter[str] = field(default_factory=Counter)  # per registered finding: differences it explains
     tokens_reprocessed: int = 0  # slot-restore-drops-checkpoints: tokens the dropped checkpoints would have kept
@@ -132,15 +134,17 @@ def _corrupt(path: Path) -> None:
 class _Run:
     """One program on one server and model: each step run, checked and written down as a replay line."""
 
-    def __init__(self, d: SlotDifferential, fresh: ServerProcess, fig: ModelFigures, mutant: str | None) -> None:
+    def __init__(self, d: SlotDifferential, fresh: ServerProcess, fig: ModelFigures, mutant: str | None,
+                 binary_expr: str = "build_server('shared')") -> None:  # fmt: skip
         self.d, self.fresh, self.fig, self.mutant = d, fresh, fig, mutant
+        self.binary_expr = binary_expr  # the replay program's expression for the server's binary
         self.lines: list[str] = []
         self.bases: list[tuple[int, ...]] = []
         self.saved: dict[str, Source] = {}  # file name -> what the slot held when it was saved
         self.restored: Source | None = None  # the restored file's source, until the next completion
 
     def fail(self, name: str, message: str) -> None:
-        raise GeneratedFailure(name, message, replay_text(self.fig.arch, self.lines, self.mutant))
+        raise GeneratedFailure(name, message, replay_text(self.fig.arch, self.lines, self.mutant, self.binary_expr))
 
     def slot_source(self) -> Source:
         m = self.d.model
@@ -163,14 +167,16 @@ class _Run:
         before = self.slot_source()
         got, want = self.d.act(what, name)
         self.fig.actions += 1
-        if got != want:
-            self.fail("slot_action", f"{what} {name!r}: server (status, tokens) {got}, model {want}")
+        if got != want:  # a restore's answer is the slot_file_restore property's first half; the others are actions
+            self.fail("slot_file_restore" if what == "restore" else "slot_action",
+                      f"{what} {name!r}: server (status, tokens) {got}, model {want}")  # fmt: skip
         if what == "save" and got[0] == 200:
             self.saved[name] = before
             if self.mutant == "corrupt-file":
                 _corrupt(Path(self.d.save_dir, name))
         elif what == "restore" and got[0] == 200:
             self.fig.restores += 1
+            self.fig.restore_checks += 1
             self.restored = self.saved.get(name)
         else:
             self.restored = None
@@ -180,8 +186,9 @@ class _Run:
         row = self.d.request(toks, n_predict)
         self.fig.requests += 1
         self.bases += [toks, (*toks, *row.generated[:-1])]
-        if not row.ok:
-            self.fail("cache_n", row.describe())
+        if not row.ok:  # right after a restore: what the slot holds is the file's (slot_file_restore's second half)
+            self.fail("cache_n" if restored is None else "slot_file_restore",
+                      row.describe() + ("" if restored is None else " (the first completion after a restore)"))
         if row.reuse_finding is not None and row.cache_n < row.best_usable:
             self.fig.findings[row.reuse_finding] += 1
         elif (problem := row.reuse_problem()) is not None:
@@ -195,18 +202,20 @@ class _Run:
         found, problem = output_verdict(self.fresh, toks, row.generated, row.cache_n, self.fig.arch)
         self.fig.compared += 1
         if problem is not None:
-            self.fail("output", f"after a restore: {problem}")
+            self.fail("slot_file_restore", f"after a restore: {problem}")
         if found:
             self.fig.findings[found] += 1
         else:
             self.fig.outputs_equal += 1
 
 
-def replay_text(arch: str, lines: Sequence[str], mutant: str | None = None) -> str:
+def replay_text(arch: str, lines: Sequence[str], mutant: str | None = None,
+                binary_expr: str = "build_server('shared')") -> str:  # fmt: skip
     """The concrete program as Python to paste from the repository root."""
-    head = ["from harness.trees.build import build_server",
+    head = ["from pathlib import Path",
+            "from harness.trees.build import build_server",
             "from harness.load.slot_programs import replay",
-            f"with replay({arch!r}, build_server('shared'){'' if mutant is None else f', mutant={mutant!r}'}) as r:"]
+            f"with replay({arch!r}, {binary_expr}{'' if mutant is None else f', mutant={mutant!r}'}) as r:"]
     return "\n".join([*head, *(lines or ["    pass"])])
 
 
@@ -227,7 +236,7 @@ class replay:
         except BaseException:
             self.fresh.stop()
             raise
-        self.run = _Run(self.d, self.fresh, self.fig, self.mutant)
+        self.run = _Run(self.d, self.fresh, self.fig, self.mutant, f"Path({str(self.binary)!r})")
         return self
 
     def __exit__(self, *exc: object) -> None:
@@ -266,10 +275,11 @@ def _slot_differential(arch: str, binary: Path, mutant: str | None) -> SlotDiffe
 
 
 def run_model(
-    arch: str, binary: Path, *, examples: int, seed: int, mutant: str | None = None, shrinks: int | None = 15
+    arch: str, binary: Path, *, examples: int, seed: int, mutant: str | None = None, shrinks: int | None = 15,
+    binary_expr: str = "build_server('shared')",
 ) -> ModelFigures:
     """``examples`` generated programs on ``arch`` (see the module's docstring); the figures and the shrunk
-    failure, if any."""
+    failure, if any (its program names the server's binary as ``binary_expr``)."""
     if mutant is not None and mutant not in MUTANTS:
         raise ValueError(f"unknown slot-program mutant {mutant!r}")
     fig = ModelFigures(arch, seed=seed)
@@ -278,7 +288,7 @@ def run_model(
         def run_one(program: list[tuple[Any, ...]]) -> None:
             d = _slot_differential(arch, binary, mutant)
             with d:
-                run = _Run(d, fresh, fig, mutant)
+                run = _Run(d, fresh, fig, mutant, binary_expr)
                 for s in program:
                     run.step(s)
 

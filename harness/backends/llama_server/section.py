@@ -80,6 +80,11 @@ NOT_OBSERVABLE: dict[str, str] = {
     "refcount": "who holds a checkpoint payload is the server's own pointers: neither /metrics nor the log counts them",
     "draft_in_step": "the draft context's memory is not exposed; answers show drafted tokens, not what it holds",
     "restore_bytes": "a restored state's bytes are not exposed over HTTP; restore_equivalence checks its answers",
+    "reuse_equivalence": "the slot's memory after --cache-reuse moved chunks is not exposed, and its answers cannot "
+    "stand for it: on a real model a moved KV cell keeps what it attended to, so they differ from a fresh "
+    "evaluation by upstream's design (the reuse step counts them as moved_differs)",
+    "draft_recovery": "the draft-KV recovery is a proposal from PR #27451's discussion that only the model carries: "
+    "no llama-server build has it, so no request can turn it on (draft_recovery_run checks it on libllama)",
 }
 """The properties no request to a real ``llama-server`` can show, and why: its table says ``not-observable`` for
 them rather than leaving them unchecked (they are checked on the model and the libllama backend)."""
