@@ -1,6 +1,6 @@
 """The server-side properties read off a llama-server's -lv 4 log (harness.targets.server_log), on log lines written
 as the pinned tree prints them: each property holds on a well-formed log and fails, with the line, on one that
-breaks it. The same properties on real servers, each failing on a C++ mutant: tests/test_user_trees.py."""
+breaks it. The same properties on real servers, each failing on a C++ mutant: tests/test_server_mutants.py."""
 
 from __future__ import annotations
 
