@@ -353,6 +353,14 @@ RESTORE_KEEPS_EDIT: Edits = {"tools/server/server-context.cpp": [
     ("slot->prompt.clear();\n                        slot->prompt.tokens = std::move(restored);",
      "slot->prompt.tokens = std::move(restored); // (mutant: the checkpoints are kept)")]}  # fmt: skip
 
+#: the idle-slot pass saves every slot, also one that is processing (server-context.cpp:2418; the model's mutant
+#: idle-caching-saves-busy) -> busy_slot_untouched, in the concurrent step's log
+IDLE_BUSY_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("                            if (!slot.is_processing()) {\n                                SLT_TRC(slot, \"%s\", "
+     "\"saving idle slot to prompt cache\\n\");",
+     "                            if (true) { // (mutant: busy slots too)\n                                "
+     "SLT_TRC(slot, \"%s\", \"saving idle slot to prompt cache\\n\");")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -394,6 +402,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "reuse-chunk": ("shared", REUSE_CHUNK_EDIT),
     "reuse-short": ("shared", REUSE_SHORT_EDIT),
     "restore-keeps": ("shared", RESTORE_KEEPS_EDIT),
+    "idle-busy": ("shared", IDLE_BUSY_EDIT),
     "shift-early": ("shared", SHIFT_EARLY_EDIT),
     "shift-discard": ("shared", SHIFT_DISCARD_EDIT),
     "block": ("shared", BLOCK_EDIT),
@@ -425,8 +434,8 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
          "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes", "reuse-chunk",
-         "reuse-short", "shift-early", "shift-discard", "restore-keeps", "block", "newest", "extra", "offset-cap",
-         "offset-cap-threshold")
+         "reuse-short", "shift-early", "shift-discard", "restore-keeps", "idle-busy", "block", "newest", "extra",
+         "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

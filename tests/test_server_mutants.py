@@ -24,8 +24,8 @@ from harness.backends.llama_server.differential import (
 )
 from harness.backends.llama_server.limits import LimitStats, limits_machine, shrink_steps
 from harness.backends.llama_server.section import hypothesis_settings
-from harness.load.concurrent import load_config
-from harness.load.gate_step import REUSE_EXAMPLES, SLOT_EXAMPLES, STATELESS_RUNS, stateless_program
+from harness.load.concurrent import load_config, run_concurrent
+from harness.load.gate_step import N_TRACES, REUSE_EXAMPLES, SLOT_EXAMPLES, STATELESS_RUNS, stateless_program
 from harness.load.reuse_programs import run_model as run_reuse_programs
 from harness.load.slot_programs import run_model as run_slot_programs
 from harness.load.stateless import stateless_differential
@@ -213,6 +213,26 @@ def test_a_restore_that_keeps_the_slots_checkpoints_fails_slot_file_restore(tree
     assert r.returncode == 1 and "GeneratedFailure: slot_file_restore: " in r.stderr, r.stdout + r.stderr[-2000:]
     held = run_slot_programs("jamba", build_server("shared"), examples=SLOT_EXAMPLES, seed=seed)
     assert held.failure is None and held.restore_checks == held.restores > 0, held.failure
+
+
+def test_an_idle_pass_that_saves_a_processing_slot_fails_busy_slot_untouched(trees: Trees, tmp_path: Path) -> None:
+    """C++ mutant ``idle-busy``: the idle-slot pass saves every slot, also one that is processing
+    (server-context.cpp:2418). The concurrent step reads each slot's launches and releases from the log and fails
+    ``busy_slot_untouched`` on the first save of a processing slot, with the timed requests that replay it (the
+    replay reads its own server's log too); the pinned build passes the same traces with the saves counted."""
+    cfg = load_config("llama", 2, False)
+    binary = build_source(trees("idle-busy"), log=lambda _m: None)
+    r = run_concurrent(cfg, binary, "shared", 0, N_TRACES, log_dir=str(tmp_path), binary_expr=f"Path({str(binary)!r})",
+                       out=lambda _m: None)  # fmt: skip
+    assert r.busy_touches > 0 and r.program, r.failures
+    first = next(f for f in r.failures if f.startswith("busy_slot_untouched: "))
+    assert "the idle-slot pass saved slot" in first and "while it was processing" in first
+    replayed = subprocess.run([sys.executable, "-c", r.program], capture_output=True, text=True, cwd=REPO,
+                              timeout=600, check=False)  # fmt: skip
+    assert "busy_slot_untouched: the idle-slot pass saved slot" in replayed.stdout, replayed.stdout + replayed.stderr
+    held = run_concurrent(cfg, build_server("shared"), "shared", 0, N_TRACES, log_dir=str(tmp_path),
+                          out=lambda _m: None)  # fmt: skip
+    assert held.busy_touches == 0 and held.busy_checked > 0 and held.mismatches == 0, held.failures
 
 
 @pytest.mark.parametrize("seed", [0, 1])

@@ -41,6 +41,7 @@ runs the traces and judges every response.
 from __future__ import annotations
 
 import random
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from contextlib import nullcontext
@@ -58,6 +59,7 @@ from harness.load.stateless import server_args
 from harness.load.traced import ServerTrace
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import Launch, ServerConfig, ServerProcess, Timeouts
+from harness.targets.server_log import busy_slot_touches
 
 __all__ = [
     "ConcurrentResult",
@@ -236,6 +238,9 @@ def judge(
             res.failures.append(f"request error: {s.describe()}")
     if res.busy_livelocks:
         res.busy_program = res.busy_program or program
+    saves, by_id, touches = busy_slot_touches(log)  # the log alone: no processing slot saved by the idle pass
+    res.busy_checked, res.busy_touches = saves + by_id, len(touches)
+    res.failures += [f"busy_slot_untouched: {t}" for t in touches]
     events = parse_log(log)
     res.evictions = sum(e.kind == "evict" for e in events)
     m = make_llama_server(semantics, model_path(cfg.arch), params=cfg.params(), n_ctx=cfg.n_ctx, check_restores=False)
@@ -365,8 +370,9 @@ def run_concurrent(
 def replay(cfg: ServerConfig, binary: Path, semantics: str, reqs: Sequence[Req]) -> str:
     """Send ``reqs`` again with their timing and check them; the figures and each failure, as text."""
     ensure_form(binary)  # pasted into a new process: the request form its run used
-    with fresh_server(cfg, binary, extra=_extra_args(cfg, reqs)) as fresh:
-        r = run_trace(cfg, binary, semantics, reqs, fresh)
+    with fresh_server(cfg, binary, extra=_extra_args(cfg, reqs)) as fresh, \
+            tempfile.TemporaryDirectory(prefix="harness-replay-") as logs:  # the log's order and checks, as the run's
+        r = run_trace(cfg, binary, semantics, reqs, fresh, log_path=f"{logs}/replay.log")
     lines = [f"{r.requests} requests, {r.interleavings} interleaved, {r.busy_requests} named a busy slot, "
              f"{r.busy_slot_by_id} outputs changed by busy-slot-by-id, {r.mismatches} mismatches"]  # fmt: skip
     if r.unmodellable:

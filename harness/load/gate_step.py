@@ -276,15 +276,17 @@ def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> N
                 failure = Failure("concurrent_order", "error", f"{cfg.name}: {r.unmodellable}", "", replay,
                                   f"server-concurrent-{cfg.name}", 0)  # fmt: skip
             elif r.mismatches:
-                prop = ("cache_n" if r.cache_n_mismatches else "cache_load" if r.load_mismatches
-                        else "output" if r.output_mismatches else "request_error")  # fmt: skip
-                message = f"{cfg.name}: {r.failures[0]}" + (f"; {r.trace}" if r.trace else "")
+                prop = ("busy_slot_untouched" if r.busy_touches else "cache_n" if r.cache_n_mismatches
+                        else "cache_load" if r.load_mismatches else "output" if r.output_mismatches
+                        else "request_error")  # fmt: skip
+                first = next((f for f in r.failures if f.startswith(prop)), r.failures[0])
+                message = f"{cfg.name}: {first}" + (f"; {r.trace}" if r.trace else "")
                 failure = Failure(prop, "violation", message, r.program, replay,
                                   f"server-concurrent-{cfg.name}", r.program.count("Req("))  # fmt: skip
                 out("  the timed requests that replay it:\n    " + r.program.replace("\n", "\n    "))
                 if r.trace:
                     out(f"  {r.trace}")
-            checked = Counter({"cache_n": r.requests, "output": r.requests})
+            checked = Counter({"cache_n": r.requests, "output": r.requests, "busy_slot_untouched": r.busy_checked})
             report.machines.append(
                 MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
             )

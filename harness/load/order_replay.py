@@ -44,6 +44,8 @@ _COUNTS = (
     "embeddings",
     "stateless_cached",
     "bound_violations",
+    "busy_checked",
+    "busy_touches",
 )
 _MAX_STEPS = 20_000  # model iterations for one slot to reach a length or finish its task
 
@@ -164,6 +166,8 @@ class ConcurrentResult:
     embeddings: int = 0  # embedding requests the model replayed in the server's order (--embedding-clients)
     stateless_cached: int = 0  # cache entries the model saved from a slot an embedding left: idle-stateless-slot-cached
     bound_violations: int = 0  # the RSS or logged cache size past its bound (harness.load.overlap)
+    busy_checked: int = 0  # idle-pass saves and by-id selections of a processing slot held to busy_slot_untouched
+    busy_touches: int = 0  # a processing slot touched otherwise than by busy-slot-by-id (the log says so)
     rss_peak: int = 0  # bytes, the largest over the traces (with embedding clients)
     rss_bound: int = 0
     cache_max_mib: float = 0.0
@@ -171,7 +175,7 @@ class ConcurrentResult:
     @property
     def mismatches(self) -> int:
         return (self.cache_n_mismatches + self.load_mismatches + self.output_mismatches + self.request_errors
-                + self.bound_violations)  # fmt: skip
+                + self.bound_violations + self.busy_touches)  # fmt: skip
 
     def add(self, other: ConcurrentResult) -> None:
         for k in _COUNTS:

@@ -63,7 +63,7 @@ import re
 from collections import Counter
 from dataclasses import dataclass, field
 
-__all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem"]
+__all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem", "busy_slot_touches"]
 
 LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction", "load_transfer",
                   "no_prefix_entries", "cleared_checkpoints", "update_eviction")
@@ -471,3 +471,35 @@ def _transfers_problem(prev: list[str], ids: list[str], cycle: Counter[str]) -> 
 
 def _close(a: tuple[float, float], b: tuple[float, float]) -> bool:
     return abs(a[0] - b[0]) < 0.001 and abs(a[1] - b[1]) < 0.001
+
+
+_LAUNCH = re.compile(r"\bslot\s+\S+: id\s+(\d+) \| task \d+ \| processing task")
+_RELEASE = re.compile(r"\bslot\s+\S+: id\s+(\d+) \| task -?\d+ \| stop processing: n_tokens")
+_IDLE_SAVE = re.compile(r"\bslot\s+\S+: id\s+(\d+) \| task -?\d+ \| saving idle slot to prompt cache")
+_BY_ID = re.compile(r"\bslot\s+\S+: id\s+(\d+) \| task -?\d+ \| selected slot by id")
+
+
+def busy_slot_touches(text: str) -> tuple[int, int, list[str]]:
+    """``busy_slot_untouched`` read from a ``-lv 4`` log: a slot is processing from its launch ("processing task",
+    server-context.cpp:1810 at 0c1e570) to its release ("stop processing", :518), and the idle-slot pass may save
+    only a slot that is not (:2417-2418, "saving idle slot to prompt cache"). A request that selects a processing slot
+    by id ("selected slot by id", :1537) goes through the cache update too (:1617-1630): the registered finding
+    ``busy-slot-by-id``'s exact shape, counted, not a problem. The lines are the server's main loop's, in order (the
+    HTTP threads' lines are skipped). Returns the idle-pass saves checked, the finding's selections and the problems."""
+    busy: set[int] = set()
+    checked, finding, problems = 0, 0, []
+    for line in text.splitlines():
+        if any(other in line for other in _OTHER_THREADS):
+            continue
+        if (m := _LAUNCH.search(line)) is not None:
+            busy.add(int(m.group(1)))
+        elif (m := _RELEASE.search(line)) is not None:
+            busy.discard(int(m.group(1)))
+        elif (m := _IDLE_SAVE.search(line)) is not None:
+            checked += 1
+            if int(m.group(1)) in busy:
+                problems.append(f"the idle-slot pass saved slot {m.group(1)} while it was processing: {line.strip()}")
+        elif (m := _BY_ID.search(line)) is not None and int(m.group(1)) in busy:
+            finding += 1
+    return checked, finding, problems
+
