@@ -361,6 +361,13 @@ IDLE_BUSY_EDIT: Edits = {"tools/server/server-context.cpp": [
      "                            if (true) { // (mutant: busy slots too)\n                                "
      "SLT_TRC(slot, \"%s\", \"saving idle slot to prompt cache\\n\");")]}  # fmt: skip
 
+#: a load that fails leaves the slot as it was instead of clearing it (server-context.cpp:1630-1632) ->
+#: restore_failure, in the fixed failed-load program
+LOAD_KEEPS_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("                if (!ret->prompt_load(*prompt_cache, task.tokens)) {\n                    ret->prompt_clear();\n"
+     "                }",
+     "                ret->prompt_load(*prompt_cache, task.tokens); // (mutant: kept on a failed load)")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -403,6 +410,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "reuse-short": ("shared", REUSE_SHORT_EDIT),
     "restore-keeps": ("shared", RESTORE_KEEPS_EDIT),
     "idle-busy": ("shared", IDLE_BUSY_EDIT),
+    "load-keeps": ("shared", LOAD_KEEPS_EDIT),
     "shift-early": ("shared", SHIFT_EARLY_EDIT),
     "shift-discard": ("shared", SHIFT_DISCARD_EDIT),
     "block": ("shared", BLOCK_EDIT),
@@ -434,8 +442,8 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
          "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes", "reuse-chunk",
-         "reuse-short", "shift-early", "shift-discard", "restore-keeps", "idle-busy", "block", "newest", "extra",
-         "offset-cap", "offset-cap-threshold")
+         "reuse-short", "shift-early", "shift-discard", "restore-keeps", "idle-busy", "load-keeps", "block", "newest",
+         "extra", "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

@@ -22,7 +22,13 @@ from harness.backends.llama_server.differential import (
     run_program,
     server_machine,
 )
-from harness.backends.llama_server.limits import LimitStats, limits_machine, shrink_steps
+from harness.backends.llama_server.limits import (
+    LimitStats,
+    failed_load_program,
+    limits_machine,
+    run_limit_program,
+    shrink_steps,
+)
 from harness.backends.llama_server.section import hypothesis_settings
 from harness.load.concurrent import load_config, run_concurrent
 from harness.load.gate_step import N_TRACES, REUSE_EXAMPLES, SLOT_EXAMPLES, STATELESS_RUNS, stateless_program
@@ -83,14 +89,33 @@ def test_each_server_side_property_fails_on_its_cpp_mutant(trees: Trees, name: s
 
 
 def test_the_pinned_build_holds_every_server_side_property_at_every_limit() -> None:
-    """Each property of the log is checked (and holds) on the pr build, over the gate's programs at the limits."""
+    """Each property of the log is checked (and holds) on the pr build, over the gate's programs at the limits and
+    its failed-load program (a load without room under a unified KV: the one no model-exact program can reach)."""
     binary = build_server("shared")
     seen: dict[str, int] = {}
     for make in LIMIT_PROGRAMS.values():
         rows = run_program(*make(), binary, "shared", None)
         for k, v in rows[-1].log_checked.items():
             seen[k] = seen.get(k, 0) + v
+    done = run_limit_program(*failed_load_program(), binary, None)
+    for k, v in done.log.checked.items():
+        seen[k] = seen.get(k, 0) + v
+    assert done.log.checked["restore_failure"] == 1, done.log.checked
     assert all(seen.get(p, 0) > 0 for p in LOG_PROPERTIES), seen
+
+
+def test_a_failed_load_that_keeps_its_slot_fails_restore_failure(trees: Trees) -> None:
+    """C++ mutant ``load-keeps``: a cache load that fails leaves its slot as it was instead of clearing it
+    (server-context.cpp:1630-1632). The failed-load program (requests alone: a unified KV without room for the
+    entry) fails ``restore_failure`` from the server's log, with a program that replays it."""
+    binary = build_source(trees("load-keeps"), log=lambda _m: None)
+    with pytest.raises(ServerMismatch) as caught:
+        run_limit_program(*failed_load_program(), binary, None, f"Path({str(binary)!r})")
+    e = caught.value
+    assert e.name == "restore_failure" and "a failed load clears the slot" in e.message, (e.name, e.message)
+    r = subprocess.run([sys.executable, "-c", e.program], capture_output=True, text=True, cwd=REPO, timeout=300,
+                       check=False)  # fmt: skip
+    assert r.returncode == 1 and "restore_failure" in r.stderr, r.stdout + r.stderr[-2000:]
 
 
 @pytest.mark.parametrize("seed", [0, 1])

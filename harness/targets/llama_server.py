@@ -83,12 +83,15 @@ class ServerConfig:
     n_ubatch: int = 64
     draft: bool = False
     log_verbosity: int | None = None  # ``-lv``: 4 logs the prompt cache's trace lines (server-task.cpp:1799)
+    cache_idle_slots: bool = True  # False: ``--no-cache-idle-slots`` (no idle-slot pass, common/arg.cpp)
 
     @property
     def name(self) -> str:
         parts = [self.arch, f"np{self.n_parallel}", "kvu" if self.kv_unified else "kvs"]
         if self.draft:
             parts.append("draft")
+        if not self.cache_idle_slots:
+            parts.append("noidle")
         return "-".join(parts)
 
     def server_args(self) -> list[str]:
@@ -101,6 +104,7 @@ class ServerConfig:
             str(self.n_ubatch),
             "--no-warmup",
             *(() if self.log_verbosity is None else ("-lv", str(self.log_verbosity))),
+            *(() if self.cache_idle_slots else ("--no-cache-idle-slots",)),
         ]
 
     def params(self) -> ServerParams:
@@ -114,6 +118,7 @@ class ServerConfig:
             n_batch=self.n_batch,
             n_ubatch=self.n_ubatch,
             n_draft_max=16 if self.draft else 0,
+            cache_idle_slots=self.cache_idle_slots,
         )
 
 

@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 __all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem", "busy_slot_touches"]
 
 LOG_PROPERTIES = ("limit", "accounting", "checkpoint_lists", "load_choice", "alloc_eviction", "load_transfer",
-                  "no_prefix_entries", "cleared_checkpoints", "update_eviction")
+                  "no_prefix_entries", "cleared_checkpoints", "update_eviction", "restore_failure")
 """The properties :class:`CacheLog` checks, by their names in ``properties.invariants.INVARIANTS``."""
 
 _STATE = re.compile(
@@ -84,6 +84,19 @@ _CKPT_EVENTS = ("restored context checkpoint", "erased invalidated context check
                 "erasing old context checkpoint", "erasing context checkpoint too close")  # fmt: skip
 _ROUND = 0.0005  # the log prints MiB to three decimals
 _OTHER_THREADS = ("server_strea", "log_server_r")  # the HTTP threads log (server-stream.cpp:599, server-http.cpp:53)
+
+
+@dataclass
+class _FailedLoad:
+    """A load that found its entry and failed to restore it ("failed to restore state with size",
+    server-task.cpp:1834 at 0c1e570), until the cache state that follows it: the entry's address (from the last
+    state's listing, by its place among the scan's candidates), the slot ("failed to load prompt from cache",
+    server-context.cpp:287) and whether that slot was cleared since (:1631)."""
+
+    line: int
+    entry: str | None
+    slot: int | None = None
+    cleared: bool = False
 
 
 @dataclass(frozen=True)
@@ -254,6 +267,8 @@ class CacheLog:
         #: line (server-context.cpp:2421 at 0c1e570) and the "clearing prompt" line of that slot right after it (:2429)
         self.idle: list[tuple[int, bool]] = []
         self._idle_open = False  # the last idle-pass line was a slot's "saving idle slot": its clear may follow
+        self._loading: str | None = None  # the address of the entry the last load's scan took, if known
+        self._failed: _FailedLoad | None = None  # a failed load, until the cache state after it (restore_failure)
 
     def feed(self, text: str) -> list[LogProblem]:
         """Check the whole lines of ``text`` (the log so far) not seen before; the problems found, in order. A
@@ -283,6 +298,7 @@ class CacheLog:
         out += self._close_state()
         out += self._cleared_slots(line)
         self._idle_pass(line)
+        self._failed_load(line)
         if (m := _STATE.search(line)) is not None:
             out += self._close_scan(None)  # update follows load: the scan found nothing
             self._state = (int(m[1]), float(m[2]), float(m[3]), int(m[4]), int(m[5]), self._line)
@@ -324,6 +340,40 @@ class CacheLog:
         elif self.idle and self.idle[-1] == (slot, False) and self._idle_open:
             self.idle[-1] = (slot, True)
         self._idle_open = "saving idle slot" in line
+
+    def _failed_load(self, line: str) -> None:
+        """Follow a failed load (:class:`_FailedLoad`) to the cache state after it, where :meth:`_restore_failure`
+        judges it."""
+        if "failed to restore state with size" in line:
+            if self._failed is None:  # the draft's restore failing after the target's is the same load
+                self._failed = _FailedLoad(self._line, self._loading)
+            return
+        if self._failed is None or (slot := _SLOT_LINE.search(line)) is None:
+            return
+        s = int(slot[2])
+        if "failed to load prompt from cache" in line:
+            self._failed.slot = s
+        elif "clearing prompt with" in line and s == self._failed.slot:
+            self._failed.cleared = True
+
+    def _restore_failure(self, ids: list[str], line: int) -> list[LogProblem]:
+        """``restore_failure`` at the cache state after a failed load: the slot it was for was cleared
+        (get_available_slot, server-context.cpp:1630-1632 at 0c1e570) and the entry is still listed (load returns
+        before ``states.erase``, server-task.cpp:1833-1836)."""
+        failed, self._failed = self._failed, None
+        if failed is None:
+            return []
+        self.checked["restore_failure"] += 1
+        out = []
+        if failed.slot is None or not failed.cleared:
+            which = "its slot" if failed.slot is None else f"slot {failed.slot}"
+            out.append(LogProblem("restore_failure", f"log line {line}: the load that failed at log line "
+                                  f"{failed.line} left {which} as it was: a failed load clears the slot"))  # fmt: skip
+        if failed.entry is not None and failed.entry not in ids:
+            out.append(LogProblem("restore_failure", f"log line {line}: the entry {failed.entry} that a load failed "
+                                  f"to restore at log line {failed.line} left the cache: a failed load keeps "
+                                  "it"))  # fmt: skip
+        return out
 
     def _cleared_slots(self, line: str) -> list[LogProblem]:
         """``cleared_checkpoints``: a cleared slot's next checkpoint event is a creation of checkpoint 1."""
@@ -394,6 +444,11 @@ class CacheLog:
             return []
         if found is not None:
             self._order.loaded(scan)
+            at = next((i for i, c in enumerate(scan.candidates) if _close(c, found)), None)
+            # the scan walks the entries in the order the last state listed them, then this cycle's save (appended,
+            # server-task.cpp:1804): known while nothing left the cache since that state
+            listed = (self._prev_ids or []) if not self._cycle["removals"] else []
+            self._loading = listed[at] if at is not None and at < len(listed) else None
         out = []
         if len(scan.spans) > 1:
             self.checked["no_prefix_entries"] += 1
@@ -420,6 +475,7 @@ class CacheLog:
             return []
         n, mib, limit_mib, limit_tokens, est, line = state
         out: list[LogProblem] = self._transfers(ids, line)
+        out += self._restore_failure(ids, line)
         updated = self._order.update_pops > 0 and not self._order.unsure and self._order.known
         self._order.update_pops = 0
         if len(ids) == len(entries) and self._order.known:

@@ -52,7 +52,16 @@ from harness.errors import ServerStartError
 from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog
 
-__all__ = ["Action", "LimitRun", "LimitStats", "configs", "limits_machine", "shrink_steps"]
+__all__ = [
+    "Action",
+    "LimitRun",
+    "LimitStats",
+    "configs",
+    "failed_load_program",
+    "limits_machine",
+    "run_limit_program",
+    "shrink_steps",
+]
 
 Action = tuple[str, tuple[Any, ...]]
 """One step of a :class:`LimitRun` as a call: ``("request", (tokens, n_predict))``, ``("erase", (slot,))`` or
@@ -299,6 +308,33 @@ def limits_machine(binary: Path, stats: LimitStats, log_dir: str | None,
             stats.boundaries += 1
 
     return LimitsMachine
+
+
+def failed_load_program() -> tuple[ServerConfig, list[tuple[int, ...]]]:
+    """A cache load that fails on the pinned tree, reached by requests alone (``restore_failure``): a unified KV of
+    1024 cells with the idle-slot pass off, so an idle slot keeps its cells. E (500 tokens) lands on slot 1, F (400)
+    on slot 0, G (600) takes slot 1 by LRU (E is saved: an entry of 501 tokens); H, E and 50 more, takes slot 0 by
+    LRU, saves F and finds E, whose 501 cells do not fit beside G's 601: ``llama_state_seq_set_data`` fails
+    ("failed to find 501 available cells in kv cache"), ``load`` returns false before it erases the entry
+    (server-task.cpp:1833-1836 at 0c1e570) and the slot is cleared (server-context.cpp:1630-1632); H is then
+    answered from scratch once the server purged slot 1 for room. Each prompt with ``n_predict`` 2."""
+    cfg = ServerConfig("llama", n_parallel=2, kv_unified=True, cache_ram_mib=8, n_ctx=1024, cache_idle_slots=False)
+
+    def tokens(seed: int, n: int) -> tuple[int, ...]:
+        return (1, *(3 + (seed * 37 + i * 11) % 250 for i in range(n - 1)))
+
+    e = tokens(1, 500)
+    return cfg, [e, tokens(2, 400), tokens(3, 600), (*e, *tokens(4, 51)[1:])]
+
+
+def run_limit_program(cfg: ServerConfig, prompts: list[tuple[int, ...]], binary: Path, log_dir: str | None,
+                      binary_expr: str = "build_server('shared')") -> LimitRun:  # fmt: skip
+    """``prompts`` (``n_predict`` 2 each) on a server of ``cfg``, the log checked after each as the drawn
+    configurations check it (a problem raises :class:`ServerMismatch` with the program); the run, for its counts."""
+    with LimitRun(cfg, binary, log_dir, binary_expr) as run:
+        for p in prompts:
+            run.request(p, 2)
+    return run
 
 
 def _replay(run: LimitRun, actions: list[Action]) -> tuple[ServerMismatch | None, int]:

@@ -37,7 +37,13 @@ from harness.backends.llama_server.differential import (
     server_configs,
     server_machine,
 )
-from harness.backends.llama_server.limits import LimitStats, limits_machine, shrink_steps
+from harness.backends.llama_server.limits import (
+    LimitStats,
+    failed_load_program,
+    limits_machine,
+    run_limit_program,
+    shrink_steps,
+)
 from harness.backends.llama_server.memory import memory_and_faults
 from harness.backends.llama_server.section import ServerRun, describe, hypothesis_settings, unflaked
 from harness.errors import ServerStartError, UsageError
@@ -206,6 +212,18 @@ def _programs(run: ServerRun, binary: Path, semantics: str, logs: str) -> None:
                 f"the log's checks {dict(sorted(rows[-1].log_checked.items()))}")  # fmt: skip
         except ServerMismatch as e:
             run.mismatch(e, f"server-{name}")
+    try:  # a load that fails for want of cells, held by the log alone (the model does not count cells)
+        t0 = time.perf_counter()
+        cfg, prompts = failed_load_program()
+        done = run_limit_program(cfg, prompts, binary, logs, run.build.replay_expr)
+        checked = done.log.checked + done.checked
+        run.passed(time.perf_counter() - t0, checked)
+        run.section["requests"] += len(prompts)
+        run.out(f"  [ok  ] failed-load: {cfg.name} -c {cfg.n_ctx} --no-cache-idle-slots, {len(prompts)} requests, "
+                f"{checked['restore_failure']} failed loads held to restore_failure, the log's checks "
+                f"{dict(sorted(checked.items()))}")  # fmt: skip
+    except ServerMismatch as e:
+        run.mismatch(e, "server-failed-load")
 
 
 def _skip_memory(report: GateReport, e: ServerStartError, out: Callable[[str], None]) -> None:
