@@ -498,8 +498,18 @@ class ServerProcess:
                 return text
             time.sleep(0.02)
 
+    def logged(self, releases: int) -> str:
+        """:meth:`log_through` ``releases``, or "" for a server started without a log."""
+        return self.log_through(releases) if self.log_path is not None else ""
+
     def health(self) -> Any:
         return self.request("GET", "/health")
+
+    def fresh_completion(self, tokens: Sequence[int], n_predict: int) -> Any:
+        """``tokens`` computed from scratch (``cache_prompt`` off), with the top two log-probabilities of each token
+        generated: the reference answer an answer served from a cache is compared with."""
+        return self.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False,
+                               n_probs=2)  # fmt: skip
 
     def slot_n_ctx(self) -> int:
         """The slots' ``n_ctx`` as ``GET /slots`` reports it (``server_slot::to_json``); 0 where the server does not

@@ -60,6 +60,7 @@ __all__ = [
     "check_output",
     "checkpoint_cap_program",
     "compare_with_fresh",
+    "compare_with_reference",
     "eviction",
     "eviction_program",
     "fresh_launch",
@@ -324,8 +325,13 @@ def compare_with_fresh(fresh: ServerProcess, tokens: tuple[int, ...], n_predict:
                        what: str) -> str | None:  # fmt: skip
     """:func:`check_output` on plain values (no model's row): ``generated`` is what the server under test answered
     ``tokens``; ``what`` names the request in the message."""
-    r = fresh.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False,
-                         n_probs=2)  # fmt: skip
+    return compare_with_reference(fresh.fresh_completion(tokens, n_predict), generated, what)
+
+
+def compare_with_reference(r: Any, generated: tuple[int, ...], what: str) -> str | None:
+    """``generated`` against a fresh server's answer ``r`` (``ServerProcess.fresh_completion``): None when equal,
+    "near-tie" when the first difference is the fresh server's runner-up within :data:`NEAR_TIE_LOGPROB`, else the
+    difference."""
     want = tuple(int(t) for t in r.get("tokens") or ())
     if want == generated:
         return None

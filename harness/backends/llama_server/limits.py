@@ -13,7 +13,7 @@ new lines are checked (:class:`~harness.targets.server_log.CacheLog`: ``limit``,
 ``checkpoint_lists``, ``load_choice``, ``alloc_eviction``); no model is asked, so a configuration the reference
 model does not cover is still held to what the server itself shows. With ``fresh`` (as the gate runs it) every
 answer served partly from the cache is also held to a fresh server's
-(``restore_equivalence``, :func:`~harness.backends.llama_server.differential.compare_with_fresh`).
+(``restore_equivalence``, :func:`~harness.backends.llama_server.differential.compare_with_reference`).
 A failure prints the configuration and the
 steps as a program (:meth:`LimitRun.program`) that replays them on a fresh server; the gate first shrinks them
 (:func:`shrink_steps`: delta debugging over the steps on fresh servers, then ``n_predict`` cut to 1).
@@ -41,7 +41,7 @@ from hypothesis.stateful import RuleBasedStateMachine, initialize, precondition,
 from fixtures.gguf import ARCHS
 from harness.backends.llama_server.differential import (
     ServerMismatch,
-    compare_with_fresh,
+    compare_with_reference,
     fresh_launch,
     launch_of,
     prompt_from,
@@ -152,15 +152,24 @@ class LimitRun:
         return self._complete(tokens, n_predict)
 
     def _complete(self, tokens: tuple[int, ...], n_predict: int) -> Any:
+        """One completion, the log's lines up to its release and, for an answer served partly from the cache, the
+        fresh server's answer: the server I/O of a step, then its checks (the log, the context, the equivalence)."""
         try:
             answer = self.server.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True)
         except RequestFailed as e:
             self._failed(e)
         self.released += 1
-        self.check()
-        self._within_ctx(tokens, answer)
+        text = self.server.logged(self.released)
+        reference = None
         if self.fresh is not None and int(answer["timings"]["cache_n"]) > 0:
-            self._equivalent(tokens, n_predict, tuple(int(t) for t in answer.get("tokens") or ()), answer)
+            try:
+                reference = self.fresh.fresh_completion(tokens, n_predict)
+            except RequestFailed as e:
+                self._fresh_failed(e, tokens, answer)
+        self.check(text)
+        self._within_ctx(tokens, answer)
+        if reference is not None:
+            self._equivalent(tokens, answer, reference)
         return answer
 
     def _within_ctx(self, tokens: tuple[int, ...], answer: Any) -> None:
@@ -187,28 +196,31 @@ class LimitRun:
         except RequestFailed as e:
             if not (e.alive and e.status == 400 and "exceeds the available context size" in (e.message or "")):
                 self._failed(e)
+            self.released += 1  # the refusal releases the slot (server_slot::release logs it)
+            text = self.server.logged(self.released)
         else:
             said = (f"step {len(self.steps)}: a prompt of {len(over)} tokens, the slot's n_ctx, was answered (slot "
                     f"{answer['id_slot']}, cache_n {answer['timings']['cache_n']}): the server refuses a prompt of "
                     "n_ctx tokens or more")  # fmt: skip
             raise ServerMismatch("slot_within_ctx", said, self.program())
         self.checked["slot_within_ctx"] += 1
-        self.released += 1  # the refusal releases the slot (server_slot::release logs it)
-        self.check()
+        self.check(text)
         self._complete(over[:-1], 1)
 
-    def _equivalent(self, tokens: tuple[int, ...], n_predict: int, generated: tuple[int, ...], answer: Any) -> None:
-        """``restore_equivalence``: an answer served partly from the cache equals a fresh server's (a greedy tie
-        flipped is the known finding, counted)."""
-        assert self.fresh is not None
-        what = (f"step {len(self.steps)}: prompt of {len(tokens)} tokens (…{list(tokens[-4:])}) on slot "
+    def _what(self, tokens: tuple[int, ...], answer: Any) -> str:
+        return (f"step {len(self.steps)}: prompt of {len(tokens)} tokens (…{list(tokens[-4:])}) on slot "
                 f"{answer['id_slot']}, cache_n {answer['timings']['cache_n']}")  # fmt: skip
-        try:
-            problem = compare_with_fresh(self.fresh, tokens, n_predict, generated, what)
-        except RequestFailed as e:
-            said = f"the fresh reference server, asked {what}: {e.describe()}"
-            raise ServerMismatch("http_error" if e.alive else "server_crash", said, self.program(),
-                                 "violation" if e.alive else "crash") from None  # fmt: skip
+
+    def _fresh_failed(self, e: RequestFailed, tokens: tuple[int, ...], answer: Any) -> NoReturn:
+        said = f"the fresh reference server, asked {self._what(tokens, answer)}: {e.describe()}"
+        raise ServerMismatch("http_error" if e.alive else "server_crash", said, self.program(),
+                             "violation" if e.alive else "crash") from None  # fmt: skip
+
+    def _equivalent(self, tokens: tuple[int, ...], answer: Any, reference: Any) -> None:
+        """``restore_equivalence``: an answer served partly from the cache equals the fresh server's ``reference``
+        (a greedy tie flipped is the known finding, counted)."""
+        generated = tuple(int(t) for t in answer.get("tokens") or ())
+        problem = compare_with_reference(reference, generated, self._what(tokens, answer))
         self.checked["restore_equivalence"] += 1
         if problem == "near-tie":
             self.near_ties += 1
@@ -221,12 +233,13 @@ class LimitRun:
         self.actions.append(("erase", (slot,)))
         try:
             self.server.request("POST", f"/slots/{slot}?action=erase", {})
+            text = self.server.logged(self.released)
         except RequestFailed as e:
             self._failed(e)
-        self.check()
+        self.check(text)
 
-    def check(self) -> None:
-        text = self.server.log_through(self.released) if self.server.log_path else ""
+    def check(self, text: str) -> None:
+        """The log's new lines held to its properties: ``text`` is the log as read after the step."""
         problems = self.log.feed(text)
         if problems:
             raise ServerMismatch(problems[0].property, f"the server's log: {problems[0].message}", self.program())
