@@ -7,6 +7,7 @@ from harness.findings.record import Finding
 __all__ = [
     "CACHE_REUSE_RECURRENT_STALE",
     "CHECKPOINT_ALLOC_TERMINATES",
+    "CLEARED_SLOT_KEEPS_CHECKPOINTS",
     "CONCURRENT_OUTPUT_DIVERGENCE",
     "DECODE_EXCEPTION_KEEPS_SLOT_TOKENS",
     "FAULT_BATCH_ASSERT",
@@ -146,6 +147,22 @@ SLOT_ACTION_BAD_BODY_500 = Finding(
         "exceptions, which are no std::invalid_argument, so ex_wrapper maps them to ERROR_TYPE_SERVER "
         "(server.cpp:64-67): a filename with a lone surrogate escape or bytes that are not UTF-8 (overlong '/' "
         "and '.'), a raw control byte, no filename, a filename that is not a string, a body that is not JSON"
+    ),
+    takes_binary=True,
+)
+
+CLEARED_SLOT_KEEPS_CHECKPOINTS = Finding(
+    "cleared-slot-keeps-checkpoints",
+    "server",
+    "cleared_checkpoints",
+    "clearing a slot empties its prompt's tokens but keeps its context checkpoints (older builds)",
+    "fixtures/findings/cleared_slot_keeps_checkpoints.py",
+    upstream="tools/server/server-context.cpp:255-268 at b9780 (server_slot::prompt_clear)",
+    detail=(
+        "(report: fixtures/findings/cleared_slot_keeps_checkpoints.md) prompt_clear removes the slot's sequence and "
+        "clears prompt.tokens only, so the checkpoints of the prompt it held stay; the next prompt on the slot walks "
+        "them (\"erased invalidated context checkpoint\") and a restore could take one of other tokens. Found by the "
+        "server gate's drawn configurations on b9780 from the log alone; 0c1e570 clears the whole prompt"
     ),
     takes_binary=True,
 )
@@ -301,4 +318,5 @@ SERVER = [
     SLOT_RESTORE_DROPS_CHECKPOINTS,
     SLOT_RESTORE_STALE_DRAFT,
     CACHE_REUSE_RECURRENT_STALE,
+    CLEARED_SLOT_KEEPS_CHECKPOINTS,
 ]

@@ -55,6 +55,14 @@ is counted under the property's name, so the gate's table says how often the ser
 Deviations: sizes are compared as the log prints them (MiB to three decimals), so a difference below 0.0005 MiB
 per entry is not seen; the log's wording is 0c1e570's (unchanged on the PR's branch); a tree that words it
 otherwise shows fewer checks, never a false failure.
+
+* ``restore_failure``: a load that found its entry and failed to restore it ("failed to restore state with size")
+  leaves the entry in the next cache state's listing and its slot cleared ("clearing prompt with").
+* ``busy_slot_untouched`` (:func:`busy_slot_touches`, over a whole log): the idle-slot pass saves no slot between
+  its launch and its release.
+
+Size: one reader, :class:`CacheLog`, keeps one log's state line by line for the ten properties it checks, each a
+short method over that shared state; splitting it would pass that state between modules.
 """
 
 from __future__ import annotations
