@@ -139,7 +139,8 @@ class RequestFailed(HarnessError):
     ``kind`` is ``"http"`` (an HTTP error status; ``status`` and the server's ``message``), ``"dropped"``
     (the connection closed or was refused before an answer), ``"timeout"`` (no answer in time) or
     ``"malformed"`` (an answer that is not JSON). ``alive`` says whether the server process was still
-    running once the request had failed; ``server_exit`` is its exit code when it was not.
+    running once the request had failed; ``server_exit`` is its exit code when it was not, and ``log`` its log as
+    it ended (when it had one): what it showed before it died.
     """
 
     exit_code = EXIT_FAILED
@@ -154,9 +155,11 @@ class RequestFailed(HarnessError):
         message: str = "",
         alive: bool = True,
         server_exit: int | None = None,
+        log: str = "",
     ) -> None:
         self.method, self.path, self.kind = method, path, kind
         self.status, self.message, self.alive, self.server_exit = status, message, alive, server_exit
+        self.log = log
         if not alive:
             self.exit_code = EXIT_CRASH
         super().__init__(self.describe())

@@ -450,8 +450,9 @@ class ServerProcess:
             timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
             alive = self._alive_after_failure(0.5 if timed_out else 5.0)
             rc = None if alive or self.proc is None else self.proc.returncode
+            ended = "" if alive or self.log_path is None else self.log_path.read_text(errors="replace")
             raise RequestFailed(method, path, "timeout" if timed_out and alive else "dropped", alive=alive,
-                                server_exit=rc) from None  # fmt: skip
+                                server_exit=rc, log=ended) from None  # fmt: skip
         try:
             return json.loads(raw or b"null")
         except ValueError:

@@ -247,7 +247,7 @@ class LimitRun:
     def _failed(self, e: RequestFailed) -> NoReturn:
         what = f"step {len(self.steps)} ({self.steps[-1][:60]}...): {e.describe()}"
         if not e.alive:  # what the log showed broken before the server died is the property that failed
-            broken = self.log.feed(self.server.logged(0))
+            broken = self.log.feed(e.log)
             if broken:
                 said = f"the server's log: {broken[0].message}; then the server died: {what}"
                 raise ServerMismatch(broken[0].property, said, self.program(), kind="crash") from None
