@@ -17,7 +17,7 @@ import pytest
 from fixtures.gguf import model_path
 from harness.findings import finding
 from harness.load.outputs import compare_output
-from harness.load.stateless import SERVER_ARGS, mismatches, mixed_program, mixed_run, predict
+from harness.load.stateless import SERVER_ARGS, Step, fresh_problems, mismatches, mixed_program, mixed_run, predict
 from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerContext, ServerParams
 from harness.targets.llama_server import Launch, ServerProcess
 from harness.targets.synthetic import make_server
@@ -230,3 +230,35 @@ def test_the_idle_loop_that_skips_stateless_slots_dies_by_idle_pass_on_the_model
     with pytest.raises(Violation, match="saved idle slot") as e:
         m.request(source=0, keep=0, suffix=[], id_slot=0, n_cmpl=1, n_predict=1, overlap=False)
     assert e.value.name == "idle_pass"
+
+
+def _task(slot: int, task: int, n: int, cached: int, held: int, *, update: bool = False,
+          checkpoint: bool = False) -> str:  # fmt: skip
+    """One task's lines of a -lv 4 log, as 0c1e570 prints them, from its slot's selection to its release."""
+    p = f"0.1 I slot operator(): id  {slot} | task {task} | "
+    lines = [f"0.1 I slot get_availabl: id  {slot} | task -1 | selected slot by LRU, t_last = -1"]
+    lines += ["0.1 I srv  get_availabl: updating prompt cache"] if update else []
+    lines += [f"0.1 I slot launch_slot_: id  {slot} | task {task} | processing task, is_child = 0",
+              f"{p}new prompt, n_ctx_slot = 1024, n_keep = 0, task.n_tokens = {n}",
+              f"{p}cached n_tokens = {cached}, memory_seq_rm [{cached}, end)"]  # fmt: skip
+    lines += [f"{p}created context checkpoint 1 of 4 (pos_min = 0, pos_max = 9, n_tokens = 10, size = 0.1 MiB)"
+              ] if checkpoint else []  # fmt: skip
+    lines.append(f"0.2 I slot      release: id  {slot} | task {task} | stop processing: n_tokens = {held}, "
+                 "truncated = 0")
+    return "\n".join(lines) + "\n"
+
+
+def test_a_stateless_tasks_log_lines_hold_it_to_stateless_fresh() -> None:
+    """``fresh_problems`` on a log of a completion then an embedding: a fresh start holds; a cache update at its
+    selection, a cached prefix, a checkpoint or generated tokens held at release each fail, naming the step."""
+    program = [Step("completion", (1,) * 61), Step(TASK_EMBEDDING, (1,) * 40)]
+    done = _task(0, 0, 61, 0, 63, update=True)
+    assert fresh_problems(done + _task(0, 4, 40, 0, 40), program) == (1, [])
+    for bad, said in ((_task(0, 4, 40, 0, 40, update=True), "the prompt cache was updated"),
+                      (_task(0, 4, 40, 39, 40), "resumed from 39 cached tokens"),
+                      (_task(0, 4, 40, 0, 40, checkpoint=True), "created a context checkpoint"),
+                      (_task(0, 4, 40, 0, 41), "its slot held 41 tokens at release, its prompt 40")):  # fmt: skip
+        checked, problems = fresh_problems(done + bad, program)
+        assert checked == 1 and len(problems) == 1 and problems[0].startswith("step 1 (embedding of 40 tokens): ")
+        assert said in problems[0], problems
+    assert fresh_problems(done, program) == (0, [])  # a release missing: the log is not read against the program

@@ -4,7 +4,7 @@ breaks it. The same properties on real servers, each failing on a C++ mutant: te
 
 from __future__ import annotations
 
-from harness.targets.server_log import LOG_PROPERTIES, CacheLog, LogProblem
+from harness.targets.server_log import LOG_PROPERTIES, CacheLog, LogProblem, busy_slot_touches
 
 _T = "0.00.100.000 I srv        update: "
 
@@ -41,6 +41,9 @@ def test_a_well_formed_log_holds_every_property_and_counts_each() -> None:
         + _TOKEN_EVICT.format(est=1000)  # 1802 tokens held: over est, so the oldest goes
         + f"{_T} - cache state: 1 prompts, 0.148 MiB (limits: 1.000 MiB, 2048 tokens, 6070 est)\n"
         + f"{_T}   - prompt 0x55{1:010x}:     901 tokens, checkpoints:  2,     0.148 MiB\n"
+        + _FAILED_LOAD.format(slot=0)  # the load finds that entry and cannot restore it: kept, the slot cleared
+        + f"{_T} - cache state: 1 prompts, 0.148 MiB (limits: 1.000 MiB, 2048 tokens, 6070 est)\n"
+        + f"{_T}   - prompt 0x55{1:010x}:     901 tokens, checkpoints:  2,     0.148 MiB\n"
     )
     problems, log = _problems(text)
     assert problems == []
@@ -56,6 +59,49 @@ _INVALIDATED = ("0.3 I slot update_slots: id  {slot} | task 5 | erased invalidat
 _RESTORED = ("0.3 I slot update_slots: id  {slot} | task 5 | restored context checkpoint (pos_min = 831, "
              "pos_max = 831, n_tokens = 832, n_past = 832, size = 0.009 MiB)\n")  # fmt: skip
 _LAUNCH = "0.25 I slot launch_slot_: id  {slot} | task -1 | sampler chain: logits -> dist\n"
+#: a load that finds the one listed entry and cannot restore it (server-task.cpp:1834), then its slot cleared
+_FAILED_LOAD = (
+    "0.5 I srv          load:  - looking for better prompt, base f_keep = 0.002, f_sim = 0.002\n"
+    "0.5 I srv          load:    - prompt with length     901, lcp =     500, f_keep = 0.998, f_sim = 0.909\n"
+    "0.5 I srv          load:  - found better prompt with f_keep = 0.998, f_sim = 0.909\n"
+    "0.5 E state_read_meta: failed to find 901 available cells in kv cache\n"
+    "0.5 E srv          load: failed to restore state with size 134388\n"
+    "0.5 W slot  prompt_load: id  {slot} | task -1 | failed to load prompt from cache\n"
+    "0.5 I slot prompt_clear: id  {slot} | task -1 | clearing prompt with 401 tokens\n"
+)
+_ONE = (f"{_T} - cache state: 1 prompts, 0.148 MiB (limits: 8.000 MiB, 1024 tokens, 31269 est)\n"
+        f"{_T}   - prompt 0x55{1:010x}:     901 tokens, checkpoints:  0,     0.148 MiB\n")  # fmt: skip
+
+
+def test_a_failed_load_must_keep_its_entry_and_clear_its_slot() -> None:
+    """``restore_failure`` at the cache state after a load that failed to restore (as the pinned server logs it
+    when a unified KV has no room for the entry): kept and cleared holds; a slot left as it was fails, and so does
+    the entry gone (with load_transfer, which counts it as a removal nobody logged)."""
+    problems, log = _problems(_ONE + _FAILED_LOAD.format(slot=0) + _ONE)
+    assert problems == [] and log.checked["restore_failure"] == 1, (problems, log.checked)
+    kept_slot = _FAILED_LOAD.format(slot=0).replace("0.5 I slot prompt_clear: id  0 | task -1 | clearing prompt "
+                                                    "with 401 tokens\n", "")  # fmt: skip
+    problems, _ = _problems(_ONE + kept_slot + _ONE)
+    assert [p.property for p in problems] == ["restore_failure"], problems
+    assert "left slot 0 as it was: a failed load clears the slot" in problems[0].message
+    empty = f"{_T} - cache state: 0 prompts, 0.000 MiB (limits: 8.000 MiB, 1024 tokens, 31269 est)\n"
+    problems, _ = _problems(_ONE + _FAILED_LOAD.format(slot=0) + empty)
+    assert "restore_failure" in [p.property for p in problems], problems
+    assert any("left the cache: a failed load keeps it" in p.message for p in problems)
+
+
+def test_the_idle_pass_touching_a_processing_slot_is_a_problem_and_a_busy_slot_named_by_id_the_finding() -> None:
+    """``busy_slot_untouched`` over a whole log: a slot is processing from its launch to its release."""
+    launch = "0.1 I slot launch_slot_: id  {s} | task {t} | processing task, is_child = 0\n"
+    release = "0.2 I slot      release: id  {s} | task {t} | stop processing: n_tokens = 63, truncated = 0\n"
+    idle = "0.1 I slot process_sing: id  {s} | task -1 | saving idle slot to prompt cache\n"
+    by_id = "0.1 I slot get_availabl: id  {s} | task -1 | selected slot by id (0)\n"
+    fine = launch.format(s=0, t=1) + idle.format(s=1) + release.format(s=0, t=1) + idle.format(s=0)
+    assert busy_slot_touches(fine) == (2, 0, [])
+    finding = launch.format(s=0, t=1) + by_id.format(s=0) + release.format(s=0, t=1)
+    assert busy_slot_touches(finding) == (0, 1, [])
+    saves, _, touched = busy_slot_touches(launch.format(s=0, t=1) + idle.format(s=0))
+    assert saves == 1 and len(touched) == 1 and "saved slot 0 while it was processing" in touched[0]
 
 
 def test_a_cleared_slot_that_kept_its_checkpoints_fails_cleared_checkpoints() -> None:

@@ -373,10 +373,10 @@ class CacheLog:
             return []
         self.checked["restore_failure"] += 1
         out = []
-        if failed.slot is None or not failed.cleared:
-            which = "its slot" if failed.slot is None else f"slot {failed.slot}"
+        if failed.slot is not None and not failed.cleared:  # a log that names no slot for it says nothing here
             out.append(LogProblem("restore_failure", f"log line {line}: the load that failed at log line "
-                                  f"{failed.line} left {which} as it was: a failed load clears the slot"))  # fmt: skip
+                                  f"{failed.line} left slot {failed.slot} as it was: a failed load clears the "
+                                  "slot"))  # fmt: skip
         if failed.entry is not None and failed.entry not in ids:
             out.append(LogProblem("restore_failure", f"log line {line}: the entry {failed.entry} that a load failed "
                                   f"to restore at log line {failed.line} left the cache: a failed load keeps "
