@@ -180,7 +180,7 @@ def test_gate_on_a_binary_built_elsewhere(pr_binary: Path, tmp_path: Path) -> No
         counted = {p["name"]: p for p in doc["properties"]}[name]
         assert counted["status"] == "passed" and counted["examples"] == stateless > 0, counted
     assert held["llama-np2-kvs"]["stateless_entries"] == held["llama-np2-kvs"]["predicted_entries"] > 0
-    assert held["llama-np2-kvs-no-idle"]["problems"] == [] and held["llama-np2-kvs-no-idle"]["failed"] is None
+    assert held["llama-np2-kvs-noidle"]["problems"] == [] and held["llama-np2-kvs-noidle"]["failed"] is None
 
 
 def test_a_mismatch_hypothesis_calls_flaky_is_unwrapped_not_a_traceback() -> None:

@@ -31,7 +31,14 @@ from harness.backends.llama_server.limits import (
 )
 from harness.backends.llama_server.section import hypothesis_settings
 from harness.load.concurrent import load_config, run_concurrent
-from harness.load.gate_step import N_TRACES, REUSE_EXAMPLES, SLOT_EXAMPLES, STATELESS_RUNS, stateless_program
+from harness.load.gate_step import (
+    N_TRACES,
+    REUSE_EXAMPLES,
+    SLOT_EXAMPLES,
+    STATELESS_RUNS,
+    stateless_config,
+    stateless_program,
+)
 from harness.load.reuse_programs import run_model as run_reuse_programs
 from harness.load.slot_programs import run_model as run_slot_programs
 from harness.load.stateless import stateless_differential
@@ -176,15 +183,14 @@ def test_a_stateless_task_that_updates_the_cache_fails_stateless_not_cached_in_t
     ``stateless_not_cached``; its printed program replays it in a new process; the pinned build passes the same
     programs, with the idle-slot cache on and off, every stateless request counted."""
     binary = build_source(trees("stateless-saves"), log=lambda _m: None)
-    cfg = load_config("llama", 2, False)
-    d = stateless_differential(cfg, binary, "shared", seed, STATELESS_RUNS, idle=False)
+    d = stateless_differential(stateless_config(False), binary, "shared", seed, STATELESS_RUNS)
     assert "stateless_not_cached" in d.failed_all, d.problems
     assert any("entries left by stateless tasks: server [" in p for p in d.problems)
     r = subprocess.run([sys.executable, "-c", stateless_program(binary, "shared", seed, False)], capture_output=True,
                        text=True, cwd=REPO, timeout=300, check=False)  # fmt: skip
     assert r.returncode == 0 and "entries left by stateless tasks: server [" in r.stdout, r.stdout + r.stderr
     for idle in (True, False):
-        held = stateless_differential(cfg, build_server("shared"), "shared", seed, STATELESS_RUNS, idle=idle)
+        held = stateless_differential(stateless_config(idle), build_server("shared"), "shared", seed, STATELESS_RUNS)
         assert held.failed is None and held.fresh_checked == held.stateless_requests > 0, held.problems
 
 
@@ -267,7 +273,7 @@ def test_a_stateless_task_that_resumes_from_the_slots_prefix_fails_stateless_fre
     lines of the log and fails ``stateless_fresh`` ("resumed from N cached tokens"), with the idle-slot cache on
     (the step's first run); the pinned build passes these programs (the test above)."""
     binary = build_source(trees("stateless-resumes"), log=lambda _m: None)
-    d = stateless_differential(load_config("llama", 2, False), binary, "shared", seed, STATELESS_RUNS)
+    d = stateless_differential(stateless_config(True), binary, "shared", seed, STATELESS_RUNS)
     assert d.failed == "stateless_fresh", d.problems
     assert any("cached tokens; a stateless task starts from none" in p for p in d.problems), d.problems
 

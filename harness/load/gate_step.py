@@ -46,6 +46,7 @@ import shlex
 import tempfile
 import time
 from collections import Counter
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -59,7 +60,7 @@ from harness.load.reuse_programs import run_model as run_reuse_programs
 from harness.load.slot_programs import run_model as run_slot_programs
 from harness.load.stateless import stateless_differential
 from harness.load.traced import ServerTrace
-from harness.targets.llama_server import RequestFailed, ServerStartError, sanitizer_reports
+from harness.targets.llama_server import RequestFailed, ServerConfig, ServerStartError, sanitizer_reports
 from properties.machine import MachineConfig
 
 __all__ = [
@@ -71,6 +72,7 @@ __all__ = [
     "server_reuse_step",
     "server_slot_files_step",
     "server_stateless_step",
+    "stateless_config",
     "stateless_program",
 ]
 
@@ -102,22 +104,26 @@ def _tested(report: GateReport) -> tuple[dict[str, Any], Path, str] | None:
     return section, Path(section["binary"]), str(section["semantics"])
 
 
+def stateless_config(idle: bool) -> ServerConfig:
+    """The stateless step's configuration: llama on two slots, the idle-slot pass on or off."""
+    return replace(load_config("llama", 2, False), cache_idle_slots=idle)
+
+
 def stateless_program(binary: Path, semantics: str, seed: int, idle: bool) -> str:
     """The stateless step's run of one configuration as a program to paste into ``python`` (repository root)."""
     return "\n".join([
         "from pathlib import Path",
-        "from harness.load.concurrent import load_config",
+        "from harness.load.gate_step import stateless_config",
         "from harness.load.stateless import stateless_differential",
-        f"d = stateless_differential(load_config('llama', 2, False), Path({str(binary)!r}), {semantics!r}, {seed}, "
-        f"{STATELESS_RUNS}, "
-        f"idle={idle})",
+        f"d = stateless_differential(stateless_config({idle}), Path({str(binary)!r}), {semantics!r}, {seed}, "
+        f"{STATELESS_RUNS})",
         "print('\\n'.join(d.problems) or 'the cache held what the model predicts')",
     ])  # fmt: skip
 
 
 def server_stateless_step(report: GateReport, opts: GateOptions, out: Out) -> None:
     """Run the stateless tasks' differential (idle-slot cache on, then off) on the binary the server backend just
-    tested: ``stateless_not_cached`` counted on the server."""
+    tested: ``stateless_not_cached`` and ``stateless_fresh`` counted on the server."""
     tested = _tested(report)
     if tested is None:
         return
@@ -135,8 +141,8 @@ def server_stateless_step(report: GateReport, opts: GateOptions, out: Out) -> No
             t0 = time.perf_counter()
             program = stateless_program(binary, semantics, opts.seed, idle)
             try:
-                d = stateless_differential(load_config("llama", 2, False), binary, semantics, opts.seed,
-                                           STATELESS_RUNS, idle=idle, log_dir=logs)  # fmt: skip
+                d = stateless_differential(stateless_config(idle), binary, semantics, opts.seed, STATELESS_RUNS,
+                                           log_dir=logs)  # fmt: skip
             except ServerStartError as e:
                 if section.get("pinned"):  # the pinned build starts everywhere else: the environment's failure
                     raise

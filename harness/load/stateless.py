@@ -410,17 +410,17 @@ class StatelessDiff:
 
 def stateless_differential(
     cfg: ServerConfig, binary: Path, semantics: str | Semantics, seed: int, runs: int, *, n: int = 24,
-    log_dir: str | None = None, idle: bool = True,
+    log_dir: str | None = None,
 ) -> StatelessDiff:  # fmt: skip
-    """``runs`` mixed programs of ``n`` requests on ``cfg`` (plus ``--rerank``, ``-lv 4``; ``idle`` False:
-    ``--no-cache-idle-slots``), each on a fresh server: its cache entries against the model's
+    """``runs`` mixed programs of ``n`` requests on ``cfg`` (plus ``--rerank``, ``-lv 4``; its
+    ``cache_idle_slots`` says whether the idle-slot pass runs), each on a fresh server: its cache entries against
+    the model's
     (``stateless_not_cached``: those the stateless tasks left; ``cache_entries``: all of them), each stateless
     task's lines of its log (``stateless_fresh``, :func:`fresh_problems`), its completions against a fresh
     cache-less server (``output``)."""
-    out = StatelessDiff(cfg.name if idle else f"{cfg.name}-no-idle")
-    args = [*cfg.server_args(), *server_args(cfg.arch), *(() if idle else ("--no-cache-idle-slots",))]
-    params = replace(cfg.params(), n_batch=cfg.n_ubatch,  # embeddings on: n_batch = n_ubatch (server.cpp:150-154)
-                     cache_idle_slots=idle)  # fmt: skip
+    out = StatelessDiff(cfg.name)
+    args = [*cfg.server_args(), *server_args(cfg.arch)]
+    params = replace(cfg.params(), n_batch=cfg.n_ubatch)  # embeddings on: n_batch = n_ubatch (server.cpp:150-154)
     base = Launch(model=model_path(cfg.arch), ctx_size=cfg.n_ctx, ctx_checkpoints=cfg.ctx_checkpoints, args=args)
     fresh_log = None if log_dir is None else f"{log_dir}/{cfg.name}-stateless-fresh.log"
     with ServerProcess(binary, replace(base, n_parallel=1, cache_ram=0), log_path=fresh_log) as fresh:
