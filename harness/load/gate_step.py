@@ -201,7 +201,8 @@ def server_reuse_step(report: GateReport, opts: GateOptions, out: Out) -> None:
     failure = None
     if fig.failure is not None:
         found = fig.failure
-        failure = Failure(found.name, "violation", f"llama: {found.message}", found.program, _replay(opts, semantics),
+        kind = "crash" if found.name == "server_crash" else "violation"
+        failure = Failure(found.name, kind, f"llama: {found.message}", found.program, _replay(opts, semantics),
                           "server-reuse-llama", found.program.count("r.request("))  # fmt: skip
         out("  the shrunk program that replays it:\n    " + found.program.replace("\n", "\n    "))
     checked = Counter({"reuse_chunks": fig.requests, "shift_timing": fig.shift_checks, "context_shift": fig.shifts,
@@ -239,7 +240,8 @@ def server_slot_files_step(report: GateReport, opts: GateOptions, out: Out) -> N
     failure = None
     if fig.failure is not None:
         bad = fig.failure
-        failure = Failure(bad.name, "violation", f"jamba: {bad.message}", bad.program, _replay(opts, semantics),
+        kind = "crash" if bad.name == "server_crash" else "violation"
+        failure = Failure(bad.name, kind, f"jamba: {bad.message}", bad.program, _replay(opts, semantics),
                           "server-slot-files-jamba", bad.program.count("r.request("))  # fmt: skip
         out("  the shrunk program that replays it:\n    " + bad.program.replace("\n", "\n    "))
     checked = Counter({"slot_file_restore": fig.restore_checks, "reuse": fig.requests, "output": fig.compared})

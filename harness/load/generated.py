@@ -26,10 +26,10 @@ from hypothesis.internal.conjecture import engine as _engine
 
 from harness.errors import PropertyFailure
 from harness.load.outputs import Divergences, compare_output
-from harness.targets.llama_server import ServerProcess
+from harness.targets.llama_server import RequestFailed, ServerProcess
 from properties.run import SHRINKS
 
-__all__ = ["GeneratedFailure", "GeneratedFigures", "Outcome", "output_verdict", "run_generated"]
+__all__ = ["GeneratedFailure", "GeneratedFigures", "Outcome", "failed_request", "output_verdict", "run_generated"]
 
 
 class GeneratedFigures:
@@ -80,6 +80,12 @@ def _shrinks(limit: int | None) -> Iterator[None]:
         yield
     finally:
         eng.MAX_SHRINKS = old
+
+
+def failed_request(e: RequestFailed) -> str:
+    """The failure a request that got no usable answer is: the server died (``server_crash``), did not answer in
+    time (``hang``) or answered an error (``http_error``)."""
+    return "server_crash" if not e.alive else "hang" if e.kind == "timeout" else "http_error"
 
 
 def run_generated(

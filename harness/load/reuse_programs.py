@@ -48,9 +48,9 @@ from fixtures.gguf import model_path
 from harness.errors import GgmlAbort
 from harness.experiments.reuse import N_CTX
 from harness.interrupt import check
-from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
+from harness.load.generated import GeneratedFailure, GeneratedFigures, failed_request, output_verdict, run_generated
 from harness.model.server_context import ServerContext, ServerParams
-from harness.targets.llama_server import Launch, ServerProcess
+from harness.targets.llama_server import Launch, RequestFailed, ServerProcess
 from harness.targets.synthetic import make_server
 
 __all__ = ["ARCHS", "MUTANTS", "ReuseFigures", "command_line", "program_strategy", "replay", "run_model"]
@@ -122,6 +122,14 @@ class _Run:
                                                           self.binary_expr))  # fmt: skip
 
     def request(self, prompt: tuple[int, ...], n_predict: int) -> None:
+        """One request, checked (:meth:`_request`); a request that got no usable answer, from the server or the
+        fresh one, is a failure with the program so far, as any other."""
+        try:
+            self._request(prompt, n_predict)
+        except RequestFailed as e:
+            self.fail(failed_request(e), f"a prompt of {len(prompt)} tokens: {e.describe()}")
+
+    def _request(self, prompt: tuple[int, ...], n_predict: int) -> None:
         check()
         self.lines.append(f"    r.request({list(prompt)!r}, {n_predict})")
         r = self.srv.completion(list(prompt), n_predict, id_slot=0, ignore_eos=True, return_tokens=True, n_probs=0)

@@ -43,10 +43,10 @@ from fixtures.gguf import model_path
 from harness.experiments.slot_restore import SlotDifferential
 from harness.findings import SLOT_RESTORE_DROPS_CHECKPOINTS
 from harness.interrupt import check
-from harness.load.generated import GeneratedFailure, GeneratedFigures, output_verdict, run_generated
+from harness.load.generated import GeneratedFailure, GeneratedFigures, failed_request, output_verdict, run_generated
 from harness.model.server_context import ServerSlot
 from harness.model.slot_files import SlotFileStore
-from harness.targets.llama_server import Launch, ServerConfig, ServerProcess
+from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess
 from properties.reuse import Ckpt, Source, resume_point
 
 __all__ = ["ARCHS", "MUTANTS", "ModelFigures", "command_line", "program_strategy", "replay", "replay_text", "run_model"]
@@ -164,6 +164,13 @@ class _Run:
         self.action(s[0], name)
 
     def action(self, what: str, name: str) -> None:
+        """One slot action, checked; one that got no usable answer is a failure with the program so far."""
+        try:
+            self._action(what, name)
+        except RequestFailed as e:
+            self.fail(failed_request(e), f"{what} {name!r}: {e.describe()}")
+
+    def _action(self, what: str, name: str) -> None:
         before = self.slot_source()
         got, want = self.d.act(what, name)
         self.fig.actions += 1
@@ -182,6 +189,14 @@ class _Run:
             self.restored = None
 
     def request(self, toks: tuple[int, ...], n_predict: int) -> None:
+        """One completion, checked; one that got no usable answer (from the server or the fresh one) is a failure
+        with the program so far."""
+        try:
+            self._request(toks, n_predict)
+        except RequestFailed as e:
+            self.fail(failed_request(e), f"a prompt of {len(toks)} tokens: {e.describe()}")
+
+    def _request(self, toks: tuple[int, ...], n_predict: int) -> None:
         restored, self.restored = self.restored, None
         row = self.d.request(toks, n_predict)
         self.fig.requests += 1
