@@ -56,6 +56,7 @@ from harness.backends.llama_server.runner import MODEL_EXACT_SKIP
 from harness.backends.llama_server.section import ServerSection
 from harness.findings import BUSY_SLOT_BY_ID, BUSY_SLOT_BY_ID_LIVELOCK, CONCURRENT_OUTPUT_DIVERGENCE, KnownRow
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, load_config, run_concurrent
+from harness.load.generated import GeneratedFailure
 from harness.load.reuse_programs import run_model as run_reuse_programs
 from harness.load.slot_programs import run_model as run_slot_programs
 from harness.load.stateless import stateless_differential
@@ -144,11 +145,7 @@ def server_stateless_step(report: GateReport, opts: GateOptions, out: Out) -> No
                 d = stateless_differential(stateless_config(idle), binary, semantics, opts.seed, STATELESS_RUNS,
                                            log_dir=logs)  # fmt: skip
             except ServerStartError as e:
-                if section.get("pinned"):  # the pinned build starts everywhere else: the environment's failure
-                    raise
-                why = f"its llama-server (--rerank) did not start on this tree's build: {e}"
-                report.skip("server backend: stateless step", why)
-                out(f"  [skip] stateless step: {why}")
+                _cannot_start(report, section, out, "stateless step", "--rerank", e)
                 break
             except RequestFailed as e:  # the fresh reference server, asked for an output
                 f = Failure("http_error" if e.alive else "server_crash", "violation" if e.alive else "crash",
@@ -175,6 +172,29 @@ def server_stateless_step(report: GateReport, opts: GateOptions, out: Out) -> No
     section["stateless"] = figures
 
 
+def _cannot_start(report: GateReport, section: dict[str, Any], out: Out, step: str, flags: str,
+                  e: ServerStartError) -> None:  # fmt: skip
+    """A step's server that did not start: the environment's failure on a pinned build (raised), a skip with its
+    reason on another tree (a check that cannot run on a tree is never the verdict)."""
+    if section.get("pinned"):
+        raise e
+    why = f"its llama-server ({flags}) did not start on this tree's build: {e}"
+    report.skip(f"server backend: {step}", why)
+    out(f"  [skip] {step}: {why}")
+
+
+def _generated_failure(found: GeneratedFailure | None, arch: str, machine: str, replay: str,
+                       out: Out) -> Failure | None:  # fmt: skip
+    """A generated step's shrunk failure as the gate files it (a dead server is a crash: exit 3), its program
+    printed; None when it found none."""
+    if found is None:
+        return None
+    kind = "crash" if found.name == "server_crash" else "violation"
+    out("  the shrunk program that replays it:\n    " + found.program.replace("\n", "\n    "))
+    return Failure(found.name, kind, f"{arch}: {found.message}", found.program, replay, machine,
+                   found.program.count("r.request("))  # fmt: skip
+
+
 def server_reuse_step(report: GateReport, opts: GateOptions, out: Out) -> None:
     """Run the generated ``--cache-reuse`` and context-shift programs (:mod:`harness.load.reuse_programs`) on the
     binary the server backend just tested: ``reuse_chunks``, ``shift_timing`` and ``context_shift`` counted on the
@@ -188,23 +208,13 @@ def server_reuse_step(report: GateReport, opts: GateOptions, out: Out) -> None:
         fig = run_reuse_programs("llama", binary, examples=REUSE_EXAMPLES, seed=opts.seed,
                                  binary_expr=f"Path({str(binary)!r})")  # fmt: skip
     except ServerStartError as e:
-        if section.get("pinned"):
-            raise
-        why = f"its llama-server (--cache-reuse, --context-shift) did not start on this tree's build: {e}"
-        report.skip("server backend: reuse step", why)
-        out(f"  [skip] reuse step: {why}")
+        _cannot_start(report, section, out, "reuse step", "--cache-reuse, --context-shift", e)
         return
     section["reuse"] = fig.to_json()
     out(f"  [{'FAIL' if fig.failure else 'ok  '}] reuse llama {fig.examples} programs, {fig.requests} requests, "
         f"{fig.chunks_moved} chunks moved, {fig.shifts} context shifts; {fig.compared} outputs compared "
         f"{time.perf_counter() - t0:5.1f}s")  # fmt: skip
-    failure = None
-    if fig.failure is not None:
-        found = fig.failure
-        kind = "crash" if found.name == "server_crash" else "violation"
-        failure = Failure(found.name, kind, f"llama: {found.message}", found.program, _replay(opts, semantics),
-                          "server-reuse-llama", found.program.count("r.request("))  # fmt: skip
-        out("  the shrunk program that replays it:\n    " + found.program.replace("\n", "\n    "))
+    failure = _generated_failure(fig.failure, "llama", "server-reuse-llama", _replay(opts, semantics), out)
     checked = Counter({"reuse_chunks": fig.requests, "shift_timing": fig.shift_checks, "context_shift": fig.shifts,
                        "output": fig.compared})  # fmt: skip
     report.machines.append(
@@ -226,24 +236,14 @@ def server_slot_files_step(report: GateReport, opts: GateOptions, out: Out) -> N
         fig = run_slot_programs("jamba", binary, examples=SLOT_EXAMPLES, seed=opts.seed,
                                 binary_expr=f"Path({str(binary)!r})")  # fmt: skip
     except ServerStartError as e:
-        if section.get("pinned"):
-            raise
-        why = f"its llama-server (--slot-save-path) did not start on this tree's build: {e}"
-        report.skip("server backend: slot-file step", why)
-        out(f"  [skip] slot-file step: {why}")
+        _cannot_start(report, section, out, "slot-file step", "--slot-save-path", e)
         return
     section["slot_files"] = fig.to_json()
     found = ", ".join(f"{k} {v}" for k, v in sorted(fig.findings.items())) or "none"
     out(f"  [{'FAIL' if fig.failure else 'ok  '}] slot files jamba {fig.examples} programs, {fig.requests} requests, "
         f"{fig.actions} slot actions ({fig.restores} restores), {fig.compared} outputs compared; findings: {found} "
         f"{time.perf_counter() - t0:5.1f}s")  # fmt: skip
-    failure = None
-    if fig.failure is not None:
-        bad = fig.failure
-        kind = "crash" if bad.name == "server_crash" else "violation"
-        failure = Failure(bad.name, kind, f"jamba: {bad.message}", bad.program, _replay(opts, semantics),
-                          "server-slot-files-jamba", bad.program.count("r.request("))  # fmt: skip
-        out("  the shrunk program that replays it:\n    " + bad.program.replace("\n", "\n    "))
+    failure = _generated_failure(fig.failure, "jamba", "server-slot-files-jamba", _replay(opts, semantics), out)
     checked = Counter({"slot_file_restore": fig.restore_checks, "reuse": fig.requests, "output": fig.compared})
     report.machines.append(
         MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
