@@ -13,7 +13,9 @@ tier; the default tier (``python -m pytest``) leaves them out and builds nothing
 
 from __future__ import annotations
 
+import os
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -486,3 +488,20 @@ def trees(request: pytest.FixtureRequest) -> Callable[[str], Path]:
     """``trees(name)``: the user's tree :data:`TREES` names, made once per session (built before the first
     test when the module is marked ``user_trees``)."""
     return lambda name: _tree(request.config, name)
+
+
+REPO = Path(__file__).resolve().parents[1]
+Trees = Callable[[str], Path]
+"""The ``trees`` fixture's type: a tree's name in :data:`TREES` -> the tree, made (and built) once per session."""
+
+
+def run_harness(*args: str, env: dict[str, str] | None = None,
+                timeout: float = 1500) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    """``python -m harness ARGS`` from the repository root, as a user runs it, with ``env`` over the environment."""
+    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, capture_output=True, text=True,
+                          timeout=timeout, env={**os.environ, **(env or {})}, check=False)  # fmt: skip
+
+
+def no_traceback(r: subprocess.CompletedProcess[str]) -> None:
+    """A command's output holds no Python traceback (an error is one line with its exit code)."""
+    assert "Traceback" not in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]

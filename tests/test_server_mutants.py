@@ -7,13 +7,12 @@ and context shifts, slot files). Each failure carries a program that replays it.
 from __future__ import annotations
 
 import json
-import os
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import REPO, Trees, no_traceback, run_harness
 
 from harness.backends.llama_server.differential import (
     LIMIT_PROGRAMS,
@@ -48,18 +47,6 @@ from harness.trees.build import build_server, build_source
 from properties.run import run_seeded
 
 pytestmark = [pytest.mark.llama_server_builds, pytest.mark.user_trees]  # built before the first test (conftest)
-
-REPO = Path(__file__).resolve().parents[1]
-Trees = Callable[[str], Path]
-
-
-def _harness(*args: str, env: dict[str, str] | None = None, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, check=False)  # fmt: skip
-
-
-def _no_traceback(r: subprocess.CompletedProcess[str]) -> None:
-    assert "Traceback" not in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
 
 
 # --------------------------------------------------------------------------------------------
@@ -340,9 +327,9 @@ def test_the_server_gate_fails_a_cpp_mutant_by_the_property_it_breaks(trees: Tre
     limit too exits 1 with the property limit failed in the table and the JSON, the others checked and held."""
     binary = build_source(trees("tokens"), log=lambda _m: None)
     out = tmp_path / "gate.json"
-    r = _harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared",
+    r = run_harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared",
                  "--json", str(out))  # fmt: skip
-    _no_traceback(r)
+    no_traceback(r)
     assert r.returncode == 1, r.stdout[-3000:]
     report = json.loads(out.read_text())
     props = {p["name"]: p for p in report["properties"]}

@@ -20,10 +20,10 @@ import os
 import re
 import subprocess
 import sys
-from collections.abc import Callable
 from pathlib import Path
 
 import pytest
+from conftest import REPO, Trees, no_traceback, run_harness
 
 from harness.backends.llama_server.differential import (
     Differential,
@@ -37,18 +37,6 @@ from harness.trees.pinned import sdist_source
 
 pytestmark = [pytest.mark.llama_server_builds, pytest.mark.user_trees]  # built before the first test (conftest)
 
-REPO = Path(__file__).resolve().parents[1]
-Trees = Callable[[str], Path]
-
-
-def _harness(*args: str, env: dict[str, str] | None = None, timeout: float = 1500) -> subprocess.CompletedProcess[str]:
-    return subprocess.run([sys.executable, "-m", "harness", *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env={**os.environ, **(env or {})}, check=False)  # fmt: skip
-
-
-def _no_traceback(r: subprocess.CompletedProcess[str]) -> None:
-    assert "Traceback" not in r.stdout + r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
-
 
 # --------------------------------------------------------------------------------------------
 # --base: the change differential
@@ -60,9 +48,9 @@ def test_our_patch_against_the_pinned_tree_changes_no_answer_and_halves_the_save
 ) -> None:
     tree, base = trees("pr"), trees("pinned")
     out = tmp_path / "gate.json"
-    r = _harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "2",
+    r = run_harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "2",
                  "--json", str(out))  # fmt: skip
-    _no_traceback(r)
+    no_traceback(r)
     assert r.returncode == 0, r.stdout[-4000:]
     s = json.loads(out.read_text())["server"]
     assert s["changes"] == 0 and s["requests"] > 50 and s["same_answers"] == s["requests"]
@@ -76,9 +64,9 @@ def test_a_behaviour_change_of_our_own_is_attributed_to_the_change_with_a_short_
 ) -> None:
     tree, base = trees("threshold"), trees("pinned")
     out = tmp_path / "gate.json"
-    r = _harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "4",
+    r = run_harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "4",
                  "--json", str(out))  # fmt: skip
-    _no_traceback(r)
+    no_traceback(r)
     assert r.returncode == 1, r.stdout[-4000:]
     failures = json.loads(out.read_text())["failures"]
     change = [f for f in failures if f["property"] == "change"]
@@ -99,9 +87,9 @@ def test_a_behaviour_change_of_our_own_is_attributed_to_the_change_with_a_short_
 def test_checkpoints_at_other_positions_are_the_changes_though_as_many(trees: Trees, tmp_path: Path) -> None:
     tree, base = trees("checkpoint-offset"), trees("pr")
     out = tmp_path / "gate.json"
-    r = _harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "4",
+    r = run_harness("gate", "--backend", "server", "--source", str(tree), "--base", str(base), "--max-examples", "4",
                  "--json", str(out))  # fmt: skip
-    _no_traceback(r)
+    no_traceback(r)
     assert r.returncode == 1, r.stdout[-4000:]
     change = [f for f in json.loads(out.read_text())["failures"] if f["property"] == "change"]
     assert change, r.stdout[-4000:]
@@ -140,9 +128,9 @@ def test_the_gate_classifies_them_and_writes_its_json(
 ) -> None:
     tree = trees("fail")
     out = tmp_path / "gate.json"
-    r = _harness("gate", "--backend", "server", "--source", str(tree), "--max-examples", "1", "--json", str(out),
+    r = run_harness("gate", "--backend", "server", "--source", str(tree), "--max-examples", "1", "--json", str(out),
                  env={"HARNESS_TEST_FAIL": spec})  # fmt: skip
-    _no_traceback(r)
+    no_traceback(r)
     assert r.returncode == rc, r.stdout[-3000:]
     rep = json.loads(out.read_text())
     # the steps after the backend run programs of their own (whole runs, or generated ones shrunk on servers that
@@ -165,8 +153,8 @@ def test_the_gate_classifies_them_and_writes_its_json(
 
 def test_unreadable_semantics_stop_before_building(trees: Trees, tmp_path: Path) -> None:
     tree = trees("unknown-sem")
-    r = _harness("gate", "--backend", "server", "--source", str(tree), timeout=120)
-    _no_traceback(r)
+    r = run_harness("gate", "--backend", "server", "--source", str(tree), timeout=120)
+    no_traceback(r)
     assert r.returncode == 2
     err = r.stderr.strip().splitlines()
     assert len(err) == 1 and "cannot tell the semantics" in err[0] and "--semantics" in err[0], r.stderr
@@ -181,16 +169,16 @@ def test_unreadable_semantics_stop_before_building(trees: Trees, tmp_path: Path)
 def test_the_libllama_backend_and_the_contract_run_on_the_trees_own_libllama(trees: Trees, tmp_path: Path) -> None:
     tree = trees("pr")
     lib = build_server("shared").parent / "libllama.so"  # a copy of the pinned tree is the pinned build
-    r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--max-examples", "20")
-    _no_traceback(r)
+    r = run_harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--max-examples", "20")
+    no_traceback(r)
     assert r.returncode == 0, r.stdout[-3000:]
     assert "bound from its include/llama.h" in r.stdout
     loaded = [line.split(": ", 1)[1] for line in r.stdout.splitlines() if "libllama this run loaded: " in line]
     assert loaded and Path(loaded[0]).resolve() == lib.resolve(), loaded  # the file /proc/self/maps shows
     out = tmp_path / "contract.json"
-    r = _harness("contract", "--source", str(tree), "--arch", "llama", "--max-examples", "20", "--steps", "20",
+    r = run_harness("contract", "--source", str(tree), "--arch", "llama", "--max-examples", "20", "--steps", "20",
                  "--json", str(out))  # fmt: skip
-    _no_traceback(r)
+    no_traceback(r)
     assert r.returncode == 0, r.stdout[-3000:]
     assert Path(json.loads(out.read_text())["libllama"]).resolve() == lib.resolve()
 
@@ -202,8 +190,8 @@ def test_a_function_the_harness_never_calls_renamed_away_is_driven(trees: Trees)
     lib = build_source(tree, log=lambda _m: None).parent
     assert any("llama_adapter_meta_count is not exported" in d for d in check_libllama(lib, tree, sdist_source())
                .differences)  # fmt: skip
-    r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--max-examples", "10")
-    _no_traceback(r)
+    r = run_harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--max-examples", "10")
+    no_traceback(r)
     assert r.returncode == 0, r.stdout[-3000:]
     assert "bound from its include/llama.h" in r.stdout
 
@@ -213,8 +201,8 @@ def test_a_libllama_the_harness_cannot_drive_is_a_skip_in_one_line(trees: Trees,
     JSON, before anything is built."""
     tree = trees("uncallable")
     out = tmp_path / "gate.json"
-    r = _harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--json", str(out))
-    _no_traceback(r)
+    r = run_harness("gate", "--backend", "llama", "--source", str(tree), "--arch", "llama", "--json", str(out))
+    no_traceback(r)
     assert r.returncode == 6, r.stdout[-2000:] + r.stderr[-2000:]
     line = next(x for x in r.stdout.splitlines() if x.startswith("SKIPPED llama backend"))
     assert "cannot drive the libllama" in line and "llama_memory_seq_rm is not in llama.h" in line, r.stdout
@@ -283,9 +271,9 @@ def test_a_tree_whose_prompt_cache_the_model_cannot_read_runs_the_checks_that_ne
     failed."""
     binary = build_source(trees("block"), log=lambda _m: None)
     out = tmp_path / "gate.json"
-    r = _harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared",
+    r = run_harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared",
                  "--json", str(out))  # fmt: skip
-    _no_traceback(r)
+    no_traceback(r)
     assert r.returncode == 6, r.stdout[-3000:]
     assert "prompt_cache_replaced: on (server_prompt_cache replaced" in r.stdout
     skips = [line for line in r.stdout.splitlines() if line.startswith("  [skip] the model cannot read")]
