@@ -450,13 +450,23 @@ class ServerProcess:
             timed_out = isinstance(e, TimeoutError) or isinstance(getattr(e, "reason", None), TimeoutError)
             alive = self._alive_after_failure(0.5 if timed_out else 5.0)
             rc = None if alive or self.proc is None else self.proc.returncode
-            ended = "" if alive or self.log_path is None else self.log_path.read_text(errors="replace")
+            ended = "" if alive else self._log_text()
             raise RequestFailed(method, path, "timeout" if timed_out and alive else "dropped", alive=alive,
                                 server_exit=rc, log=ended) from None  # fmt: skip
         try:
             return json.loads(raw or b"null")
         except ValueError:
             raise RequestFailed(method, path, "malformed", message=raw[:80].decode(errors="replace")) from None
+
+    def _log_text(self) -> str:
+        """The server's log so far; "" when there is none, or when a run that is ending (a Ctrl-C) has already
+        removed it while a client thread's request was failing."""
+        if self.log_path is None:
+            return ""
+        try:
+            return self.log_path.read_text(errors="replace")
+        except OSError:
+            return ""
 
     def _alive_after_failure(self, grace: float) -> bool:
         """Is the server still running once a request failed? A dying server closes its connections
