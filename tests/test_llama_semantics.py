@@ -172,6 +172,18 @@ def test_no_struct_at_all() -> None:
     assert got.semantics is None and "no definition of struct common_prompt_checkpoint" in got.why
 
 
+@pytest.mark.parametrize(
+    ("payload", "semantics"),
+    [("    std::vector<uint8_t> data;", "master"), ("    std::shared_ptr<const std::vector<uint8_t>> data;", "shared")],
+)
+def test_the_older_spelling_server_prompt_checkpoint(payload: str, semantics: str) -> None:
+    """Upstream before ``common_prompt_checkpoint`` (b9093, tools/server/server-task.h:568): one payload, ``data``."""
+    text = f"struct server_prompt_checkpoint {{\n    llama_pos pos_min;\n{payload}\n}};\n"
+    got = infer_semantics_from_text({"common/common.h": "", "tools/server/server-task.h": text})
+    assert got.semantics == semantics and "server_prompt_checkpoint::data is" in got.why, got
+    assert "tools/server/server-task.h:1" in got.why
+
+
 def test_the_pinned_tree_and_our_patch(tmp_path: Path) -> None:
     vendored = sdist_source()
     got = infer_semantics(vendored)

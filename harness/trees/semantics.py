@@ -24,6 +24,7 @@ from pathlib import Path
 __all__ = [
     "CHECKPOINT_STRUCT",
     "MAX_DEPTH",
+    "OLDER_CHECKPOINTS",
     "PAYLOAD_MEMBERS",
     "SemanticsInference",
     "blank_comments",
@@ -34,6 +35,10 @@ __all__ = [
 CHECKPOINT_STRUCT = "common_prompt_checkpoint"
 PAYLOAD_MEMBERS = ("data_tgt", "data_dft")
 """The checkpoint's target and draft state payloads (upstream names): what PR #27451 shares."""
+OLDER_CHECKPOINTS: tuple[tuple[str, tuple[str, ...]], ...] = (("server_prompt_checkpoint", ("data",)),)
+"""The checkpoint's earlier spellings, read when a tree has no :data:`CHECKPOINT_STRUCT`: upstream's server held
+its checkpoints as ``server_prompt_checkpoint`` with one payload ``std::vector<uint8_t> data`` (no draft state;
+``tools/server/server-task.h:568`` at b9093) before it became ``common_prompt_checkpoint``."""
 MAX_DEPTH = 3
 """Steps through aliases and wrapper classes before a type counts as unknown (alias, class, member)."""
 
@@ -288,24 +293,25 @@ def _kind(t: str, scope: _Decl, tree: _Tree, depth: int) -> tuple[str | None, st
 def infer_semantics_from_text(headers: dict[str, str]) -> SemanticsInference:
     """:func:`infer_semantics` on header texts given as ``{path: text}`` (searched in that order)."""
     tree = _Tree([_Source(where, text) for where, text in headers.items()])
-    found = tree.find_class(CHECKPOINT_STRUCT)
-    if found is None:
-        return SemanticsInference(None, f"no definition of struct {CHECKPOINT_STRUCT} in {', '.join(headers)}")
-    src, body, at = found
+    spellings = ((CHECKPOINT_STRUCT, PAYLOAD_MEMBERS), *OLDER_CHECKPOINTS)
+    hit = next(((s, p, f) for s, p in spellings if (f := tree.find_class(s)) is not None), None)
+    if hit is None:
+        names = " or ".join(s for s, _ in spellings)
+        return SemanticsInference(None, f"no definition of struct {names} in {', '.join(headers)}")
+    struct, payloads, (src, body, at) = hit
     decl = _read_class(body)
     where = f"{src.where}:{src.line_of(at)}"
-    present = [m for m in PAYLOAD_MEMBERS if m in decl.members]
+    present = [m for m in payloads if m in decl.members]
     if not present:
         return SemanticsInference(
-            None, f"{CHECKPOINT_STRUCT} ({where}) has no {' or '.join(PAYLOAD_MEMBERS)} member (members: "
-            + ", ".join(decl.members) + ")",
-        )  # fmt: skip
+            None, f"{struct} ({where}) has no {' or '.join(payloads)} member (members: " + ", ".join(decl.members) + ")"
+        )
     kinds = {m: _kind(decl.members[m], decl, tree, 0) for m in present}
     by_how: dict[str, list[str]] = {}
     for m, (_, how) in kinds.items():
         by_how.setdefault(how, []).append(m)
     said = "; ".join(
-        f"{CHECKPOINT_STRUCT}::{' and ::'.join(ms)} {'is' if len(ms) == 1 else 'are'} {how}"
+        f"{struct}::{' and ::'.join(ms)} {'is' if len(ms) == 1 else 'are'} {how}"
         for how, ms in by_how.items()
     )
     values = {k for k, _ in kinds.values()}
