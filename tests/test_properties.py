@@ -27,7 +27,7 @@ from harness.backends.libllama import LlamaOptions
 from harness.backends.llama_server import ServerOptions
 from harness.backends.llama_server.section import NOT_OBSERVABLE
 from harness.backends.synthetic import KNOWN_MACHINES, SyntheticBackend
-from harness.commands.gate import _print_report, add_arguments, options_from_args
+from harness.commands.gate import add_arguments, options_from_args
 from harness.commands.gate import run_gate as _run_gate
 from harness.commands.mutants import kill
 from properties.families import FAMILY_MUTANTS
@@ -392,7 +392,7 @@ def test_a_property_no_run_of_a_backend_can_see_is_said_as_such_not_left_uncheck
     assert props["immutability"]["status"] == "passed" and "why" not in props["immutability"]
     assert props["checkpoint_policy"]["status"] == "not-checked"
     lines: list[str] = []
-    _print_report(report, lines.append)
+    report.print_to(lines.append)
     assert any(line.startswith("  refcount             not-observable ") for line in lines), lines
     assert any(line.startswith("  limit                passed ") and " 3 checks" in line for line in lines), lines
 

@@ -25,6 +25,7 @@ May import: ``harness.model``, ``harness.targets``, ``properties``, ``faults``, 
 
 from __future__ import annotations
 
+import xml.etree.ElementTree as ET
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -187,6 +188,77 @@ class GateReport:
             },
             **{k: v for s in self.sections.values() for k, v in s.to_json().items()},
         }
+
+
+    def print_to(self, out: Callable[[str], None]) -> None:
+        """The self as a person reads it: the property table, peaks, known findings, each failure with its
+        shrunk program and replay line, the skips, PASS or FAIL."""
+        props = self.properties()
+        if any(p["status"] in ("passed", "failed") for p in props):  # no table when nothing was checked
+            out("properties:")
+            for p in props:
+                if p["status"] == "not-observable":
+                    out(f"  {p['name']:<20} {p['status']:<14} {p['why']}")
+                else:
+                    out(f"  {p['name']:<20} {p['status']:<14} {p['examples']:>6} checks {p['seconds']:8.3f}s")
+        peaks = [p for m in self.machines for p in m.peaks]
+        if peaks:
+            worst = max(peaks, key=lambda p: p[0] - p[1])
+            out(
+                f"transient peak: {len(peaks)} saves; worst peak excess {worst[0]} B against bound {worst[1]} B "
+                f"(S = {worst[2]} B)"
+            )
+        if self.known:
+            out("known findings (reported, not failing the gate):")
+            for k in self.known:
+                out(f"  {k.id}: {k.status}" + (f" ({k.property}: {k.message})" if k.property is not None else ""))
+                if k.requests is not None:  # counted (the reuse property's): how often, and what it cost
+                    out(f"    {k.requests} requests, {k.tokens_recomputed} tokens recomputed, {k.machines} machines")
+                elif k.times is not None:  # a machine family's excused finding (slot files, stateless tasks): how often
+                    out(f"    {k.times} times, {k.machines} machines")
+                if k.program:
+                    out("    " + k.program.replace("\n", "\n    "))
+        for f in self.failures:
+            out("")
+            out(f"FAILED {f.property} ({f.kind}) in {f.machine}: {f.message}")
+            for t in f.teardown:  # beside the failure, not instead of it
+                out(f"  teardown also failed after it: {t}")
+            if f.program:
+                out("--- shrunk program (paste into python from the repository root) ---")
+                out(f.program)
+            out("--- replay ---")
+            out(f"{f.replay}    # commit {self.commit}")
+        skipped = self.sections.get("skipped")
+        for name, why in (skipped.why.items() if isinstance(skipped, Skipped) else ()):
+            out(f"SKIPPED {name} (a limit of the harness on this tree, exit 6 if nothing failed): {why}")
+        out("PASS" if self.passed else "FAIL")
+
+
+    def write_junit(self, path: str) -> None:
+        """The self as JUnit XML: a test case per property (and per failing check that is not a model property)."""
+        props = self.properties()
+        suite = ET.Element(
+            "testsuite",
+            name=f"gate-{self.semantics}",
+            tests=str(len(props)),
+            failures=str(sum(p["status"] == "failed" for p in props)),
+        )
+        names = [p["name"] for p in props]
+        # properties of a backend that are not model invariants (the server's cache_n, output, sanitizer...)
+        extra = sorted({f.property for f in self.failures} - set(names))
+        suite.set("tests", str(len(names) + len(extra)))
+        suite.set("failures", str(len({f.property for f in self.failures})))
+        seconds = {p["name"]: p["seconds"] for p in props}
+        for name in [*names, *extra]:
+            case = ET.SubElement(
+                suite, "testcase", classname=f"gate.{self.semantics}", name=name, time=str(seconds.get(name, 0.0))
+            )
+            for f in self.failures:
+                if f.property == name:
+                    el = ET.SubElement(case, "failure", message=f.message)
+                    later = "".join(f"\n\nteardown also failed after it: {t}" for t in f.teardown)
+                    el.text = f"{f.program}\n\n{f.replay}{later}"
+        ET.ElementTree(suite).write(path, encoding="unicode", xml_declaration=True)
 
 
 @dataclass(frozen=True)

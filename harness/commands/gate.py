@@ -20,12 +20,11 @@ import argparse
 import json
 import os
 import sys
-import xml.etree.ElementTree as ET
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
-from harness.backends.base import Backend, Ended, GateOptions, GateReport, Option, Skipped
+from harness.backends.base import Backend, Ended, GateOptions, GateReport, Option
 from harness.errors import (
     EXIT_CRASH,
     EXIT_FAILED,
@@ -89,80 +88,12 @@ def run_gate(
             continue
         for step in FOLLOW_UPS.get(b.name, ()):
             step(report, opts, out)
-    _print_report(report, out)
+    report.print_to(out)
     return report
 
 
 def new_report(opts: GateOptions, runners: Sequence[Backend]) -> GateReport:
     return GateReport(opts.semantics, "+".join(b.name for b in runners), opts.profile, opts.seed, commit())
-
-
-def _print_report(report: GateReport, out: Callable[[str], None]) -> None:
-    props = report.properties()
-    if any(p["status"] in ("passed", "failed") for p in props):  # no table when nothing was checked
-        out("properties:")
-        for p in props:
-            if p["status"] == "not-observable":
-                out(f"  {p['name']:<20} {p['status']:<14} {p['why']}")
-            else:
-                out(f"  {p['name']:<20} {p['status']:<14} {p['examples']:>6} checks {p['seconds']:8.3f}s")
-    peaks = [p for m in report.machines for p in m.peaks]
-    if peaks:
-        worst = max(peaks, key=lambda p: p[0] - p[1])
-        out(
-            f"transient peak: {len(peaks)} saves; worst peak excess {worst[0]} B against bound {worst[1]} B "
-            f"(S = {worst[2]} B)"
-        )
-    if report.known:
-        out("known findings (reported, not failing the gate):")
-        for k in report.known:
-            out(f"  {k.id}: {k.status}" + (f" ({k.property}: {k.message})" if k.property is not None else ""))
-            if k.requests is not None:  # counted (the reuse property's): how often, and what it cost
-                out(f"    {k.requests} requests, {k.tokens_recomputed} tokens recomputed, {k.machines} machines")
-            elif k.times is not None:  # a machine family's excused finding (slot files, stateless tasks): how often
-                out(f"    {k.times} times, {k.machines} machines")
-            if k.program:
-                out("    " + k.program.replace("\n", "\n    "))
-    for f in report.failures:
-        out("")
-        out(f"FAILED {f.property} ({f.kind}) in {f.machine}: {f.message}")
-        for t in f.teardown:  # beside the failure, not instead of it
-            out(f"  teardown also failed after it: {t}")
-        if f.program:
-            out("--- shrunk program (paste into python from the repository root) ---")
-            out(f.program)
-        out("--- replay ---")
-        out(f"{f.replay}    # commit {report.commit}")
-    skipped = report.sections.get("skipped")
-    for name, why in (skipped.why.items() if isinstance(skipped, Skipped) else ()):
-        out(f"SKIPPED {name} (a limit of the harness on this tree, exit 6 if nothing failed): {why}")
-    out("PASS" if report.passed else "FAIL")
-
-
-def _write_junit(report: GateReport, path: str) -> None:
-    props = report.properties()
-    suite = ET.Element(
-        "testsuite",
-        name=f"gate-{report.semantics}",
-        tests=str(len(props)),
-        failures=str(sum(p["status"] == "failed" for p in props)),
-    )
-    names = [p["name"] for p in props]
-    # properties of a backend that are not model invariants (the server's cache_n, output, sanitizer...)
-    extra = sorted({f.property for f in report.failures} - set(names))
-    suite.set("tests", str(len(names) + len(extra)))
-    suite.set("failures", str(len({f.property for f in report.failures})))
-    seconds = {p["name"]: p["seconds"] for p in props}
-    for name in [*names, *extra]:
-        case = ET.SubElement(
-            suite, "testcase", classname=f"gate.{report.semantics}", name=name, time=str(seconds.get(name, 0.0))
-        )
-        for f in report.failures:
-            if f.property == name:
-                el = ET.SubElement(case, "failure", message=f.message)
-                later = "".join(f"\n\nteardown also failed after it: {t}" for t in f.teardown)
-                el.text = f"{f.program}\n\n{f.replay}{later}"
-    ET.ElementTree(suite).write(path, encoding="unicode", xml_declaration=True)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -264,12 +195,12 @@ def run(args: argparse.Namespace) -> int:
             code = EXIT_INTERRUPTED if isinstance(ended, KeyboardInterrupt) else getattr(ended, "exit_code", 1)
             report.sections["ended"] = Ended(what, code)
             if report.failures:
-                _print_report(report, print)
+                report.print_to(print)
         if args.json:
             with open(args.json, "w") as f:
                 json.dump({**report.to_json(), **({"passed": False} if ended is not None else {})}, f, indent=2)
         if args.junit:
-            _write_junit(report, args.junit)
+            report.write_junit(args.junit)
         sys.stdout.flush()
     if report.passed:
         return EXIT_SKIPPED if "skipped" in report.sections else EXIT_OK
