@@ -34,18 +34,19 @@ from typing import Any, ClassVar
 from hypothesis import strategies as st
 from hypothesis.stateful import precondition, rule
 
+from harness.findings import SLOT_RESTORE_STALE_DRAFT, SLOT_SAVE_PARTIAL_FILE, SLOT_SAVE_SILENT_TRUNCATION
 from harness.model.slot_files import SlotFileStore, slot_erase, slot_restore, slot_save
 from properties import invariants as inv
 from properties.machine import FAMILIES, MachineConfig, PromptCacheMachine
 from properties.mutants import SLOT_FILE_MUTANTS
 from properties.teardown import noted
 
-__all__ = ["NAMES", "SlotFileMachine", "slot_file_machine"]
+__all__ = ["NAMES", "SlotFileMachine", "partial_shape", "slot_file_machine"]
 
 NAMES = ("a.bin", "b.bin")
-PARTIAL_500 = "slot-save-partial-file"
-SILENT = "slot-save-silent-truncation"
-STALE_DRAFT = "slot-restore-stale-draft"
+PARTIAL_500 = SLOT_SAVE_PARTIAL_FILE.id
+SILENT = SLOT_SAVE_SILENT_TRUNCATION.id
+STALE_DRAFT = SLOT_RESTORE_STALE_DRAFT.id
 
 
 def check_slot_restore(server: Any, id_slot: int, tokens: tuple[int, ...], state: bytes | None) -> None:
@@ -66,16 +67,26 @@ def check_slot_restore(server: Any, id_slot: int, tokens: tuple[int, ...], state
             inv._fail("slot_file_restore", f"slot{id_slot}: checkpoint at {c.n_tokens} made for another prompt")
 
 
+def partial_shape(size: int, written: int, status: int | None, full_disk: bool, silent_tail: int) -> str | None:
+    """The registered finding whose exact shape a partial file (``written`` of ``size`` bytes on disk) has, or None
+    when none explains it: ``slot-save-partial-file`` (the save answered 500), ``slot-save-silent-truncation`` (it
+    answered 200 on a full disk and lost at most the buffered tail, ``silent_tail`` bytes)."""
+    if status == 500:
+        return PARTIAL_500
+    if status == 200 and full_disk and size - written <= silent_tail:
+        return SILENT
+    return None
+
+
 def check_no_partial_file(store: SlotFileStore, statuses: dict[str, int], strict: bool, seen: Counter[str]) -> None:
     """``no_partial_file``, with the two registered findings excused in their exact shape unless ``strict``."""
     for name, f in store.files.items():
         if f.complete:
             continue
         status = statuses.get(name)
-        if not strict and status == 500:
-            seen[PARTIAL_500] += 1
-        elif not strict and status == 200 and f.size - f.written <= store.silent_tail and store.capacity is not None:
-            seen[SILENT] += 1
+        shape = partial_shape(f.size, f.written, status, store.capacity is not None, store.silent_tail)
+        if shape is not None and not strict:
+            seen[shape] += 1
         else:
             inv._fail("no_partial_file", f"{name}: {f.written} of {f.size} bytes on disk, save answered {status}")
 

@@ -370,6 +370,14 @@ LOAD_KEEPS_EDIT: Edits = {"tools/server/server-context.cpp": [
      "                }",
      "                ret->prompt_load(*prompt_cache, task.tokens); // (mutant: kept on a failed load)")]}  # fmt: skip
 
+#: a slot save that failed (nwrite 0) answers 200 (tools/server/server-context.cpp:2558-2561; the model's mutant
+#: save-ignores-write-error): a save into a full disk answers 200 for the bytes it wrote -> no_partial_file, in the
+#: full-disk step
+SAVE_ERROR_OK_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("                    if (nwrite == 0) {\n                        send_error(task, \"Unable to save slot\", "
+     "ERROR_TYPE_SERVER);\n                        break;\n                    }\n",
+     "                    // (mutant: a failed save answered as done)\n")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -413,6 +421,7 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "restore-keeps": ("shared", RESTORE_KEEPS_EDIT),
     "idle-busy": ("shared", IDLE_BUSY_EDIT),
     "load-keeps": ("shared", LOAD_KEEPS_EDIT),
+    "save-error-ok": ("shared", SAVE_ERROR_OK_EDIT),
     "shift-early": ("shared", SHIFT_EARLY_EDIT),
     "shift-discard": ("shared", SHIFT_DISCARD_EDIT),
     "block": ("shared", BLOCK_EDIT),
@@ -444,8 +453,8 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
          "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes", "reuse-chunk",
-         "reuse-short", "shift-early", "shift-discard", "restore-keeps", "idle-busy", "load-keeps", "block", "newest",
-         "extra", "offset-cap", "offset-cap-threshold")
+         "reuse-short", "shift-early", "shift-discard", "restore-keeps", "idle-busy", "load-keeps", "save-error-ok",
+         "block", "newest", "extra", "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()
 _ROOT = pytest.StashKey[Path]()

@@ -7,6 +7,7 @@ and context shifts, slot files). Each failure carries a program that replays it.
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -29,6 +30,7 @@ from harness.backends.llama_server.limits import (
     shrink_steps,
 )
 from harness.backends.llama_server.section import hypothesis_settings
+from harness.experiments.full_disk import full_disk, full_disk_program
 from harness.load.concurrent import load_config, run_concurrent
 from harness.load.gate_step import (
     N_TRACES,
@@ -231,6 +233,28 @@ def test_a_restore_that_keeps_the_slots_checkpoints_fails_slot_file_restore(tree
     assert r.returncode == 1 and "GeneratedFailure: slot_file_restore: " in r.stderr, r.stdout + r.stderr[-2000:]
     held = run_slot_programs("jamba", build_server("shared"), examples=SLOT_EXAMPLES, seed=seed)
     assert held.failure is None and held.restore_checks == held.restores > 0, held.failure
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="the full-disk step mounts a tmpfs (root only)")
+def test_a_save_that_answers_200_for_a_failed_write_fails_no_partial_file_at_the_full_disks_boundaries(
+    trees: Trees,
+) -> None:
+    """C++ mutant ``save-error-ok``: a slot save whose write failed (``nwrite`` 0) answers 200
+    (server-context.cpp:2558-2561). The full-disk step saves at every page of free space and fails
+    ``no_partial_file`` on each partial file no registered finding's shape explains (a 200 for a file short by more
+    than the stdio buffer), with a program that replays it in a new process; the pinned build leaves partial files
+    only in the registered shapes, each counted: a 500 at 0 to 12 KiB free, a 200 losing the buffered tail at 16 KiB."""
+    binary = build_source(trees("save-error-ok"), log=lambda _m: None)
+    d = full_disk(binary)
+    assert d.problems and d.died is None, d.to_json()
+    first = "a save of 17548 bytes with 0 bytes free answered 200, n_written 0: 0 of 17548 bytes on disk"
+    assert d.problems[0] == first, d.problems
+    r = subprocess.run([sys.executable, "-c", full_disk_program(f"Path({str(binary)!r})")], capture_output=True,
+                       text=True, cwd=REPO, timeout=300, check=False)  # fmt: skip
+    assert r.returncode == 1 and "answered 200, n_written 0" in r.stdout, r.stdout + r.stderr[-2000:]
+    held = full_disk(build_server("shared"))
+    assert not held.problems and held.died is None and held.checked == 7, held.to_json()
+    assert held.findings == {"slot-save-partial-file": 4, "slot-save-silent-truncation": 1}, held.findings
 
 
 def test_an_idle_pass_that_saves_a_processing_slot_fails_busy_slot_untouched(trees: Trees, tmp_path: Path) -> None:

@@ -38,6 +38,7 @@ from harness.errors import (
 )
 from harness.load.gate_step import (
     server_concurrent_step,
+    server_full_disk_step,
     server_reuse_step,
     server_slot_files_step,
     server_stateless_step,
@@ -51,8 +52,9 @@ __all__ = ["FOLLOW_UPS", "add_arguments", "options_from_args", "run", "run_gate"
 FOLLOW_UPS: dict[str, tuple[Callable[[GateReport, GateOptions, Callable[[str], None]], None], ...]] = {
     # the short concurrent run (issue 16); stateless tasks (stateless_not_cached, stateless_fresh on the server);
     # --cache-reuse and context-shift programs (reuse_chunks, shift_timing, context_shift); slot-file programs
-    # (slot_file_restore)
-    "server": (server_concurrent_step, server_stateless_step, server_reuse_step, server_slot_files_step),
+    # (slot_file_restore); a slot save into a full disk at every free-space boundary (no_partial_file)
+    "server": (server_concurrent_step, server_stateless_step, server_reuse_step, server_slot_files_step,
+               server_full_disk_step),
 }
 
 SEMANTICS = ("shared", "master")

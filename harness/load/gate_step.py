@@ -33,6 +33,11 @@ The reuse step (:func:`harness.load.reuse_programs.run_model`, as ``python -m ha
 ``--context-shift``: every ``cache_n`` against the model's chunk loop (``reuse_chunks``), every context shift's
 moment and amounts in the log against the model's (``shift_timing``, ``context_shift``). Adds about five seconds.
 
+The full-disk step (:func:`harness.experiments.full_disk.full_disk`): one ``llama`` server saving its slot into a
+64 KiB tmpfs filled to every page of free space around the file's size: each file left held to ``no_partial_file``
+(the registered ``slot-save-partial-file`` and ``slot-save-silent-truncation`` counted in their exact shapes). Root
+only (it mounts the tmpfs); adds about a second.
+
 The slot-file step (:func:`harness.load.slot_programs.run_model`, as ``python -m harness slot-files --differential``
 runs it): :data:`SLOT_EXAMPLES` programs on ``jamba``, completions with ``save``, ``restore`` and ``erase``: each
 restore's answer and the completion after it against the model and a fresh server (``slot_file_restore``), each
@@ -54,7 +59,16 @@ from harness.backends.base import Failure, GateOptions, GateReport, MachineResul
 from harness.backends.llama_server import ServerOptions
 from harness.backends.llama_server.runner import MODEL_EXACT_SKIP
 from harness.backends.llama_server.section import ServerSection
-from harness.findings import BUSY_SLOT_BY_ID, BUSY_SLOT_BY_ID_LIVELOCK, CONCURRENT_OUTPUT_DIVERGENCE, KnownRow
+from harness.errors import Unavailable
+from harness.experiments.full_disk import full_disk, full_disk_program
+from harness.findings import (
+    BUSY_SLOT_BY_ID,
+    BUSY_SLOT_BY_ID_LIVELOCK,
+    CONCURRENT_OUTPUT_DIVERGENCE,
+    SLOT_SAVE_PARTIAL_FILE,
+    SLOT_SAVE_SILENT_TRUNCATION,
+    KnownRow,
+)
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, load_config, run_concurrent
 from harness.load.generated import GeneratedFailure
 from harness.load.reuse_programs import run_model as run_reuse_programs
@@ -70,6 +84,7 @@ __all__ = [
     "SLOT_EXAMPLES",
     "STATELESS_RUNS",
     "server_concurrent_step",
+    "server_full_disk_step",
     "server_reuse_step",
     "server_slot_files_step",
     "server_stateless_step",
@@ -248,6 +263,59 @@ def server_slot_files_step(report: GateReport, opts: GateOptions, out: Out) -> N
     report.machines.append(
         MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure, checked, Counter(), [])
     )
+
+
+def server_full_disk_step(report: GateReport, opts: GateOptions, out: Out) -> None:
+    """Save a slot at every page of free space of a full tmpfs (:func:`harness.experiments.full_disk.full_disk`) on
+    the binary the server backend just tested: ``no_partial_file`` counted per save on the server, the registered
+    findings ``slot-save-partial-file`` and ``slot-save-silent-truncation`` reported in their exact shapes. It mounts
+    a tmpfs: without root it is skipped with that reason (a limit of this host, never the verdict)."""
+    tested = _tested(report)
+    if tested is None:
+        return
+    section, binary, semantics = tested
+    t0 = time.perf_counter()
+    program = full_disk_program(f"Path({str(binary)!r})")
+    try:
+        with tempfile.TemporaryDirectory(prefix="server-full-disk-") as logs:
+            d = full_disk(binary, log_dir=logs)
+    except Unavailable as e:
+        report.skip("server backend: full-disk step", str(e))
+        out(f"  [skip] full-disk step (no_partial_file): {e}")
+        return
+    except ServerStartError as e:
+        _cannot_start(report, section, out, "full-disk step", "--slot-save-path", e)
+        return
+    except RequestFailed as e:  # a save that killed or hung the server
+        f = Failure("server_crash" if not e.alive else "hang", "crash" if not e.alive else "violation",
+                    f"the full-disk step's server, on a save: {e.describe()}", program, _replay(opts, semantics),
+                    "server-full-disk-llama", 0)  # fmt: skip
+        report.machines.append(MachineResult(MachineConfig(semantics), time.perf_counter() - t0, f, Counter(),
+                                             Counter(), []))  # fmt: skip
+        return
+    section["full_disk"] = d.to_json()
+    found = ", ".join(f"{k} {v}" for k, v in sorted(d.findings.items())) or "none"
+    out(f"  [{'FAIL' if d.problems or d.died else 'ok  '}] full disk llama: a {d.file_size}-byte slot save at "
+        f"{d.checked} free-space boundaries; findings: {found} {time.perf_counter() - t0:5.1f}s")  # fmt: skip
+    failure = None
+    dead = "" if d.died is None else f"; then the server died on that save: {d.died.describe()}"
+    kind = "violation" if d.died is None or d.died.alive else "crash"
+    if d.problems:  # a partial file, also one its server died writing (the property, then how it ended)
+        failure = Failure("no_partial_file", kind, f"llama: {d.problems[0]}{dead}", program,
+                          _replay(opts, semantics), "server-full-disk-llama", d.checked)  # fmt: skip
+    elif d.died is not None:
+        failure = Failure("server_crash" if kind == "crash" else "hang", kind, f"llama: {dead[2:]}", program,
+                          _replay(opts, semantics), "server-full-disk-llama", d.checked)  # fmt: skip
+    if failure is not None:
+        for p in [*d.problems[:3], *([dead[2:]] if dead else [])]:
+            out(f"      {p}")
+        out("  the program that replays it (as root):\n    " + program.replace("\n", "\n    "))
+    for finding in (SLOT_SAVE_PARTIAL_FILE, SLOT_SAVE_SILENT_TRUNCATION):
+        n = d.findings[finding.id]
+        report.known.append(KnownRow(finding, "server-full-disk-llama", "reproduced" if n else "not-reproduced",
+                                     count=n))  # fmt: skip
+    report.machines.append(MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure,
+                                         Counter({"no_partial_file": d.checked}), Counter(), []))  # fmt: skip
 
 
 def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> None:
