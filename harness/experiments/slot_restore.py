@@ -26,10 +26,8 @@ was); after an erase the same restore works.
 
 from __future__ import annotations
 
-import os
 import random
 import shutil
-import subprocess
 import tempfile
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -37,7 +35,8 @@ from typing import Any
 
 from fixtures.gguf import draft_path, model_path
 from harness.backends.llama_server.differential import Differential, check_output
-from harness.errors import RequestFailed, Unavailable
+from harness.errors import RequestFailed
+from harness.experiments.full_disk import free_bytes, tmpfs
 from harness.interrupt import check
 from harness.model.slot_files import SlotFileStore, slot_erase, slot_restore, slot_save
 from harness.targets.llama_server import Launch, ServerConfig, ServerProcess
@@ -219,35 +218,19 @@ def stale_draft(binary: Path, arch: str = "llama") -> dict[str, Any]:
     return out
 
 
-def _mount(path: Path, size: str) -> None:
-    if os.geteuid() != 0:
-        raise Unavailable("the full-disk case mounts a tmpfs: run as root")
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True,
-                       text=True, check=False)  # fmt: skip
-    if r.returncode != 0:
-        raise Unavailable(f"mount -t tmpfs failed: {r.stderr.strip()[:200]}")
-
-
-def _free(path: Path) -> int:
-    st = os.statvfs(path)
-    return st.f_bavail * st.f_frsize
-
-
 def enospc(binary: Path, arch: str = "llama") -> dict[str, Any]:
     """A save into a full 64 KiB tmpfs, with a fwrite that fails and with only the buffered tail lost."""
     prompt = _prompt(random.Random(0), 61)
-    base = Path(tempfile.mkdtemp(prefix="slot-enospc-"))
     cases: list[dict[str, Any]] = []
-    _mount(base, "64k")
-    try:
+    with tmpfs("64k", prefix="slot-enospc-") as base:
         size = 0
         for label in ("probe", "fwrite-fails", "tail-lost"):
             check()
             for p in base.iterdir():
                 p.unlink()
             page = 4096
-            free = {"probe": _free(base), "fwrite-fails": 2 * page, "tail-lost": size // page * page}[label]
-            (base / "filler").write_bytes(b"\0" * max(0, _free(base) - free))
+            free = {"probe": free_bytes(base), "fwrite-fails": 2 * page, "tail-lost": size // page * page}[label]
+            (base / "filler").write_bytes(b"\0" * max(0, free_bytes(base) - free))
             with ServerProcess(
                 binary,
                 Launch(
@@ -279,7 +262,4 @@ def enospc(binary: Path, arch: str = "llama") -> dict[str, Any]:
                     row["restore"] = "server died" if not e.alive else f"{e.status} {e.message}"
                 row["server_exit"] = srv.proc.poll() if srv.proc is not None else None
                 cases.append(row)
-    finally:
-        subprocess.run(["umount", str(base)], check=False, capture_output=True)
-        shutil.rmtree(base, ignore_errors=True)
     return {"arch": arch, "file_size": size, "cases": cases}
