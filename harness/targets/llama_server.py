@@ -42,6 +42,7 @@ from harness.errors import RequestFailed, ServerStartError
 from harness.interrupt import check, interrupted, shielded, track, untrack
 from harness.model.server_context import ServerParams
 from harness.trees.build import build_server, log_tail
+from harness.trees.flags import adapt_args
 from harness.trees.gcov import SERVER_EXITS_ENV
 from harness.trees.stage import sanitizer_first
 
@@ -260,6 +261,7 @@ class ServerProcess:
         self.request_timeout = timeouts.request
         self.preexec = preexec
         self.log_path = Path(log_path) if log_path is not None else None
+        self.dropped: list[str] = []  # flags of the command line this binary does not know (harness.trees.flags)
         self.proc: subprocess.Popen[bytes] | None = None
         self._stopped = False
         self._log_fh: IO[bytes] | None = None
@@ -324,12 +326,16 @@ class ServerProcess:
             self.port = _free_port(self.host)
         elif _port_in_use(self.host, self.port):
             raise self._fail(f"port {self.host}:{self.port} is already in use")
-        cmd = [str(binary), "--host", self.host, "--port", str(self.port), *self.args]
+        args, self.dropped = adapt_args(binary, self.args)  # the flags an older llama-server does not know
+        cmd = [str(binary), "--host", self.host, "--port", str(self.port), *args]
         env = {**os.environ, **self.env}
         if env.get("LD_PRELOAD"):  # a trace or fault shim: an ASan build's runtime must still come first
             env["LD_PRELOAD"] = sanitizer_first(binary, env["LD_PRELOAD"])
         self._log_fh = self.log_path.open("wb")
         self._log_fh.write(f"$ {' '.join(cmd)}\n".encode())
+        if self.dropped:
+            self._log_fh.write(f"# harness: dropped {', '.join(self.dropped)} (this llama-server does not know them)\n"
+                               .encode())  # fmt: skip
         self._log_fh.flush()
         try:
             with shielded():  # a Ctrl-C now is raised once the server is known (and then stops it)
