@@ -20,6 +20,7 @@ __all__ = [
     "SLOT_RESTORE_DROPS_CHECKPOINTS",
     "SLOT_RESTORE_STALE_DRAFT",
     "SLOT_RESTORE_TRUNCATED_FILE_ABORT",
+    "SLOT_SAVE_FAILURE_ANSWERED_200",
     "SLOT_SAVE_PARTIAL_FILE",
     "SLOT_SAVE_SILENT_TRUNCATION",
 ]
@@ -232,6 +233,22 @@ SLOT_SAVE_SILENT_TRUNCATION = Finding(
     ),
 )
 
+SLOT_SAVE_FAILURE_ANSWERED_200 = Finding(
+    "slot-save-failure-answered-200",
+    "server",
+    "no_partial_file",
+    "a slot save whose write failed answers 200 with n_written 0 (older builds)",
+    "fixtures/findings/slot_save_failure_answered_200.py",
+    upstream="tools/server/server-context.cpp:2006-2019 at b9093 (SERVER_TASK_TYPE_SLOT_SAVE)",
+    detail=(
+        "(report: fixtures/findings/slot_save_failure_answered_200.md) the save's result is sent whatever "
+        "llama_state_seq_save_file returned: a write that failed (0) answers HTTP 200 \"n_written\": 0 and the bytes "
+        "written stay under the file's name; 0c1e570 answers 500 'Unable to save slot' (server-context.cpp:2558). "
+        "Found by the server gate's full-disk step on b9093 (no_partial_file: a 200 for a file of 0 bytes)"
+    ),
+    takes_binary=True,
+)
+
 SLOT_RESTORE_TRUNCATED_FILE_ABORT = Finding(
     "slot-restore-truncated-file-abort",
     "server",
@@ -319,4 +336,5 @@ SERVER = [
     SLOT_RESTORE_STALE_DRAFT,
     CACHE_REUSE_RECURRENT_STALE,
     CLEARED_SLOT_KEEPS_CHECKPOINTS,
+    SLOT_SAVE_FAILURE_ANSWERED_200,
 ]
