@@ -7,7 +7,10 @@ from pathlib import Path
 
 import pytest
 
+from fixtures.gguf import model_path
 from harness.model.sites import SITES
+from harness.targets.libllama import make_llama_server
+from harness.targets.llama_server import ServerConfig
 from harness.trees.pinned import sdist_source
 from harness.trees.switches import COMMON_H, PINNED, SERVER_CONTEXT, SERVER_TASK_H, read_switches, switches_from_text
 from harness.trees.tree import check_tree
@@ -24,7 +27,7 @@ def test_each_switch_is_read_with_the_line_that_decided_it() -> None:
     unreadable = switches_from_text({SERVER_CONTEXT: None, COMMON_H: None, SERVER_TASK_H: None})
     assert unreadable.all() == tuple(
         type(s)(s.name, False, f"{p} not readable: the pinned behaviour", s.change)
-        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H), strict=True)
+        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H, SERVER_CONTEXT), strict=True)
     )
 
 
@@ -39,9 +42,28 @@ def test_a_tree_without_server_prompt_cache_is_read_as_replaced_with_where() -> 
     assert "prompt_cache_replaced: on (server_prompt_cache replaced" in gone.line()
 
 
+def test_an_idle_pass_that_needs_a_unified_kv_is_read_from_the_start_and_turns_the_models_pass_off() -> None:
+    """b9093's server-context.cpp:1010-1013: ``--cache-idle-slots`` with a per-slot KV is turned off at start; the
+    model, given that tree's switches, runs no idle-slot pass on a per-slot KV and still runs it on a unified one."""
+    start = ("        if (params_base.cache_idle_slots) {\n            if (!params_base.kv_unified) {\n"
+             "                SRV_WRN(\"%s: --cache-idle-slots requires --kv-unified, disabling\\n\", __func__);\n")
+    sw = switches_from_text({SERVER_CONTEXT: "// before\n" + start})
+    assert sw.idle_pass_needs_unified.on and sw.idle_pass_needs_unified.where == f"{SERVER_CONTEXT}:2"
+    later = "        if (params_base.cache_idle_slots) {\n            if (params_base.cache_ram_mib == 0) {\n"
+    assert not switches_from_text({SERVER_CONTEXT: later}).idle_pass_needs_unified.on
+    for unified, runs in ((False, False), (True, True)):
+        params = ServerConfig("llama", kv_unified=unified).params(sw)
+        assert params.idle_pass_needs_unified
+        server = make_llama_server("master", model_path("llama"), params=params, n_ctx=2048, check_restores=False)
+        assert server.params.cache_idle_slots is runs
+        pinned = make_llama_server("master", model_path("llama"), params=ServerConfig("llama", kv_unified=unified)
+                                   .params(), n_ctx=2048, check_restores=False)  # fmt: skip
+        assert pinned.params.cache_idle_slots
+
+
 def test_the_pinned_tree_has_every_switch_off() -> None:
     sw = read_switches(sdist_source())
-    assert [s.on for s in sw.all()] == [False, False, False]
+    assert [s.on for s in sw.all()] == [False, False, False, False]
     assert "not in tools/server/server-context.cpp" in sw.slot_file_checkpoints.line()
     assert sw.prompt_cache_replaced.where.startswith(f"{SERVER_TASK_H}:")
 

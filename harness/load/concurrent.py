@@ -60,6 +60,7 @@ from harness.load.traced import ServerTrace
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import Launch, ServerConfig, ServerProcess, Timeouts
 from harness.targets.server_log import busy_slot_touches
+from harness.trees.switches import switches_of_binary
 
 __all__ = [
     "ConcurrentResult",
@@ -243,7 +244,8 @@ def judge(
     res.failures += [f"busy_slot_untouched: {t}" for t in touches]
     events = parse_log(log)
     res.evictions = sum(e.kind == "evict" for e in events)
-    m = make_llama_server(semantics, model_path(cfg.arch), params=cfg.params(), n_ctx=cfg.n_ctx, check_restores=False)
+    params = cfg.params(switches_of_binary(fresh.binary))  # the model follows the tree's upstream changes
+    m = make_llama_server(semantics, model_path(cfg.arch), params=params, n_ctx=cfg.n_ctx, check_restores=False)
     try:
         try:
             checks = replay_order(m, events, sents, res)

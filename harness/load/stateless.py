@@ -37,6 +37,7 @@ from harness.model.server_context import TASK_EMBEDDING, TASK_RERANK, ServerPara
 from harness.targets.libllama import close_server, make_llama_server
 from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess
 from harness.targets.synthetic import make_server
+from harness.trees.switches import switches_of_binary
 from properties.stateless import check_stateless_not_cached
 
 __all__ = [
@@ -420,7 +421,8 @@ def stateless_differential(
     cache-less server (``output``)."""
     out = StatelessDiff(cfg.name)
     args = [*cfg.server_args(), *server_args(cfg.arch)]
-    params = replace(cfg.params(), n_batch=cfg.n_ubatch)  # embeddings on: n_batch = n_ubatch (server.cpp:150-154)
+    # embeddings on: n_batch = n_ubatch (server.cpp:150-154); the model follows the tree's upstream changes
+    params = replace(cfg.params(switches_of_binary(binary)), n_batch=cfg.n_ubatch)
     base = Launch(model=model_path(cfg.arch), ctx_size=cfg.n_ctx, ctx_checkpoints=cfg.ctx_checkpoints, args=args)
     fresh_log = None if log_dir is None else f"{log_dir}/{cfg.name}-stateless-fresh.log"
     with ServerProcess(binary, replace(base, n_parallel=1, cache_ram=0), log_path=fresh_log) as fresh:

@@ -121,6 +121,8 @@ class ServerParams:
     # checkpoint loads that return bool (one restored from a slot file that does not load: reprocess, no abort)
     slot_file_checkpoints: bool = False
     checkpoint_load_bool: bool = False
+    # upstream before the pin (b9093, server-context.cpp:1010-1013): the idle-slot pass only with --kv-unified
+    idle_pass_needs_unified: bool = False
 
 
 @dataclass
@@ -355,6 +357,9 @@ class ServerContext:
         # :1401 idle-slot caching needs the cache
         if p.cache_idle_slots and p.cache_ram == 0:
             p.cache_idle_slots = False
+        # before the pin (b9093's :1010-1013, harness.trees.switches): a per-slot KV turns the pass off at start
+        if p.cache_idle_slots and p.idle_pass_needs_unified and not p.kv_unified:
+            p.cache_idle_slots = False
         self.n_swa = self.ctx_tgt.n_swa
         # :1166-1175 a memory that cannot shift turns both off
         if not can_shift(self.ctx_tgt):
@@ -515,6 +520,8 @@ class ServerContext:
         if self.prompt_cache is None:
             return
         for s in self.slots:
+            if self.params.idle_pass_needs_unified and s.prompt.n_tokens() == 0:
+                continue  # before the pin (b9093's slot_save_and_clear, :726-728): an empty slot is skipped, unlogged
             if not s.is_processing():
                 # whatever task the slot last ran: an embedding's or a rerank's state is saved too
                 if s.prompt_save(self.prompt_cache):

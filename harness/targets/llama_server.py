@@ -45,6 +45,7 @@ from harness.trees.build import build_server, log_tail
 from harness.trees.flags import adapt_args
 from harness.trees.gcov import SERVER_EXITS_ENV
 from harness.trees.stage import sanitizer_first
+from harness.trees.switches import PINNED, Switches
 
 __all__ = [
     "SANITIZER_MARKERS",
@@ -108,8 +109,14 @@ class ServerConfig:
             *(() if self.cache_idle_slots else ("--no-cache-idle-slots",)),
         ]
 
-    def params(self) -> ServerParams:
+    def params(self, switches: Switches | None = None) -> ServerParams:
+        """The model's parameters for this configuration; with ``switches`` (a tree's, :mod:`harness.trees.switches`)
+        the model follows that tree's upstream changes too."""
+        sw = switches or PINNED
         return ServerParams(
+            slot_file_checkpoints=sw.slot_file_checkpoints.on,
+            checkpoint_load_bool=sw.checkpoint_load_bool.on,
+            idle_pass_needs_unified=sw.idle_pass_needs_unified.on,
             n_slots=self.n_parallel,
             cache_ram=self.cache_ram_mib,
             cache_ram_unit=1 << 20,

@@ -11,6 +11,10 @@ change the model's checks can see, read from the tree's text with the file and l
 * ``checkpoint_load_bool`` -- the same change: ``common_prompt_checkpoint::load_tgt``/``load_dft`` return whether
   the state loaded (common/common.h); a task's own checkpoint that fails aborts the server, one restored from a
   slot file falls back to reprocessing the prompt. Read: ``bool load_tgt(`` in common/common.h.
+* ``idle_pass_needs_unified`` -- upstream before the pin (b9093, tools/server/server-context.cpp:1010-1013): the
+  idle-slot pass runs only with ``--kv-unified`` (a per-slot KV turns it off at start, "--cache-idle-slots requires
+  --kv-unified, disabling"); by 0c1e570 it also runs on a per-slot KV, saving without clearing. Read: the start's
+  ``if (!params_base.kv_unified)`` right inside ``if (params_base.cache_idle_slots)``.
 * ``prompt_cache_replaced`` -- not an upstream change yet: upstream has said a block cache may replace
   ``server_prompt_cache``. On when the tree's tools/server/server-task.h declares no ``struct server_prompt_cache``:
   the model's policy (``alloc``, ``load``, ``update``) then describes nothing in the tree, and the server gate runs
@@ -56,9 +60,11 @@ class Switches:
     slot_file_checkpoints: Switch
     checkpoint_load_bool: Switch
     prompt_cache_replaced: Switch
+    idle_pass_needs_unified: Switch
 
     def all(self) -> tuple[Switch, ...]:
-        return (self.slot_file_checkpoints, self.checkpoint_load_bool, self.prompt_cache_replaced)
+        return (self.slot_file_checkpoints, self.checkpoint_load_bool, self.prompt_cache_replaced,
+                self.idle_pass_needs_unified)
 
     def lines(self) -> list[str]:
         return [s.line() for s in self.all()]
@@ -67,11 +73,15 @@ class Switches:
 _SLOT = "slot files carry the checkpoints, upstream #26004"
 _LOAD = "checkpoint loads return bool, upstream #26004"
 _CACHE = "server_prompt_cache replaced, as by a block cache: the model's cache policy describes nothing there"
+_IDLE = "the idle-slot pass only with --kv-unified, upstream before 0c1e570"
+_IDLE_OFF_WITHOUT_UNIFIED = (r"if\s*\(\s*params_base\.cache_idle_slots\s*\)\s*\{\s*"
+                             r"if\s*\(\s*!\s*params_base\.kv_unified\s*\)")
 
 PINNED = Switches(
     Switch("slot_file_checkpoints", False, "the pinned tree, 0c1e570", _SLOT),
     Switch("checkpoint_load_bool", False, "the pinned tree, 0c1e570", _LOAD),
     Switch("prompt_cache_replaced", False, "the pinned tree, 0c1e570", _CACHE),
+    Switch("idle_pass_needs_unified", False, "the pinned tree, 0c1e570", _IDLE),
 )
 
 
@@ -87,6 +97,7 @@ def switches_from_text(files: dict[str, str | None]) -> Switches:
         ("slot_file_checkpoints", SERVER_CONTEXT, r"\bSLOT_CKPT_MAGIC\b", _SLOT, True),
         ("checkpoint_load_bool", COMMON_H, r"\bbool\s+load_tgt\s*\(", _LOAD, True),
         ("prompt_cache_replaced", SERVER_TASK_H, r"\bstruct\s+server_prompt_cache\s*\{", _CACHE, False),
+        ("idle_pass_needs_unified", SERVER_CONTEXT, _IDLE_OFF_WITHOUT_UNIFIED, _IDLE, True),
     ):
         text = files.get(path)
         if text is None:

@@ -163,9 +163,7 @@ class Differential:
             env=self.env,
         )
         # the model follows the upstream changes the server's tree has (harness.trees.switches)
-        sw = switches_of_binary(self.binary)
-        params = dataclasses.replace(self.cfg.params(), slot_file_checkpoints=sw.slot_file_checkpoints.on,
-                                     checkpoint_load_bool=sw.checkpoint_load_bool.on)  # fmt: skip
+        params = self.cfg.params(switches_of_binary(self.binary))
         self.model = make_llama_server(
             self.semantics,
             self.model_file,
