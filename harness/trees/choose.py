@@ -21,6 +21,7 @@ from pathlib import Path
 
 from harness.errors import BuildError, UsageError
 from harness.trees.build import ServerBuild, server_build
+from harness.trees.flags import OPTIONAL, adapt_args
 from harness.trees.semantics import infer_semantics
 from harness.trees.switches import Switches, switches_of_binary
 from harness.trees.tree import check_tree, registry_spec, tree_at_revision
@@ -39,6 +40,7 @@ class ChosenServers:
     base_semantics: str
     how: str  # why these semantics
     switches: Switches  # the upstream changes the model follows on ``build``'s tree
+    unknown_flags: tuple[str, ...] = ()  # the harness's flags ``build``'s binary does not know (harness.trees.flags)
 
     @property
     def follows(self) -> str:
@@ -81,7 +83,9 @@ def choose_builds(
     build, base_build = _builds(source, base, server_bin, asan, semantics, semantics_given, log)
     sem, how = _semantics_for(build, semantics, semantics_given)
     base_sem = sem if base_build is None else (base_build.semantics or sem)
-    return ChosenServers(build, base_build, sem, base_sem, how, switches_of_binary(build.binary))
+    _, dropped = adapt_args(build.binary, [f for flag, (n, values) in OPTIONAL.items()
+                                           for f in (flag, *(values or ("1",))[:n])])  # fmt: skip
+    return ChosenServers(build, base_build, sem, base_sem, how, switches_of_binary(build.binary), tuple(dropped))
 
 
 def _builds(

@@ -37,10 +37,11 @@ OPTIONAL: dict[str, tuple[int, tuple[str, ...]]] = {
 def _help(binary: str, mtime_ns: int) -> str:
     """``binary --help`` (stdout and stderr); "" when it cannot be run (the server's own start then says why)."""
     try:
-        r = subprocess.run([binary, "--help"], capture_output=True, text=True, timeout=60, check=False)
+        return subprocess.check_output([binary, "--help"], stderr=subprocess.STDOUT, text=True, timeout=60)
+    except subprocess.CalledProcessError as e:  # an older build may exit non-zero after printing its usage
+        return str(e.output or "")
     except (OSError, subprocess.SubprocessError):
         return ""
-    return r.stdout + r.stderr
 
 
 def knows(binary: Path, flag: str, value: str | None = None) -> bool:

@@ -132,6 +132,9 @@ def run_server_backend(
     if how:
         out(f"  semantics {semantics}: {how}")
     out("  the model follows: " + chosen.follows)
+    if chosen.unknown_flags:
+        out(f"  this llama-server does not know {', '.join(chosen.unknown_flags)}: its servers run without them (its "
+            "own fixed behaviour; the model, which follows them, may differ there: drift, not a finding)")
     pinned = describe(build, out)
     if build.origin == "build asan" and not build.asan:
         raise UsageError(
@@ -329,6 +332,9 @@ def run_change_backend(
     if how:
         out(f"  semantics {semantics}: {how}")
     out("  the model follows: " + chosen.follows)
+    if chosen.unknown_flags:
+        out(f"  this llama-server does not know {', '.join(chosen.unknown_flags)}: its servers run without them (its "
+            "own fixed behaviour; the model, which follows them, may differ there: drift, not a finding)")
     describe(tree, out)
     base_pinned = describe(base, out)
     run = ServerRun(report, tree, semantics, replay, out, pinned=base_pinned)

@@ -28,7 +28,6 @@ from harness.backends.llama_server.probe import agree_forms, probe
 from harness.findings import GREEDY_FLIP_ON_CACHE_PATH, KnownRow
 from harness.targets.llama_server import sanitizer_reports
 from harness.trees.build import PINNED_COMMIT, ServerBuild, pinned_status
-from harness.trees.flags import OPTIONAL, adapt_args
 from harness.trees.tree import registry_spec
 from properties.machine import MachineConfig
 
@@ -188,11 +187,6 @@ def describe(build: ServerBuild, out: Out) -> bool:
         out(f"  the binary's source is unknown; the model is pinned to llama.cpp {PINNED_COMMIT}")
     elif not build.by_name:
         out(f"  the binary's build-info.json says it was built from llama.cpp {PINNED_COMMIT}, the pinned tree")
-    _, dropped = adapt_args(build.binary, [f for flag, (n, values) in OPTIONAL.items()
-                                          for f in (flag, *(values or ("1",))[:n])])  # fmt: skip
-    if dropped:
-        out(f"  this llama-server does not know {', '.join(dropped)}: its servers run without them (its own fixed "
-            "behaviour; the model, which follows them, may differ there: drift, not a finding)")
     return pinned
 
 
