@@ -26,6 +26,8 @@ from pathlib import Path
 from typing import Any
 
 from harness.child import run_child
+from harness.coverage.branches import UNEXPLAINED as BRANCH_UNEXPLAINED
+from harness.coverage.branches import Untaken, branch_reason
 from harness.coverage.functions import TARGETS, Target, reason_for
 from harness.errors import Unavailable, UsageError
 from harness.trees.gcov import NOTES, SERVER_EXITS_ENV, SOURCES, gcov_env
@@ -39,8 +41,10 @@ __all__ = [
     "gcov_doc",
     "gcovr_report",
     "reached_lines",
+    "statement_at",
     "target_reach",
     "unreached_blocks",
+    "untaken_branches",
 ]
 
 RUN_INFO = "coverage-run.json"
@@ -272,6 +276,40 @@ def unreached_blocks(run: CoverageRun, doc: Any) -> list[Block]:
             why = reason_for(body, fn, (t.file, fn) in entered, "\n".join(text[max(0, first - 3) : first - 1]) + "\n")
             blocks.append(Block(t.label, _short(fn), t.file, first, last, len(g), why, body))
     return blocks
+
+
+def statement_at(text: list[str], n: int) -> str:
+    """Line ``n`` and, while its parentheses are open, the lines after it: the statement a branch's line starts."""
+    out, depth = [], 0
+    for line in text[n - 1 : n + 5]:
+        out.append(line)
+        depth += line.count("(") - line.count(")")
+        if depth <= 0:
+            break
+    return "\n".join(out)
+
+
+def untaken_branches(run: CoverageRun, doc: Any) -> list[Untaken]:
+    """Every reached line of the targets with a branch outcome never taken, with its reason
+    (:data:`~harness.coverage.branches.BRANCH_REASONS`; ``unexplained`` when none fits)."""
+    files = _code_lines(doc)
+    seen: set[tuple[str, int]] = set()
+    out: list[Untaken] = []
+    for t in TARGETS:
+        text = _source(run, t.file)
+        for ln in _selected(run, t, files.get(t.file, [])):
+            n = ln["line_number"]
+            branches = ln.get("branches", [])
+            untaken = sum(b.get("count", 0) == 0 for b in branches)
+            if ln.get("count", 0) == 0 or not untaken or (t.file, n) in seen:
+                continue  # an unreached line's branches are its block's (unreached_blocks)
+            seen.add((t.file, n))
+            stmt = statement_at(text, n) if n <= len(text) else ""
+            why = branch_reason(stmt, _name(ln))
+            out.append(Untaken(t.label, _short(_name(ln)), t.file, n, untaken, len(branches), stmt.strip(),
+                               BRANCH_UNEXPLAINED if why is None else why.reason,
+                               why is not None and why.reachable))  # fmt: skip
+    return out
 
 
 def _target_objects(run: CoverageRun, workload: str) -> list[Path]:

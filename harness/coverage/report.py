@@ -2,8 +2,10 @@
 
 ``rows``: per workload and ``all`` (their counters merged), one row per function of the targets with lines and
 branches reached of the total; ``totals`` their sums; ``unreached``: the blocks of lines no workload reached,
-each with its reason; ``reasons``: blocks and lines per reason; ``workloads``: each one's exit code and how
-many of its servers stopped cleanly (the others wrote no counters).
+each with its reason; ``reasons``: blocks and lines per reason; ``untaken_branches``: the reached lines with a
+branch outcome no workload took, each with its reason and whether a request could take it
+(:mod:`harness.coverage.branches`); ``branch_reasons``: lines and branches per reason; ``workloads``: each one's
+exit code and how many of its servers stopped cleanly (the others wrote no counters).
 """
 
 from __future__ import annotations
@@ -13,8 +15,9 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
+from harness.coverage.branches import UNEXPLAINED as BRANCH_UNEXPLAINED
 from harness.coverage.functions import UNEXPLAINED
-from harness.coverage.gcovr import CoverageRun, Row, function_rows, unreached_blocks
+from harness.coverage.gcovr import CoverageRun, Row, function_rows, unreached_blocks, untaken_branches
 
 __all__ = ["print_report", "write_report"]
 
@@ -34,6 +37,12 @@ def write_report(
         r = reasons.setdefault(b.reason, {"blocks": 0, "lines": 0})
         r["blocks"] += 1
         r["lines"] += b.lines
+    untaken = untaken_branches(run, docs["all"])
+    by_reason: dict[str, dict[str, Any]] = {}
+    for u in untaken:
+        r2 = by_reason.setdefault(u.reason, {"lines": 0, "branches": 0, "reachable": u.reachable})
+        r2["lines"] += 1
+        r2["branches"] += u.untaken
     workloads = {}
     for w, (code, error) in exits.items():
         clean, lost = run.servers(w)
@@ -46,6 +55,8 @@ def write_report(
         "totals": {w: _totals(rs) for w, rs in rows.items()},
         "unreached": [b.as_dict() for b in blocks],
         "reasons": dict(sorted(reasons.items(), key=lambda kv: -kv[1]["lines"])),
+        "untaken_branches": [u.as_dict() for u in untaken],
+        "branch_reasons": dict(sorted(by_reason.items(), key=lambda kv: -kv[1]["branches"])),
     }
     path.write_text(json.dumps(report, indent=1) + "\n")
     return report
@@ -82,3 +93,15 @@ def print_report(report: Mapping[str, Any], top: int = 15, out: Callable[[str], 
     for b in unexplained[:top]:
         first = next((s.strip() for s in b["text"].split("\n") if s.strip()), "")
         out(f"  {b['file']}:{b['first']}-{b['last']} {b['function']} ({b['lines']} lines): {first[:70]}")
+    reasons = report.get("branch_reasons", {})
+    if reasons:
+        out("branch outcomes never taken on reached lines, by reason:")
+    for reason, n in reasons.items():
+        how = " [reachable: not yet sent]" if n["reachable"] else ""
+        out(f"  {n['branches']:>5} outcomes on {n['lines']:>3} lines: {reason}{how}")
+    lines = [u for u in report.get("untaken_branches", []) if u["reason"] == BRANCH_UNEXPLAINED]
+    if lines:
+        out(f"unexplained untaken branches ({len(lines)} lines; all in the JSON):")
+    for u in sorted(lines, key=lambda u: -u["untaken"])[:top]:
+        first = u["text"].split("\n")[0].strip()
+        out(f"  {u['file']}:{u['line']} {u['function']} ({u['untaken']}/{u['total']}): {first[:70]}")
