@@ -151,6 +151,18 @@ BRANCH_REASONS: tuple[BranchReason, ...] = (
     BranchReason("--slots-debug (a debugging printout; the gate runs without it)", r"if \(slots_debug\)"),
     BranchReason("a multimodal prompt (an mtmd chunk): no model of the fixtures has a projector",
                  r"has_mtmd|mctx\)|if \(mctx\)"),
+    BranchReason("a batch that starts a user message, or the last one (chat spans; reachable: a /chat/completions "
+                 "request; the gate sends token prompts to /completion, whose spans mark no message)",
+                 r"if \(!is_user_start && !near_prompt_end\)|^\s*is_last_user_message \|\|", r"pre_decode",
+                 reachable=True),
+    BranchReason("speculation without a draft model (--spec-type ngram-*: the gate's speculation is a draft model, "
+                 "-md)", r"^\s*if \(ctx_dft\) \{", r"pre_decode"),
+    BranchReason("a draft model whose memory cannot roll back (recurrent: seq_rm type FULL or RS): the fixtures' "
+                 "draft model is a llama-architecture transformer (fixtures/gguf.py draft_path)",
+                 r"^\s*if \(use_ckpt_dft\) \{", r"pre_decode"),
+    BranchReason("its body is GGML_ABORT (\"failed to remove sequence\"): removing a draft's tail from a transformer "
+                 "draft context never fails (an invariant that holds)",
+                 r"if \(!llama_memory_seq_rm\(llama_get_memory\(ctx_dft\)", r"pre_decode"),
     BranchReason("a draft longer than the recurrent rollback snapshots (n_rs_seq > 0 needs an architecture "
                  "llm_arch_supports_rs_rollback lists: none of the five models)", r"llama_n_rs_seq\("),
 )  # fmt: skip
