@@ -37,6 +37,7 @@ from harness.errors import (
     UsageError,
 )
 from harness.load.gate_step import (
+    against_base,
     server_concurrent_step,
     server_full_disk_step,
     server_reuse_step,
@@ -53,8 +54,9 @@ FOLLOW_UPS: dict[str, tuple[Callable[[GateReport, GateOptions, Callable[[str], N
     # the short concurrent run (issue 16); stateless tasks (stateless_not_cached, stateless_fresh on the server);
     # --cache-reuse and context-shift programs (reuse_chunks, shift_timing, context_shift); slot-file programs
     # (slot_file_restore); a slot save into a full disk at every free-space boundary (no_partial_file)
-    "server": (server_concurrent_step, server_stateless_step, server_reuse_step, server_slot_files_step,
-               server_full_disk_step),
+    # (each judged against BASE in a change run: a failure BASE shows too is upstream drift)
+    "server": tuple(against_base(step) for step in (server_concurrent_step, server_stateless_step, server_reuse_step,
+                                                    server_slot_files_step, server_full_disk_step)),
 }
 
 SEMANTICS = ("shared", "master")

@@ -47,10 +47,12 @@ completion's ``cache_n`` against the best usable source (``reuse``); the registe
 
 from __future__ import annotations
 
+import functools
 import shlex
 import tempfile
 import time
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import replace
 from pathlib import Path
 from typing import Any
@@ -59,7 +61,7 @@ from harness.backends.base import Failure, GateOptions, GateReport, MachineResul
 from harness.backends.llama_server import ServerOptions
 from harness.backends.llama_server.runner import MODEL_EXACT_SKIP
 from harness.backends.llama_server.section import ServerSection
-from harness.errors import Unavailable
+from harness.errors import HarnessError, Unavailable
 from harness.experiments.full_disk import full_disk, full_disk_program
 from harness.findings import (
     BUSY_SLOT_BY_ID,
@@ -83,6 +85,8 @@ __all__ = [
     "REUSE_EXAMPLES",
     "SLOT_EXAMPLES",
     "STATELESS_RUNS",
+    "Step",
+    "against_base",
     "server_concurrent_step",
     "server_full_disk_step",
     "server_reuse_step",
@@ -118,6 +122,49 @@ def _tested(report: GateReport) -> tuple[dict[str, Any], Path, str] | None:
     if not section or not section.get("binary"):
         return None
     return section, Path(section["binary"]), str(section["semantics"])
+
+
+Step = Callable[[GateReport, GateOptions, Out], None]
+
+
+def against_base(step: Step) -> Step:
+    """``step`` as a change run (``--base``) judges it: a failure it files on TREE is the change's only where BASE
+    holds. The step runs again on BASE's binary (a scratch report; its lines are not printed) and each failure of
+    TREE whose property BASE fails too becomes upstream drift: printed, kept in the server section's ``step_drift`` and
+    not failing the gate. Without a base, or when the step found nothing, it is ``step`` as it is."""
+
+    @functools.wraps(step)
+    def judged(report: GateReport, opts: GateOptions, out: Out) -> None:
+        before = len(report.machines)
+        step(report, opts, out)
+        tested = _tested(report)
+        found = [i for i in range(before, len(report.machines)) if report.machines[i].failure is not None]
+        if tested is None or not found or not tested[0].get("base_binary"):
+            return
+        section = tested[0]
+        scratch = GateReport(str(section["base_semantics"]), report.backend, report.profile, report.seed,
+                             report.commit)  # fmt: skip
+        scratch.sections["server"] = ServerSection({**section, "binary": section["base_binary"],
+                                                    "semantics": section["base_semantics"],
+                                                    "pinned": section.get("base_pinned", False)})  # fmt: skip
+        try:
+            step(scratch, opts, lambda _line: None)
+        except HarnessError as e:  # BASE could not run it: TREE's failures stand as the change's
+            out(f"  {step.__name__} on BASE did not run ({e}): TREE's failures are kept as the change's")
+            return
+        on_base = {f.property for f in scratch.failures}
+        for i in found:
+            m = report.machines[i]
+            assert m.failure is not None
+            if m.failure.property in on_base:
+                section.setdefault("step_drift", []).append(
+                    {"step": step.__name__, "property": m.failure.property, "message": m.failure.message}
+                )
+                out(f"  upstream drift (BASE fails {m.failure.property} too; reported, not failing): "
+                    f"{m.failure.message}")  # fmt: skip
+                report.machines[i] = replace(m, failure=None)
+
+    return judged
 
 
 def stateless_config(idle: bool) -> ServerConfig:

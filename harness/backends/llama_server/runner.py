@@ -338,7 +338,8 @@ def run_change_backend(
     describe(tree, out)
     base_pinned = describe(base, out)
     run = ServerRun(report, tree, semantics, replay, out, pinned=base_pinned)
-    run.section.update({"base": base.origin, "base_semantics": base_semantics, "base_pinned": base_pinned,
+    run.section.update({"base": base.origin, "base_binary": str(base.binary), "base_semantics": base_semantics,
+                        "base_pinned": base_pinned,
                         "changes": 0, "same_answers": 0, "drift": [], "unconfirmed": []})  # fmt: skip
     run.version([tree, base])
     hs = hypothesis_settings(profile, max_examples)
