@@ -196,6 +196,13 @@ def test_entries_leave_the_cache_only_by_a_logged_removal_and_appear_only_by_a_s
     ok = _listing(["0xa"]) + _SAVE + _LOAD + _listing(["0xb"])
     problems, log = _problems(ok)
     assert problems == [] and log.checked["load_transfer"] == 1
+    # the same in b9093's words ("sim" before upstream named it "f_sim"): the load is still a removal
+    older = _LOAD.replace("f_sim", "sim")
+    assert _problems(_listing(["0xa"]) + _SAVE + older + _listing(["0xb"]))[0] == []
+    # and its scan, which lists no candidates: which entry it took cannot be read (load_choice not counted)
+    looking = "0.1 I srv          load:  - looking for better prompt, base f_keep = 0.100, sim = 0.200\n"
+    problems, log = _problems(_listing(["0xa"]) + _SAVE + looking + older + _listing(["0xb"]))
+    assert problems == [] and log.checked["load_choice"] == 0 and log.checked["load_transfer"] == 1
     # the same, the freed address of A reused by B's save: no entry seems to leave or appear
     assert _problems(_listing(["0xa"]) + _SAVE + _LOAD + _listing(["0xa"]))[0] == []
     # a load whose entry stays in the cache

@@ -84,9 +84,11 @@ _ENTRY = re.compile(r"- prompt (0x[0-9a-f]+|\(nil\)|[0-9a-fx]+):\s+(\d+) tokens,
 _CREATED = re.compile(
     r"created context checkpoint (\d+) of (\d+)(?: \(pos_min = (-?\d+), pos_max = (-?\d+), n_tokens = (\d+))?"
 )
-_LOOKING = re.compile(r"looking for better prompt, base f_keep = (-?[\d.]+), f_sim = ([\d.]+)")
-_CANDIDATE = re.compile(r"- prompt with length\s+(\d+), lcp =\s+(\d+), f_keep = ([\d.]+), f_sim = ([\d.]+)")
-_FOUND = re.compile(r"found better prompt with f_keep = ([\d.]+), f_sim = ([\d.]+)")
+# "sim" before upstream named it "f_sim" (server-task.cpp's load at b9093: "found better prompt with f_keep = %.3f,
+# sim = %.3f"); b9093 prints no candidate lines, so its load_choice cannot be read
+_LOOKING = re.compile(r"looking for better prompt, base f_keep = (-?[\d.]+), (?:f_)?sim = ([\d.]+)")
+_CANDIDATE = re.compile(r"- prompt with length\s+(\d+), lcp =\s+(\d+), f_keep = ([\d.]+), (?:f_)?sim = ([\d.]+)")
+_FOUND = re.compile(r"found better prompt with f_keep = ([\d.]+), (?:f_)?sim = ([\d.]+)")
 _SLOT_LINE = re.compile(r"\bslot\s+(\S+): id\s+(\d+) \|")
 _CKPT_EVENTS = ("restored context checkpoint", "erased invalidated context checkpoint",
                 "erasing old context checkpoint", "erasing context checkpoint too close")  # fmt: skip
@@ -449,6 +451,9 @@ class CacheLog:
         if scan is None:
             if found is not None:  # a load whose scan was not listed: which entry it took is unknown
                 self._order.unsure = self._order.unsure or "a load without its scan"
+            return []
+        if found is not None and not scan.candidates:  # took an entry it never listed: a version that prints no
+            self._order.unsure = self._order.unsure or "a load without its candidates"  # candidates (b9093)
             return []
         if found is not None:
             self._order.loaded(scan)
