@@ -318,10 +318,17 @@ def test_restore_equivalence_fails_on_a_server_whose_cache_load_corrupts_the_sta
     cfg = ServerConfig("llama", n_parallel=1, cache_ram_mib=8, n_ctx=1024)
     stats = MachineStats()
     with pytest.raises(ServerMismatch) as caught:
-        run_seeded(server_machine(cfg, binary, "shared", stats, None), hypothesis_settings("ci", None), seed)
+        run_seeded(server_machine(cfg, binary, "shared", stats, None, binary_expr=f"Path({str(binary)!r})"),
+                   hypothesis_settings("ci", None), seed)  # fmt: skip
     e = caught.value
     assert e.name == "restore_equivalence", (e.name, e.message)
     assert "a fresh server generates" in e.message and "d.request(" in e.program, e.message
+    # the printed program holds each answer to a fresh server too, so pasted it fails where the run did (before,
+    # it replayed the requests alone and passed: found on b9093)
+    assert "print(d.compare_output(fresh, row))" in e.program, e.program
+    r = subprocess.run([sys.executable, "-c", e.program], capture_output=True, text=True, cwd=REPO, timeout=300,
+                       check=False)  # fmt: skip
+    assert r.returncode == 1 and "ServerMismatch: [restore_equivalence]" in r.stderr, r.stdout + r.stderr[-2000:]
 
 
 def test_the_drawn_configurations_fail_restore_equivalence_on_the_corrupt_mutant_and_shrink_it(trees: Trees) -> None:
