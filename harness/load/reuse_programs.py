@@ -61,9 +61,10 @@ MAX_FOLLOW = 4
 MUTANTS = ("reuse-off-by-one",)
 _SHIFT = re.compile(r"slot context shift, n_keep = (\d+), n_left = (\d+), n_discard = (\d+)")
 
-# (n_cache_reuse, first prompt's length, seed, [follow-up: (long, cut 0-23, n_cut 0-23, n_new, n_predict)])
+# (n_cache_reuse, first prompt's length, seed, [follow-up: (long, cut 0-23, n_cut 0-23, n_new, n_predict, n_keep,
+# n_discard)]); a long step's request names its own n_keep (-1: the whole prompt) and n_discard (0: half the rest)
 _FOLLOW = st.tuples(st.integers(0, 9), st.integers(0, 23), st.integers(0, 23), st.sampled_from([0, 1, 3, 8]),
-                    st.integers(1, 4))  # fmt: skip
+                    st.integers(1, 4), st.sampled_from([0, -1, 4]), st.sampled_from([0, 8, 40]))  # fmt: skip
 _PROGRAM = st.tuples(st.sampled_from([1, 2, 4, 8, 16]), st.sampled_from([12, 40, 90]), st.integers(0, 255),
                      st.lists(_FOLLOW, min_size=1, max_size=MAX_FOLLOW))  # fmt: skip
 
@@ -121,24 +122,30 @@ class _Run:
         raise GeneratedFailure(name, message, replay_text(self.arch, self.n_cache_reuse, self.lines, self.mutant,
                                                           self.binary_expr))  # fmt: skip
 
-    def request(self, prompt: tuple[int, ...], n_predict: int) -> None:
+    def request(self, prompt: tuple[int, ...], n_predict: int, n_keep: int = 0, n_discard: int = 0) -> None:
         """One request, checked (:meth:`_request`); a request that got no usable answer, from the server or the
-        fresh one, is a failure with the program so far, as any other."""
+        fresh one, is a failure with the program so far, as any other. ``n_keep``, ``n_discard``: the request's own
+        (a context shift keeps ``n_keep`` tokens, -1 the whole prompt, and discards ``n_discard``, 0 half the rest:
+        server-context.cpp:2914-2923 at 0c1e570)."""
         try:
-            self._request(prompt, n_predict)
+            self._request(prompt, n_predict, n_keep, n_discard)
         except RequestFailed as e:
             self.fail(failed_request(e), f"a prompt of {len(prompt)} tokens: {e.describe()}")
 
-    def _request(self, prompt: tuple[int, ...], n_predict: int) -> None:
+    def _request(self, prompt: tuple[int, ...], n_predict: int, n_keep: int, n_discard: int) -> None:
         check()
-        self.lines.append(f"    r.request({list(prompt)!r}, {n_predict})")
-        r = self.srv.completion(list(prompt), n_predict, id_slot=0, ignore_eos=True, return_tokens=True, n_probs=0)
+        own = {k: v for k, v in (("n_keep", n_keep), ("n_discard", n_discard)) if v}  # upstream's defaults are 0
+        named = "".join(f", {k}={v}" for k, v in own.items())
+        self.lines.append(f"    r.request({list(prompt)!r}, {n_predict}{named})")
+        r = self.srv.completion(list(prompt), n_predict, id_slot=0, ignore_eos=True, return_tokens=True, n_probs=0,
+                                **own)  # fmt: skip
         self.sent += 1
         gen, cache_n = _tokens(r), int(r["timings"]["cache_n"])
         self.fig.requests += 1
         n_reuses, n_shifts = len(self.m.reuses), len(self.m.ctx_shifts)
         try:
-            self.m.handle_completion(prompt, id_slot=0, n_predict=n_predict, forced=gen)
+            self.m.handle_completion(prompt, id_slot=0, n_predict=n_predict, forced=gen, n_keep=n_keep,
+                                     n_discard=n_discard)  # fmt: skip
             self.m.run_until_idle()
         except GgmlAbort as e:  # the server answered: the model's abort is a difference too
             self.fail("model_abort", f"a prompt of {len(prompt)} tokens: the server answered, the model aborted: {e}")
@@ -191,16 +198,18 @@ class _Run:
         else:
             self.fail("output", str(problem))
 
-    def follow(self, step: tuple[int, int, int, int, int], seed: int) -> None:
-        long, cut, n_cut, n_new, n_predict = step
+    def follow(self, step: tuple[int, int, int, int, int, int, int], seed: int) -> None:
+        long, cut, n_cut, n_new, n_predict, n_keep, n_discard = step
         h = self.history
         new = tuple(3 + (seed * 13 + len(h) * 7 + i * 11) % 250 for i in range(n_new))
         a = len(h) * cut // 24
         b = min(len(h), a + max(1, len(h) * n_cut // 24))
         prompt = (*h[:a], *h[b:], *new)[-(N_CTX - 20) :] or (1,)
-        if long == 0:  # a generation past n_ctx: the context shifts
-            n_predict = N_CTX + 8 - len(prompt)
-        self.request(prompt, n_predict)
+        if long != 0:
+            self.request(prompt, n_predict)
+            return
+        # a generation past n_ctx: the context shifts, keeping and discarding what this request says
+        self.request(prompt, N_CTX + 8 - len(prompt), n_keep, n_discard)
 
 
 def replay_text(arch: str, n_cache_reuse: int, lines: Sequence[str], mutant: str | None = None,
@@ -253,8 +262,8 @@ class replay:
         finally:
             self.fresh.stop()
 
-    def request(self, tokens: Sequence[int], n_predict: int) -> None:
-        self.run.request(tuple(tokens), n_predict)
+    def request(self, tokens: Sequence[int], n_predict: int, n_keep: int = 0, n_discard: int = 0) -> None:
+        self.run.request(tuple(tokens), n_predict, n_keep, n_discard)
 
 
 def run_model(arch: str, binary: Path, *, examples: int, seed: int, mutant: str | None = None,
