@@ -17,6 +17,7 @@ __all__ = [
     "SERVER",
     "SLOT_ACTION_BAD_BODY_500",
     "SLOT_FILE_FOLLOWS_SYMLINK",
+    "SLOT_RESTORE_ACCEPTS_FOREIGN_TOKENS",
     "SLOT_RESTORE_DROPS_CHECKPOINTS",
     "SLOT_RESTORE_STALE_DRAFT",
     "SLOT_RESTORE_TRUNCATED_FILE_ABORT",
@@ -249,6 +250,23 @@ SLOT_SAVE_FAILURE_ANSWERED_200 = Finding(
     takes_binary=True,
 )
 
+SLOT_RESTORE_ACCEPTS_FOREIGN_TOKENS = Finding(
+    "slot-restore-accepts-foreign-tokens",
+    "server",
+    "slot_file_restore",
+    "a slot file holding a token outside the vocabulary is restored (older builds)",
+    "fixtures/findings/slot_restore_accepts_foreign_tokens.py",
+    upstream="tools/server/server-context.cpp:2040-2053 at b9093 (SERVER_TASK_TYPE_SLOT_RESTORE)",
+    detail=(
+        "(report: fixtures/findings/slot_restore_accepts_foreign_tokens.md) the restore puts the file's token list "
+        "into the slot unchecked: a file whose list holds a token id past the vocabulary (1,000,000 on a 260-token "
+        "vocabulary) answers 200 and the slot holds it, over a KV state of other tokens; 0c1e570 refuses it, 400 "
+        "'Invalid tokens in slot save file' (server_tokens::validate, server-context.cpp:2616). Found by the server "
+        "gate's edge step (foreign-files) on b9093; fixed between b10380 and b10405"
+    ),
+    takes_binary=True,
+)
+
 SLOT_RESTORE_TRUNCATED_FILE_ABORT = Finding(
     "slot-restore-truncated-file-abort",
     "server",
@@ -336,5 +354,6 @@ SERVER = [
     SLOT_RESTORE_STALE_DRAFT,
     CACHE_REUSE_RECURRENT_STALE,
     CLEARED_SLOT_KEEPS_CHECKPOINTS,
+    SLOT_RESTORE_ACCEPTS_FOREIGN_TOKENS,
     SLOT_SAVE_FAILURE_ANSWERED_200,
 ]
