@@ -378,6 +378,41 @@ SAVE_ERROR_OK_EDIT: Edits = {"tools/server/server-context.cpp": [
      "ERROR_TYPE_SERVER);\n                        break;\n                    }\n",
      "                    // (mutant: a failed save answered as done)\n")]}  # fmt: skip
 
+#: a slot file's restore that fails (a forged file: too long, a token outside the vocabulary) leaves the slot as it
+#: was instead of clearing it (server-context.cpp:2620, prompt_clear in the catch) -> cleared_checkpoints, in the
+#: edge step's foreign-files case
+FAILED_RESTORE_KEEPS_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("                        slot->prompt_clear();\n                        send_error(task, std::string(\"Unable to "
+     "restore slot: \")",
+     "                        // (mutant: the slot is kept)\n                        send_error(task, std::string("
+     "\"Unable to restore slot: \")")]}  # fmt: skip
+
+#: an erase sent while its slot processes a completion runs at once instead of waiting for the slot (server-context.cpp:
+#: 2649-2654, the defer dropped) -> busy_slot_untouched, in the edge step's deferred-actions case
+BUSY_ERASE_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("                    if (slot->is_processing()) {\n                        // if requested slot is unavailable, "
+     "we defer this task for processing later\n                        SRV_DBG(\"requested slot is unavailable, defer "
+     "task, id_task = %d\\n\", task.id);\n                        queue_tasks.defer(std::move(task));\n              "
+     "          break;\n                    }\n\n                    // Erase token cache",
+     "                    // Erase token cache (mutant: also of a slot that is processing)")]}  # fmt: skip
+
+#: a slot save's name is not validated (server-context.cpp:5275, fs_validate_filename skipped on save) -> a save named
+#: "../escape.bin" writes beside the save directory: no_partial_file, in the edge step's hostile-name case
+NAME_UNCHECKED_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("    std::string filename = request_data.at(\"filename\");\n    if (!fs_validate_filename(filename)) {\n        "
+     "res->error(format_error_response(\"Invalid filename\", ERROR_TYPE_INVALID_REQUEST));\n        return res;\n"
+     "    }\n    std::string filepath = params.slot_save_path + filename;\n\n    auto & rd = res->rd;\n    {\n        "
+     "server_task task(SERVER_TASK_TYPE_SLOT_SAVE);",
+     "    std::string filename = request_data.at(\"filename\"); // (mutant: the name is not validated)\n"
+     "    std::string filepath = params.slot_save_path + filename;\n\n    auto & rd = res->rd;\n    {\n        "
+     "server_task task(SERVER_TASK_TYPE_SLOT_SAVE);")]}  # fmt: skip
+
+#: checkpoints are made whatever --ctx-checkpoints says (server-context.cpp:3441) -> with --ctx-checkpoints 0 the
+#: log shows one created: checkpoint_lists, in the edge step's no-checkpoints case
+CHECKPOINTS_ALWAYS_EDIT: Edits = {"tools/server/server-context.cpp": [
+    ("bool do_checkpoint = params_base.n_ctx_checkpoints > 0;",
+     "bool do_checkpoint = true; // (mutant: whatever --ctx-checkpoints says)")]}  # fmt: skip
+
 #: the prompt cache under another name, as a block cache replacing it would be (tools/server/server-task.h:612): the
 #: model's policy describes nothing there (harness.trees.switches: prompt_cache_replaced); an alias keeps it building
 BLOCK_EDIT: Edits = {"tools/server/server-task.h": [
@@ -422,6 +457,10 @@ TREES: dict[str, tuple[str, Edits | None]] = {
     "idle-busy": ("shared", IDLE_BUSY_EDIT),
     "load-keeps": ("shared", LOAD_KEEPS_EDIT),
     "save-error-ok": ("shared", SAVE_ERROR_OK_EDIT),
+    "failed-restore-keeps": ("shared", FAILED_RESTORE_KEEPS_EDIT),
+    "busy-erase": ("shared", BUSY_ERASE_EDIT),
+    "name-unchecked": ("shared", NAME_UNCHECKED_EDIT),
+    "checkpoints-always": ("shared", CHECKPOINTS_ALWAYS_EDIT),
     "shift-early": ("shared", SHIFT_EARLY_EDIT),
     "shift-discard": ("shared", SHIFT_DISCARD_EDIT),
     "block": ("shared", BLOCK_EDIT),
@@ -454,6 +493,7 @@ def make_tree(dest: Path, semantics: str, edits: Edits | None = None) -> Path:
 BUILT = ("threshold", "checkpoint-offset", "cap", "room", "tokens", "size", "transfer", "fail", "renamed", "contained",
          "kept", "early", "corrupt", "edge", "idle-kept", "stateless-saves", "stateless-resumes", "reuse-chunk",
          "reuse-short", "shift-early", "shift-discard", "restore-keeps", "idle-busy", "load-keeps", "save-error-ok",
+         "failed-restore-keeps", "busy-erase", "name-unchecked", "checkpoints-always",
          "block", "newest", "extra", "offset-cap", "offset-cap-threshold")
 """The users' trees the tests build (the others are the pinned builds, or are only read)."""
 _MADE = pytest.StashKey[dict[str, Path]]()

@@ -32,6 +32,7 @@ from harness.backends.llama_server.limits import (
 from harness.backends.llama_server.section import hypothesis_settings
 from harness.experiments.full_disk import full_disk, full_disk_program
 from harness.load.concurrent import load_config, run_concurrent
+from harness.load.edges import edges_program, run_edges
 from harness.load.gate_step import (
     N_TRACES,
     REUSE_EXAMPLES,
@@ -255,6 +256,53 @@ def test_a_save_that_answers_200_for_a_failed_write_fails_no_partial_file_at_the
     held = full_disk(build_server("shared"))
     assert not held.problems and held.died is None and held.checked == 7, held.to_json()
     assert held.findings == {"slot-save-partial-file": 4, "slot-save-silent-truncation": 1}, held.findings
+
+
+#: tree -> the edge case (harness.load.edges) it fails, that case's property and the start of its first problem
+EDGE_MUTANTS = {
+    # prompt_clear dropped from a failed restore's catch (server-context.cpp:2620)
+    "failed-restore-keeps": ("foreign-files", "after a failed restore of long.bin the slot resumed the prompt it held "
+                             "from 36 tokens: not cleared"),
+    # an erase of a slot that is processing runs at once (server-context.cpp:2649-2654, the defer dropped)
+    "busy-erase": ("deferred-actions", "the erase sent while a completion ran on its slot answered"),
+    # a save's name not validated (server-context.cpp:5275)
+    "name-unchecked": ("hostile-name", "a save named '../escape.bin' answered 200"),
+    # checkpoints whatever --ctx-checkpoints says (server-context.cpp:3441): the server dies making one
+    "checkpoints-always": ("no-checkpoints", "a request got no usable answer: POST /completion: the connection closed "
+                           "before an answer; the server died"),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("tree", sorted(EDGE_MUTANTS))
+def test_an_edge_case_fails_its_property_on_its_mutant_and_its_program_replays_it(trees: Trees, tree: str) -> None:
+    """C++ mutants of the edge cases (:mod:`harness.load.edges`): the case finds the problem on the mutant's
+    server (among others its timing decides: an erase at once may also change the completion it cut into), and its
+    program (the one the gate prints) exits 1 with it in a new process; the pinned build holds every case
+    (``test_edges.py``)."""
+    case, first = EDGE_MUTANTS[tree]
+    binary = build_source(trees(tree), log=lambda _m: None)
+    res = run_edges(binary, names=(case,))[0]
+    assert any(p.startswith(first) for p in res.problems), res.to_json()
+    p = subprocess.run([sys.executable, "-c", edges_program(f"Path({str(binary)!r})", case)], capture_output=True,
+                       text=True, cwd=REPO, timeout=300, check=False)  # fmt: skip
+    assert p.returncode == 1 and first in p.stdout, p.stdout + p.stderr[-2000:]
+
+
+def test_the_gate_fails_an_edge_cases_property_with_its_program(trees: Trees, tmp_path: Path) -> None:
+    """The gate's edge step on the mutant ``failed-restore-keeps``: the gate exits 1, its JSON fails
+    ``cleared_checkpoints`` on the machine ``server-edge-foreign-files`` with the case's program, and counts the
+    case's checks in the property table."""
+    binary = build_source(trees("failed-restore-keeps"), log=lambda _m: None)
+    r = run_harness("gate", "--backend", "server", "--server-bin", str(binary), "--semantics", "shared",
+                    "--json", str(tmp_path / "gate.json"), timeout=1800)  # fmt: skip
+    no_traceback(r)
+    report = json.loads((tmp_path / "gate.json").read_text())
+    edges = [f for f in report["failures"] if f["machine"] == "server-edge-foreign-files"]
+    assert r.returncode == 1 and edges, r.stdout[-3000:]
+    assert edges[0]["property"] == "cleared_checkpoints", edges[0]
+    assert edges[0]["message"].startswith("edge foreign-files: " + EDGE_MUTANTS["failed-restore-keeps"][1]), edges[0]
+    assert "run_edges(" in edges[0]["program"] and "('foreign-files',)" in edges[0]["program"], edges[0]
+    assert "[FAIL] edge foreign-files" in r.stdout, r.stdout[-3000:]
 
 
 def test_an_idle_pass_that_saves_a_processing_slot_fails_busy_slot_untouched(trees: Trees, tmp_path: Path) -> None:

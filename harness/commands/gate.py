@@ -39,6 +39,7 @@ from harness.errors import (
 from harness.load.gate_step import (
     against_base,
     server_concurrent_step,
+    server_edges_step,
     server_full_disk_step,
     server_reuse_step,
     server_slot_files_step,
@@ -53,10 +54,12 @@ __all__ = ["FOLLOW_UPS", "add_arguments", "options_from_args", "run", "run_gate"
 FOLLOW_UPS: dict[str, tuple[Callable[[GateReport, GateOptions, Callable[[str], None]], None], ...]] = {
     # the short concurrent run (issue 16); stateless tasks (stateless_not_cached, stateless_fresh on the server);
     # --cache-reuse and context-shift programs (reuse_chunks, shift_timing, context_shift); slot-file programs
-    # (slot_file_restore); a slot save into a full disk at every free-space boundary (no_partial_file)
+    # (slot_file_restore); a slot save into a full disk at every free-space boundary (no_partial_file); requests at
+    # the edges of the slot actions and the cache (harness.load.edges, each case under its property)
     # (each judged against BASE in a change run: a failure BASE shows too is upstream drift)
     "server": tuple(against_base(step) for step in (server_concurrent_step, server_stateless_step, server_reuse_step,
-                                                    server_slot_files_step, server_full_disk_step)),
+                                                    server_slot_files_step, server_full_disk_step,
+                                                    server_edges_step)),
 }
 
 SEMANTICS = ("shared", "master")

@@ -67,11 +67,13 @@ from harness.findings import (
     BUSY_SLOT_BY_ID,
     BUSY_SLOT_BY_ID_LIVELOCK,
     CONCURRENT_OUTPUT_DIVERGENCE,
+    FINDINGS,
     SLOT_SAVE_PARTIAL_FILE,
     SLOT_SAVE_SILENT_TRUNCATION,
     KnownRow,
 )
 from harness.load.concurrent import ConcurrentResult, concurrent_configs, load_config, run_concurrent
+from harness.load.edges import EDGES, edges_program, run_edge
 from harness.load.generated import GeneratedFailure
 from harness.load.reuse_programs import run_model as run_reuse_programs
 from harness.load.slot_programs import run_model as run_slot_programs
@@ -97,7 +99,8 @@ __all__ = [
 ]
 
 N_TRACES = 2
-REUSE_EXAMPLES = 20  # generated --cache-reuse programs (about 5 s)
+# generated --cache-reuse programs (about 10 s; once n_keep and n_discard were drawn, 20 missed reuse-chunk on seed 0)
+REUSE_EXAMPLES = 40
 SLOT_EXAMPLES = 20  # generated slot-file programs (about 5 s)
 STATELESS_RUNS = 3  # mixed programs per idle-slot setting (each on a fresh server: about half a second)
 
@@ -363,6 +366,44 @@ def server_full_disk_step(report: GateReport, opts: GateOptions, out: Out) -> No
                                      count=n))  # fmt: skip
     report.machines.append(MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure,
                                          Counter({"no_partial_file": d.checked}), Counter(), []))  # fmt: skip
+
+
+def server_edges_step(report: GateReport, opts: GateOptions, out: Out) -> None:
+    """Send the requests at the edges of the slot actions and the prompt cache (:mod:`harness.load.edges`: an
+    action deferred behind a running completion, a client gone, forged and hostile slot files, ``--ctx-checkpoints
+    0``, a checkpoint at position 0 within a sliding window, ``n_cache_reuse`` on a memory that cannot shift, chat
+    turns) to the binary the server backend just tested, each case counted under its property; a case that fails is
+    printed with the code that runs it again."""
+    tested = _tested(report)
+    if tested is None:
+        return
+    section, binary, semantics = tested
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="server-edges-") as logs:
+        for edge in EDGES:
+            t0 = time.perf_counter()
+            try:
+                res = run_edge(edge, binary, Path(logs))
+            except ServerStartError as e:
+                _cannot_start(report, section, out, f"edge case {edge.name}", edge.reaches, e)
+                continue
+            rows.append(res.to_json())
+            seen = "; ".join(res.seen)
+            out(f"  [{'FAIL' if res.problems else 'ok  '}] edge {edge.name}: {res.checked} {edge.prop} checks"
+                f"{f' ({seen})' if seen else ''} {time.perf_counter() - t0:5.1f}s")  # fmt: skip
+            failure = None
+            if res.problems:
+                program = edges_program(f"Path({str(binary)!r})", edge.name)
+                for p in res.problems[:3]:
+                    out(f"      {p}")
+                out("  the program that replays it:\n    " + program.replace("\n", "\n    "))
+                failure = Failure(edge.prop, "violation", f"edge {edge.name}: {res.problems[0]}", program,
+                                  _replay(opts, semantics), f"server-edge-{edge.name}", res.checked)  # fmt: skip
+            for found, n in sorted(res.findings.items()):
+                report.known.append(KnownRow(FINDINGS[found], f"server-edge-{edge.name}", "reproduced", count=n))
+            report.machines.append(MachineResult(MachineConfig(semantics), time.perf_counter() - t0, failure,
+                                                 Counter({edge.prop: res.checked}), Counter(), []))  # fmt: skip
+    section["edges"] = rows
 
 
 def server_concurrent_step(report: GateReport, opts: GateOptions, out: Out) -> None:
