@@ -141,10 +141,11 @@ def copy_artifacts(bin_dir: Path, out: Path) -> None:
 
 
 def _ldd(binary: Path) -> list[str]:
+    """The libraries ``ldd`` lists for ``binary``; none when it cannot say (not a dynamic executable, no ldd)."""
     try:
-        return subprocess.run(["ldd", str(binary)], capture_output=True, text=True, timeout=30,
-                              check=False).stdout.splitlines()  # fmt: skip
-    except (OSError, subprocess.TimeoutExpired):
+        return subprocess.check_output(["ldd", str(binary)], text=True, timeout=30,
+                                       stderr=subprocess.DEVNULL).splitlines()  # fmt: skip
+    except (OSError, subprocess.CalledProcessError, subprocess.TimeoutExpired):
         return []
 
 

@@ -123,8 +123,13 @@ def check_tree(src: Path, flag: str = "--source") -> Path:
     return src
 
 
-def _git(checkout: Path, *args: str) -> subprocess.CompletedProcess[bytes]:
-    return subprocess.run(["git", "-C", str(checkout), *args], capture_output=True, check=False, timeout=600)
+def _git(checkout: Path, *args: str) -> str | None:
+    """What git prints for ``args`` in ``checkout``, or None when it fails (or hangs for ten minutes)."""
+    try:
+        return subprocess.check_output(["git", "-C", str(checkout), *args], stderr=subprocess.DEVNULL,
+                                       timeout=600).decode()  # fmt: skip
+    except (subprocess.CalledProcessError, subprocess.TimeoutExpired, OSError):
+        return None
 
 
 def tree_at_revision(checkout: Path, rev: str, flag: str = "--base") -> Path:
@@ -133,12 +138,12 @@ def tree_at_revision(checkout: Path, rev: str, flag: str = "--base") -> Path:
     :class:`UsageError` line when ``checkout`` is not a git checkout or ``rev`` names no commit."""
     if shutil.which("git") is None:
         raise UsageError(f"{flag} {rev}: not a directory, and git is not installed to read it as a revision")
-    if _git(checkout, "rev-parse", "--git-dir").returncode != 0:
+    if _git(checkout, "rev-parse", "--git-dir") is None:
         raise UsageError(f"{flag} {rev}: not a directory, and {checkout} is not a git checkout to find it in")
     found = _git(checkout, "rev-parse", "--verify", "--quiet", f"{rev}^{{commit}}")
-    if found.returncode != 0:
+    if found is None:
         raise UsageError(f"{flag} {rev}: neither a directory nor a revision of the git checkout {checkout}")
-    sha = found.stdout.decode().strip()
+    sha = found.strip()
     root = cache_root() / "trees"
     final = root / f"git-{sha[:16]}"
     if (final / ".complete").is_file():
