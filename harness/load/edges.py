@@ -14,9 +14,10 @@ beside it (llama.cpp 0c1e570, ``tools/server/server-context.cpp``):
     (:5292, :5328, :5355: ``rd.next`` returns nothing only then): the server lives on and the completion's tokens
     are those it generates alone.
 ``foreign-files`` (``cleared_checkpoints``)
-    a slot file whose token list is longer than the slot's context (:2612), and one holding a token outside the
-    vocabulary (:2616): the restore answers an error and clears the slot (``prompt_clear``, :2620), so the next
-    request of the prompt it held resumes from nothing. Builds before b10405 restore the second with a 200: the
+    a slot file whose token list is longer than the slot's context (:2612), one holding a token outside the
+    vocabulary (:2616), one with a wrong magic, one whose token count runs past its end (src/llama-context.cpp:3331,
+    :3343) and one of another model: each restore answers an error and clears the slot (``prompt_clear``, :2620), so
+    the next request of the prompt it held resumes from nothing. Builds before b10405 restore the second with a 200: the
     registered finding ``slot-restore-accepts-foreign-tokens``, counted by its exact condition.
 ``hostile-name`` (``no_partial_file``)
     a save and a restore named ``../<name>`` (:5275, :5311, ``fs_validate_filename``): a 4xx, and no file written.
@@ -40,9 +41,9 @@ beside it (llama.cpp 0c1e570, ``tools/server/server-context.cpp``):
     end): both requests fail (HTTP 500) and their slots are cleared (:3693-3700).
 ``chat`` (``restore_equivalence``)
     chat turns on a hybrid, with the messages' delimiters the chat endpoint passes (:3531, :3588, :3608:
-    checkpoints at the user messages' starts): the second turn resumes from the first, a three-turn conversation on
-    an empty slot meets the spacing rule at its middle user message; each answer a fresh server's within the
-    batch-shape bound.
+    checkpoints at the user messages' starts): the second turn resumes from the first, a four-turn conversation on
+    an empty slot meets the spacing rule at its middle user messages (:3609: one declined, one taken); each answer
+    a fresh server's within the batch-shape bound.
 
 Each case returns its checks and its problems (an empty list: it held); a request that got no usable answer (the
 server died, hung, or answered an error the case did not ask for) is a problem with its description.
@@ -223,12 +224,21 @@ def forge_slot_file(saved: bytes, tokens: list[int]) -> bytes:
 
 def foreign_files(binary: Path, logs: Path, res: EdgeResult) -> None:
     save_dir = Path(tempfile.mkdtemp(prefix="edge-slots-", dir=logs))
+    with _server(binary, logs, "llama", "--slot-save-path", f"{save_dir}/", ctx=256) as other:
+        other.completion(PROMPT, 4, id_slot=0)
+        other.request("POST", "/slots/0?action=save", {"filename": "llama.bin"})
     with _server(binary, logs, "lfm2", "--slot-save-path", f"{save_dir}/", ctx=256) as srv:
         srv.completion(PROMPT, 4, id_slot=0)
         srv.request("POST", "/slots/0?action=save", {"filename": "own.bin"})
         saved = (save_dir / "own.bin").read_bytes()
+        magic, version, n = struct.unpack("<3I", saved[:12])
         forged = {"long.bin": forge_slot_file(saved, [PROMPT[i % len(PROMPT)] for i in range(300)]),
-                  "vocab.bin": forge_slot_file(saved, [*PROMPT[:4], 1_000_000, *PROMPT[5:]])}  # fmt: skip
+                  "vocab.bin": forge_slot_file(saved, [*PROMPT[:4], 1_000_000, *PROMPT[5:]]),
+                  # the header's magic off by one bit; a token count past the file's end (llama-context.cpp:3331,
+                  # :3343); another model's state (llama's, into lfm2)
+                  "magic.bin": struct.pack("<3I", magic ^ 1, version, n) + saved[12:],
+                  "count.bin": struct.pack("<3I", magic, version, 1_000_000) + saved[12:],
+                  "llama.bin": (save_dir / "llama.bin").read_bytes()}  # fmt: skip
         for name, data in forged.items():
             check()
             (save_dir / name).write_bytes(data)
@@ -335,16 +345,16 @@ CHATML = [{"role": r, "delimiter": f"<|im_start|>{r}"} for r in ("system", "user
 def chat(binary: Path, logs: Path, res: EdgeResult) -> None:
     """Chat turns as the chat endpoint sends them (the template applied, the messages' delimiters given), sent to
     ``/completion`` as tokens so that each answer's tokens can be held to a fresh server's: a second turn that
-    resumes from the first (a checkpoint at the last user message), then the three-turn conversation on the other,
-    empty slot, whose second user message starts more than ``-ub`` tokens before the end (the spacing rule decides,
-    :3609)."""
+    resumes from the first (a checkpoint at the last user message), then a four-turn conversation on the other,
+    empty slot, whose middle user messages start more than ``-ub`` tokens before the end: the spacing rule
+    (``-cms``, :3609) declines the first and takes the second."""
 
     def tokens(srv: ServerProcess, messages: list[dict[str, str]]) -> tuple[int, ...]:
         text = srv.request("POST", "/apply-template", {"messages": messages})["prompt"]
         return tuple(srv.request("POST", "/tokenize", {"content": text, "add_special": True,
                                                        "parse_special": True})["tokens"])  # fmt: skip
 
-    with (_server(binary, logs, "jamba", "-ub", "64", n_parallel=2, ctx=1024) as srv,
+    with (_server(binary, logs, "jamba", "-ub", "64", "-cms", "100", n_parallel=2, ctx=1024) as srv,
           _server(binary, logs, "jamba", ctx=512) as fresh):  # fmt: skip
         talk = [{"role": "system", "content": "be brief " * 8}, {"role": "user", "content": "hello there " * 6}]
         first = srv.completion(tokens(srv, talk), 4, id_slot=0, message_delimiters=CHATML)
@@ -353,10 +363,14 @@ def chat(binary: Path, logs: Path, res: EdgeResult) -> None:
         answer = srv.completion(second, 4, id_slot=0, message_delimiters=CHATML, return_tokens=True, n_probs=2)
         _against_fresh(fresh, res, second, answer, "jamba")
         res.seen.append(f"the second turn resumed from {answer['timings']['cache_n']} of {len(second)} tokens")
-        talk += [{"role": "assistant", "content": answer["content"]}, {"role": "user", "content": "once more " * 6}]
-        third = tokens(srv, talk)
-        whole = srv.completion(third, 4, id_slot=1, message_delimiters=CHATML, return_tokens=True, n_probs=2)
-        _against_fresh(fresh, res, third, whole, "jamba")
+        # four user messages starting at 49, 140, 237 and 334 (the last): with -cms 100, 140 is within the spacing
+        # of the checkpoint at 49 (none made) and 237 beyond it (one made)
+        talk = [{"role": "system", "content": "be brief " * 2}, {"role": "user", "content": "hello there " * 2}]
+        for text in ("and again " * 3, "once more " * 3, "last one " * 3):
+            talk += [{"role": "assistant", "content": "ok " * 2}, {"role": "user", "content": text}]
+        whole = tokens(srv, talk)
+        answer = srv.completion(whole, 4, id_slot=1, message_delimiters=CHATML, return_tokens=True, n_probs=2)
+        _against_fresh(fresh, res, whole, answer, "jamba")
         res.seen.append(f"{srv.log_through(0).count('created context checkpoint')} checkpoints created")
 
 
@@ -416,8 +430,8 @@ def purge(binary: Path, logs: Path, res: EdgeResult) -> None:
 EDGES: tuple[Edge, ...] = (
     Edge("deferred-actions", "busy_slot_untouched", ":2534 :2584 :2649 (is_processing: defer)", deferred_actions),
     Edge("client-gone", "busy_slot_untouched", ":5292 :5328 :5355 (rd.next: the connection closed)", client_gone),
-    Edge("foreign-files", "cleared_checkpoints", ":2612 :2616 (a file too long, a token outside the vocabulary)",
-         foreign_files),
+    Edge("foreign-files", "cleared_checkpoints", ":2612 :2616 (too long, a token outside the vocabulary, a bad header, "
+         "another model)", foreign_files),
     Edge("hostile-name", "no_partial_file", ":5275 :5311 (fs_validate_filename)", hostile_name),
     Edge("no-checkpoints", "checkpoint_lists", ":3444 (n_ctx_checkpoints 0)", no_checkpoints),
     Edge("checkpoint-search", "restore_equivalence", ":3342 (a checkpoint at position 0; one at the resume point)",
