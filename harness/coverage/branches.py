@@ -86,9 +86,9 @@ BRANCH_REASONS: tuple[BranchReason, ...] = (
     BranchReason("a draft model's state on a server without one: the draft payload is empty there (the GGML_ASSERT "
                  "after it holds)", r"if \(!data\.empty\(\)\)", r"server_prompt_cache::load"),
     # choosing a slot
-    BranchReason("a completion naming a negative slot id other than -1 (reachable: id_slot -2; get_slot_by_id wraps "
-                 "every id >= 0 modulo the slots, server-context.cpp:1503, so only a negative one finds none)",
-                 r"^\s*if \(ret\) \{", r"get_available_slot", reachable=True),
+    BranchReason("get_slot_by_id never returns null: `id_slot % slots.size()` (server-context.cpp:1503) converts the "
+                 "id to size_t, so every id, a negative one too, wraps to a slot (seen: id_slot -2 selects slot 0, "
+                 "POST /slots/-2?action=erase answers id_slot -2)", r"^\s*if \(ret\) \{", r"get_available_slot"),
     BranchReason("--slot-prompt-similarity 0 (the gate runs upstream's default, 0.1)",
                  r"if \(slot_prompt_similarity != 0\.0f\)", r"get_available_slot"),
     # the purge of a unified KV
@@ -96,28 +96,11 @@ BRANCH_REASONS: tuple[BranchReason, ...] = (
                  "each slot's stream holds its n_ctx cells and a slot never holds more (a prompt of n_ctx tokens is "
                  "refused, generation stops or shifts at n_ctx)", r"if \(!params_base\.kv_unified\)",
                  r"try_clear_idle_slots"),
-    BranchReason("a purge that finds an idle slot empty or the loop run to its end: the gate's unified-KV programs "
-                 "purge when another slot holds the KV (reachable: three slots, two idle, one empty)",
-                 r"for \(auto & slot : slots\)|if \(slot\.prompt\.n_tokens\(\) > 0\)", r"try_clear_idle_slots",
-                 reachable=True),
     # the slot actions
-    BranchReason("a slot action naming a negative slot id (reachable: POST /slots/-2?action=erase; get_slot_by_id "
-                 "wraps every id >= 0, :1503)", r"if \(slot == nullptr\)", _SLOT_TASK, reachable=True),
-    BranchReason("a slot action on a slot that is processing, deferred until it is free (reachable: a save while a "
-                 "completion runs; the gate's slot-file programs act between completions)",
-                 r"if \(slot->is_processing\(\)\)", _SLOT_TASK, reachable=True),
-    BranchReason("a slot file from a larger context (reachable: a file saved by a server with a larger -c; the "
-                 "gate's files come from the server restoring them)", r"restored\.size\(\) > \(size_t\) slot->n_ctx",
-                 _SLOT_TASK, reachable=True),
-    BranchReason("a slot file with a token outside the vocabulary (reachable: a file of another model)",
-                 r"!restored\.validate\(ctx_tgt\)", _SLOT_TASK, reachable=True),
-    BranchReason("a hostile slot file name (coverage --run slot-names sends them; the gate's names are plain)",
-                 r"!fs_validate_filename\(filename\)", _HANDLERS, reachable=True),
-    BranchReason("a client gone before its slot action's answer (reachable: a save deferred behind a running "
-                 "completion, then the connection closed; server_response_reader::next returns none only then)",
-                 r"if \(!result\)", _HANDLERS, reachable=True),
-    BranchReason("a slot action that fails (reachable: an erase of a negative slot id; a save into a full disk is "
-                 "the full-disk step's)", r"if \(result->is_error\(\)\)", _HANDLERS, reachable=True),
+    BranchReason("get_slot_by_id never returns null (every id wraps to a slot, :1503; see get_available_slot)",
+                 r"if \(slot == nullptr\)", _SLOT_TASK),
+    BranchReason("an erase that fails: its only error is the null slot, which get_slot_by_id never returns (:1503)",
+                 r"if \(result->is_error\(\)\)", r"handle_slots_erase"),
     # checkpoints: creating and restoring
     BranchReason("its body is GGML_ABORT (\"should not happen\", server-context.cpp:3284): a slot that resumes "
                  "from n_past > 0 tokens holds its sequence (an invariant that holds)", r"if \(pos_min == -1\)",
@@ -139,22 +122,11 @@ BRANCH_REASONS: tuple[BranchReason, ...] = (
                  r"!data_(tgt|dft) \|\| data_(tgt|dft)->empty\(\)|return data_tgt \? data_tgt->size\(\) : 0",
                  r"common_prompt_checkpoint::"),
     # context shift and --cache-reuse
-    BranchReason("a request with n_keep -1 (keep the whole prompt; reachable: the reuse step's programs send n_keep "
-                 ">= 0)", r"params\.n_keep < 0 \?", r"pre_decode", reachable=True),
     BranchReason("a vocabulary that adds no BOS token (llama_vocab_get_add_bos false, :1099): the fixtures' GGUF "
                  "vocabularies add one", r"if \(add_bos_token\)", r"pre_decode"),
-    BranchReason("a request with its own n_discard (reachable: the reuse step's programs leave it 0, so the shift "
-                 "discards half)", r"params\.n_discard \?", r"pre_decode", reachable=True),
-    BranchReason("--cache-reuse on a memory that cannot shift (recurrent or hybrid; reachable: the reuse step's "
-                 "programs run on llama only)", r"if \(!can_cache_reuse && n_cache_reuse > 0\)", r"pre_decode",
-                 reachable=True),
     BranchReason("--slots-debug (a debugging printout; the gate runs without it)", r"if \(slots_debug\)"),
     BranchReason("a multimodal prompt (an mtmd chunk): no model of the fixtures has a projector",
                  r"has_mtmd|mctx\)|if \(mctx\)"),
-    BranchReason("a batch that starts a user message, or the last one (chat spans; reachable: a /chat/completions "
-                 "request; the gate sends token prompts to /completion, whose spans mark no message)",
-                 r"if \(!is_user_start && !near_prompt_end\)|^\s*is_last_user_message \|\|", r"pre_decode",
-                 reachable=True),
     BranchReason("speculation without a draft model (--spec-type ngram-*: the gate's speculation is a draft model, "
                  "-md)", r"^\s*if \(ctx_dft\) \{", r"pre_decode"),
     BranchReason("a draft model whose memory cannot roll back (recurrent: seq_rm type FULL or RS): the fixtures' "

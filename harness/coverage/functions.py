@@ -91,7 +91,9 @@ UNEXPLAINED = "unexplained"
 
 REASONS: tuple[Reason, ...] = (
     Reason("error path: a failed state read (state_clear undoes a partial restore)", None, r"::state_clear\("),
-    Reason("needs a full unified KV cache (a decode that finds no room)", None, r"::try_clear_idle_slots\("),
+    Reason("a decode without room in a per-slot KV (the early return without --kv-unified): each slot's stream "
+           "holds its n_ctx cells and a slot never holds more (a prompt of n_ctx tokens is refused, generation "
+           "stops or shifts at n_ctx)", None, r"::try_clear_idle_slots\("),
     Reason("needs n_cmpl > 1 (a parent's prompt and sequence copied to its children)", None,
            r"^(server_prompt::clone|llama_memory_seq_cp|llama_kv_cache::seq_cp|llama_memory_recurrent::seq_cp)(\(|$)"),
     Reason("seq_keep: no path of the server keeps one sequence only", None, r"seq_keep(\(|$)"),
@@ -100,14 +102,17 @@ REASONS: tuple[Reason, ...] = (
     # the slot-file paths the slot-files workload (save/restore/erase between completions, a full disk) leaves
     Reason("a client gone before its answer (the HTTP request stopped while its slot task waited)",
            r"req\.should_stop\(\)"),
-    Reason("a hostile slot file name: no slot-file name in this workload (coverage --run slot-names sends them)",
+    Reason("a hostile slot file name (the gate's edge step sends ../escape.bin; coverage --run slot-names more)",
            r'"Invalid filename"'),
-    Reason("a slot action naming a slot id the server does not have (a bad request)",
-           r'"Invalid slot ID"|res->error\(result->to_json\(\)\)'),
+    Reason("a slot id the server does not have: get_slot_by_id never returns null (`id_slot % slots.size()` "
+           "converts the id to size_t, server-context.cpp:1503, so every id wraps to a slot), and an erase's only "
+           "error is that one", r'"Invalid slot ID"|res->error\(result->to_json\(\)\)'),
     Reason("a slot file from a larger context or another vocabulary (restore refuses it)",
            r"does not fit in the slot context|Invalid tokens in slot save file"),
-    Reason("a corrupt or foreign slot file (magic or version, a token count past the file or the slot, a state that "
-           "does not read): no workload restores one", r"sequence state file|failed to restore sequence state"),
+    Reason("a slot file whose token count exceeds the capacity the server passes (it asks for the count first and "
+           "reads with exactly it, server-context.cpp:2599-2602: only a file rewritten between the two reads), or "
+           "whose state read returns 0 without throwing (the edge step's files of another model throw first: "
+           "llama_state_seq_load_file's catch)", r"sequence state file|failed to restore sequence state"),
     # an abort among other lines does not explain them: only a short block that is the abort
     Reason("abort path: an invariant upstream asserts (the process dies: no counters)",
            r"GGML_ABORT|GGML_ASSERT|should not happen", max_lines=4),
