@@ -283,6 +283,7 @@ def test_an_edge_case_fails_its_property_on_its_mutant_and_its_program_replays_i
     binary = build_source(trees(tree), log=lambda _m: None)
     res = run_edges(binary, names=(case,))[0]
     assert any(p.startswith(first) for p in res.problems), res.to_json()
+    assert res.died == (tree == "checkpoints-always"), res.to_json()  # a crash only where the server really died
     p = subprocess.run([sys.executable, "-c", edges_program(f"Path({str(binary)!r})", case)], capture_output=True,
                        text=True, cwd=REPO, timeout=300, check=False)  # fmt: skip
     assert p.returncode == 1 and first in p.stdout, p.stdout + p.stderr[-2000:]

@@ -89,10 +89,11 @@ class EdgeResult:
     problems: list[str] = field(default_factory=list)
     seen: list[str] = field(default_factory=list)
     findings: dict[str, int] = field(default_factory=dict)
+    died: bool = False  # a server of the case died under a request (observed: the request's connection and its exit)
 
     def to_json(self) -> dict[str, Any]:
         return {"name": self.name, "property": self.prop, "checked": self.checked, "problems": self.problems,
-                "seen": self.seen, "findings": self.findings}  # fmt: skip
+                "seen": self.seen, "findings": self.findings, "died": self.died}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -452,6 +453,7 @@ def run_edge(edge: Edge, binary: Path, logs: Path) -> EdgeResult:
         edge.run(binary, logs, res)
     except RequestFailed as e:
         res.problems.append(f"a request got no usable answer: {e.describe()}")
+        res.died = not e.alive
     return res
 
 

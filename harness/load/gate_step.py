@@ -369,11 +369,10 @@ def server_full_disk_step(report: GateReport, opts: GateOptions, out: Out) -> No
 
 
 def server_edges_step(report: GateReport, opts: GateOptions, out: Out) -> None:
-    """Send the requests at the edges of the slot actions and the prompt cache (:mod:`harness.load.edges`: an
-    action deferred behind a running completion, a client gone, forged and hostile slot files, ``--ctx-checkpoints
-    0``, a checkpoint at position 0 within a sliding window, ``n_cache_reuse`` on a memory that cannot shift, chat
-    turns) to the binary the server backend just tested, each case counted under its property; a case that fails is
-    printed with the code that runs it again."""
+    """Run the edge cases (:data:`harness.load.edges.EDGES`: the requests the generated programs never send) on the
+    binary the server backend just tested, each case counted under its property, a registered finding it meets by
+    its exact condition counted as known; a case that fails is printed with the code that runs it again, as a crash
+    when one of its servers died."""
     tested = _tested(report)
     if tested is None:
         return
@@ -397,7 +396,8 @@ def server_edges_step(report: GateReport, opts: GateOptions, out: Out) -> None:
                 for p in res.problems[:3]:
                     out(f"      {p}")
                 out("  the program that replays it:\n    " + program.replace("\n", "\n    "))
-                failure = Failure(edge.prop, "violation", f"edge {edge.name}: {res.problems[0]}", program,
+                kind = "crash" if res.died else "violation"
+                failure = Failure(edge.prop, kind, f"edge {edge.name}: {res.problems[0]}", program,
                                   _replay(opts, semantics), f"server-edge-{edge.name}", res.checked)  # fmt: skip
             for found, n in sorted(res.findings.items()):
                 report.known.append(KnownRow(FINDINGS[found], f"server-edge-{edge.name}", "reproduced", count=n))
