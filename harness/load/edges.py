@@ -27,7 +27,7 @@ beside it (llama.cpp 0c1e570, ``tools/server/server-context.cpp``):
     both outcomes of the checkpoint search's last test (:3342): gemma2 (a 16-token window) resuming within its
     window from a checkpoint at position 0, and lfm2 resuming exactly where a checkpoint's state ends (passed over):
     each answer a fresh server's, within the batch-shape bound.
-``reuse-unshiftable`` (``reuse_equivalence``)
+``reuse-unshiftable`` (``restore_equivalence``: no chunk moves, so the answer is the resumed slot's)
     a request's ``n_cache_reuse`` on a memory that cannot shift (:3214): gemma2's two caches differ in size
     (``llama_kv_cache_iswa::get_can_shift``, src/llama-kv-cache-iswa.cpp:253; a recurrent or hybrid memory shifts
     "trivially", llama-memory-hybrid.cpp:133): ignored with a warning, the answer a fresh server's (a server started
@@ -437,7 +437,7 @@ EDGES: tuple[Edge, ...] = (
     Edge("no-checkpoints", "checkpoint_lists", ":3444 (n_ctx_checkpoints 0)", no_checkpoints),
     Edge("checkpoint-search", "restore_equivalence", ":3342 (a checkpoint at position 0; one at the resume point)",
          checkpoint_search),
-    Edge("reuse-unshiftable", "reuse_equivalence", ":3214 (n_cache_reuse on a memory that cannot shift)",
+    Edge("reuse-unshiftable", "restore_equivalence", ":3214 (n_cache_reuse on a memory that cannot shift)",
          reuse_unshiftable),
     Edge("chat", "restore_equivalence", ":3531 :3588 :3608 (message spans; the spacing rule between them)", chat),
     Edge("empty-draft", "restore_equivalence", ":3049 (a draft the draft model left empty)", empty_draft),
