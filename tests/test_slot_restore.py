@@ -193,7 +193,9 @@ def test_real_server_restore_on_a_speculative_slot_keeps_a_stale_draft() -> None
 
 def test_libllama_slot_file_machine_checks_restores_against_a_fresh_evaluation() -> None:
     cls = slot_file_machine(MachineConfig("shared", arch="llama"))
-    _machine_run(cls, 120)
+    # 250 examples: a full set_data restore checked is rare (2 of 35 restores in 120 examples run alone), and the
+    # derandomized draws move with what the session imported before (120 drew none after harness.cli's imports)
+    _machine_run(cls, 250)
     assert cls.actions["restore 200"] > 0
     # the first decode after a file restore (a full set_data) compared with a fresh context's logits
     assert cls.llama_stats["restores_by:set_data"] > 0 and cls.llama_stats["layout_diffs"] == 0
