@@ -192,10 +192,12 @@ def test_reasons_table() -> None:
     handler = "server_routes::handle_slots_save(server_http_req const&, int)"
     assert reason_for("GGML_ASSERT(req.should_stop());\nreturn res;", handler).startswith("a client gone")
     assert reason_for('res->error(format_error_response("Invalid filename", X));', handler).startswith("a hostile")
-    assert reason_for('send_error(task, "Invalid slot ID", ERROR_TYPE_INVALID_REQUEST);', "f").startswith("a slot act")
+    assert reason_for('send_error(task, "Invalid slot ID", ERROR_TYPE_INVALID_REQUEST);', "f").startswith(
+        "a slot id the server does not have: get_slot_by_id never returns null"
+    )
     assert reason_for("x", "llama_state_save_file").startswith("whole-context session files")
     assert reason_for('LLAMA_LOG_ERROR("%s: failed to restore sequence state\\n", __func__);', "f").startswith(
-        "a corrupt or foreign slot file"
+        "a slot file whose token count exceeds the capacity the server passes"
     )
     assert reason_for("case SERVER_TASK_TYPE_GET_LORA:", "f") == "a LoRA adapter"
     # the guards of the memory calls: a reason of their own, not "unexplained" and not the reuse workload's
