@@ -10,7 +10,7 @@ rows (:class:`~harness.findings.KnownRow`) and its own JSON section (a :class:`S
 A backend declares the options only it reads (``Backend.options``, one :class:`Option` each, as gcovr's
 format handlers declare theirs) and the frozen dataclass they fill (``Backend.options_type``, in its own module):
 ``python -m harness gate`` adds them to its ``--help`` under the backend's name, builds each backend's dataclass
-from them (:meth:`Backend.options_from`) into :attr:`GateOptions.backends`, and rejects an option no selected
+from them (``commands/gate.py``) into :attr:`GateOptions.backends`, and rejects an option no selected
 backend reads, naming the backend that would. A backend reads its own with ``opts.of(ItsOptions)``.
 
 Campaigns too: a backend says which state machines a fuzz campaign runs on it
@@ -352,23 +352,14 @@ SOURCE = Option("source", "--source", {
 
 class Backend:
     """One backend of the gate. Subclasses set ``name`` (the ``--backend`` value), ``options`` (the
-    options only some backends read, :class:`Option`) with ``options_type`` (the frozen dataclass they fill, every
-    field with its default) and implement :meth:`run`; a backend with fuzz-campaign
+    options only some backends read, :class:`Option`) with ``options_type`` (the frozen dataclass the gate command
+    fills from the flags, every field with its default) and implement :meth:`run`; a backend with fuzz-campaign
     machines also implements :meth:`campaign_machines` (and :meth:`campaign_models` if they load models)."""
 
     name: ClassVar[str]
     options: ClassVar[tuple[Option, ...]] = ()
     options_type: ClassVar[type[Any] | None] = None  # None: it reads no options of its own
     semantics_axis: ClassVar[bool] = True  # False: the target has no master/PR axis
-
-    @classmethod
-    def options_from(cls, values: Mapping[str, Any]) -> object | None:
-        """Its ``options_type`` filled from the parsed flags (by field; a None left to the default)."""
-        if cls.options_type is None:
-            return None
-        given = {o.field: values[o.field] for o in cls.options if values.get(o.field) is not None}
-        options: object = cls.options_type(**given)
-        return options
 
     def run(self, report: GateReport, opts: GateOptions, out: Out) -> None:
         raise NotImplementedError

@@ -20,7 +20,7 @@ import argparse
 import json
 import os
 import sys
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 from harness.backends import BACKENDS, DEFAULT_BACKENDS
@@ -157,7 +157,7 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
     semantics, args.asan = _semantics(args, warn)  # --flavour asan folded in
     declared = _backend_options()
     values = {f: _value(getattr(args, f)) for f in declared}
-    own = {name: b.options_from(values) for name, b in BACKENDS.items()}  # each checks its own values (--arch)
+    own = {name: _own_options(b, values) for name, b in BACKENDS.items()}  # each checks its own values (--arch)
     for field, (option, readers) in declared.items():
         if values[field] not in (None, False) and not any(b in readers for b in backends):
             raise UsageError(f"{option.flag} applies to the {readers[0]} backend; add --backend {readers[0]}")
@@ -175,6 +175,16 @@ def options_from_args(args: argparse.Namespace, warn: Callable[[str], None]) -> 
         backends={name: o for name, o in own.items() if o is not None},
     )
     return opts, backends
+
+
+def _own_options(backend: Backend, values: Mapping[str, Any]) -> object | None:
+    """The backend's ``options_type`` filled from the parsed flags (by field; a None left to the default): the
+    type's own checks (``--arch``) raise :class:`~harness.errors.UsageError`."""
+    if backend.options_type is None:
+        return None
+    given = {o.field: values[o.field] for o in backend.options if values.get(o.field) is not None}
+    options: object = backend.options_type(**given)
+    return options
 
 
 def _value(v: Any) -> Any:
