@@ -23,6 +23,7 @@ from harness.trace.calls import (
     Memory,
     build_trace,
     check_trace,
+    is_batch,
     main_context,
     read_trace,
     rows,
@@ -87,6 +88,20 @@ def test_the_replay_gives_the_servers_logits_bit_for_bit(recorded: TracedRun) ->
     assert s["reads"] == n_reads > 20
     assert s["reads_same"] == s["reads"], s["first_diff"]  # right and wrong answers alike
     assert s["rets_differ"] == [] and s["issues"] == [] and s["skipped"] == []
+
+
+def test_a_trace_of_llama_decode_calls_replays_as_one_of_llama_process(recorded: TracedRun, tmp_path: Path) -> None:
+    """A server from before about b10300 decodes with ``llama_decode``: ``trace.c`` records those batches as
+    ``decode`` events, and the replay reads them as it reads ``process`` ones (b10566's 682 reads came back
+    0 of 682 while it did not)."""
+    assert recorded.lib_dir is not None
+    events = read_trace(recorded.trace).events
+    legacy = [{**{k: v for k, v in e.items() if k != "type"}, "ev": "decode"} if is_batch(e) else e for e in events]
+    assert sum(e.get("ev") == "decode" for e in legacy) > 20
+    write_trace(legacy, tmp_path / "legacy.jsonl")
+    s = replay(tmp_path / "legacy.jsonl", lib_dir=recorded.lib_dir)["replay"]
+    assert s["reads"] == len(read_trace(recorded.trace).of("logits")) > 20
+    assert s["reads_same"] == s["reads"], s["first_diff"]
 
 
 def _plant(events: list[Event]) -> tuple[list[Event], int] | None:

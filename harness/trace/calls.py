@@ -53,6 +53,7 @@ __all__ = [
     "build_trace",
     "check_trace",
     "fnv1a64",
+    "is_batch",
     "logits_row",
     "main_context",
     "read_trace",
@@ -213,6 +214,12 @@ class Row:
     out: bool
 
 
+def is_batch(ev: Event) -> bool:
+    """Whether ``ev`` decoded a batch of rows: a ``process`` of type decode (``llama_process``, the server's call
+    from about b10300) or a ``decode`` (``llama_decode``, the server's call before; ``trace.c`` records both)."""
+    return ev.get("ev") in ("process", "decode") and ev.get("type", "decode") == "decode"
+
+
 def rows(ev: Event) -> list[Row]:
     """The rows of a ``process``/``decode`` event (positions -1 when libllama chose them)."""
     toks = ev.get("tok") or []
@@ -302,7 +309,7 @@ class Memory:
             return []
         issues: list[Issue] = []
         self._forget(ev)
-        if kind in ("process", "decode") and ev.get("type", "decode") == "decode":
+        if is_batch(ev):
             rs = rows(ev)
             self.last_rows = rs
             issues.extend(self._windows(rs))

@@ -22,7 +22,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from harness.findings import DECODE_EXCEPTION_KEEPS_SLOT_TOKENS, SWA_RESTORE_WINDOW_SHORT
-from harness.trace.calls import Event, Memory, main_context, rows
+from harness.trace.calls import Event, Memory, is_batch, main_context, rows
 
 __all__ = ["DECODE_THREW", "SHORT_WINDOW", "Explainer", "Lineage", "slice_read", "with_rows"]
 
@@ -126,8 +126,8 @@ class Explainer:
         self.events = events
         ctx = main_context(events)
         returned = {int(e["of"]) for e in events if e.get("ev") == "ret"}
-        self.threw = {int(e["i"]) for e in events if e.get("ev") in ("process", "decode") and e.get("ctx") == ctx
-                      and e.get("type", "decode") == "decode" and int(e["i"]) not in returned}  # fmt: skip
+        self.threw = {int(e["i"]) for e in events if is_batch(e) and e.get("ctx") == ctx
+                      and int(e["i"]) not in returned}  # fmt: skip
         self.short: set[tuple[int, int]] = set()
         self.reads: dict[int, list[tuple[tuple[int, ...], Event]]] = {}  # by the history's hash
         mem = Memory(ctx, n_swa=n_swa)

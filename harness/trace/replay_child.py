@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from harness.child import child_setup
-from harness.trace.calls import read_trace, write_trace
+from harness.trace.calls import is_batch, read_trace, write_trace
 from harness.trace.replay_engine import Engine, RunResult
 from harness.trace.shrink import shrink
 from harness.trees.api import loaded_libllama
@@ -65,7 +65,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             t0 = time.monotonic()
             small = shrink(engine, trace.events, target, budget=a.budget)
             calls = [e for e in small if e.get("ev") != "ret"]
-            n_rows = sum(len(e.get("tok") or []) for e in calls if e.get("ev") == "process")
+            n_rows = sum(len(e.get("tok") or []) for e in calls if is_batch(e))
             took = round(time.monotonic() - t0, 1)
             out["shrink"] = {"target": list(target), "calls": len(calls), "rows": n_rows, "seconds": took}
             if a.shrunk:

@@ -36,6 +36,7 @@ from harness.trace.calls import (
     Row,
     Trace,
     fnv1a64,
+    is_batch,
     logits_row,
     main_context,
     rows,
@@ -284,7 +285,7 @@ class Engine:
                     continue
                 res.issues.extend((int(e.get("i", -1)), issue.text) for issue in mem.apply(e))
                 res.calls += 1
-                if kind == "process" and e.get("type") == "decode":
+                if is_batch(e):
                     if e.get("embd"):
                         res.skipped.append(f"call {e['i']}: a batch of embeddings (not in the trace)")
                         break

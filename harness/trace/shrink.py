@@ -24,7 +24,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import TypeVar
 
-from harness.trace.calls import Event, Memory, rows
+from harness.trace.calls import Event, Memory, is_batch, rows
 from harness.trace.lineage import STATEFUL, slice_read, with_rows
 from harness.trace.replay_engine import Engine, RunResult
 
@@ -78,7 +78,7 @@ class _Shrinker:
         self.base = [e for e in events if e.get("ev") in STATEFUL and int(e["i"]) < self.at]
         self.pinned: list[Event] = [by_i[self.at]]
         if self.kind == "fresh":
-            proc = max((e for e in self.base if e.get("ev") == "process"), key=lambda e: int(e["i"]))
+            proc = max((e for e in self.base if is_batch(e)), key=lambda e: int(e["i"]))
             self.base.remove(proc)
             self.pinned.insert(0, proc)
         self.sliced = False
@@ -138,10 +138,10 @@ class _Shrinker:
         extra = [(int(self.pinned[0]["i"]), self.out_row())] if self.kind == "fresh" else []
         for i, j in [*sel, *extra]:
             keep.setdefault(i, []).append(j)
-        base = [e if e.get("ev") != "process" else with_rows(e, sorted(keep[int(e["i"])]))
-                for e in self.base if e.get("ev") != "process" or int(e["i"]) in keep]  # fmt: skip
+        base = [e if not is_batch(e) else with_rows(e, sorted(keep[int(e["i"])]))
+                for e in self.base if not is_batch(e) or int(e["i"]) in keep]  # fmt: skip
         pin = self.pinned[0]
-        if pin.get("ev") != "process":
+        if not is_batch(pin):
             return base, list(self.pinned)
         js = sorted(keep.get(int(pin["i"]), []))
         if not js:
@@ -157,7 +157,7 @@ class _Shrinker:
         k = len(self.base) - 2
         while k >= 0 and time.monotonic() < deadline:
             a, b = self.base[k], self.base[k + 1]
-            if a.get("ev") == "process" and b.get("ev") == "process":
+            if is_batch(a) and is_batch(b):
                 cand = [*self.base[:k], merge_batches(a, b), *self.base[k + 2 :]]
                 if self.shows(cand, self.pinned, self.wanted):
                     self.base = cand
@@ -166,7 +166,7 @@ class _Shrinker:
         return merged
 
     def size(self) -> tuple[int, int]:
-        return len(self.base), sum(len(rows(e)) for e in [*self.base, *self.pinned] if e.get("ev") == "process")
+        return len(self.base), sum(len(rows(e)) for e in [*self.base, *self.pinned] if is_batch(e))
 
     def run(self, budget: float) -> list[Event]:
         deadline = time.monotonic() + budget
@@ -174,7 +174,7 @@ class _Shrinker:
             size = self.size()
             self.base = ddmin(self.base, lambda b: self.shows(b, self.pinned, self.wanted),
                               budget=max(1.0, (deadline - time.monotonic()) / 2))  # fmt: skip
-            units = [(int(e["i"]), j) for e in [*self.base, *self.pinned[:1]] if e.get("ev") == "process"
+            units = [(int(e["i"]), j) for e in [*self.base, *self.pinned[:1]] if is_batch(e)
                      for j in range(len(rows(e)))]  # fmt: skip
             if self.kind == "fresh":
                 units.remove((int(self.pinned[0]["i"]), self.out_row()))
@@ -193,7 +193,7 @@ class _Shrinker:
         rets = self.engine.trace_rets
         out = sorted([*self.base, *self.pinned], key=lambda e: int(e["i"]))
         return [x for e in out for x in ([e, {"ev": "ret", "of": int(e["i"]), "ret": rets.get(int(e["i"]), 0)}]
-                                         if e.get("ev") == "process" else [e])]  # fmt: skip
+                                         if is_batch(e) else [e])]  # fmt: skip
 
 
 def shrink(engine: Engine, events: Sequence[Event], target: tuple[str, int], *, budget: float = 600.0) -> list[Event]:
