@@ -1,0 +1,31 @@
+"""How an output difference's gap is measured (harness/load/outputs.py), without a server: model-only."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from harness.backends.llama_server.probe import HIGH_BYTES
+from harness.load.outputs import _gap, _withheld
+from harness.targets.llama_server import ServerProcess, set_completion_fields
+
+
+def test_the_gap_is_to_the_best_token_the_server_could_sample() -> None:
+    """b10566's completions ban the byte tokens 0x80-0xFF (its HTTP 500 on text that is not UTF-8), while the
+    probabilities it reports are the raw distribution: a banned token on top is not the fresh server's best.
+    Measured against it, a flip of 0.0048 between two allowed tokens read as 0.29 and failed the gate."""
+    banned = HIGH_BYTES[0]
+    entry = {"top_logprobs": [{"id": banned, "logprob": -1.0}, {"id": 118, "logprob": -1.2860},
+                              {"id": 113, "logprob": -1.2908}]}  # fmt: skip
+    assert _gap(entry, 113) == pytest.approx(0.2908)
+    assert _gap(entry, 113, frozenset({banned})) == pytest.approx(0.0048)
+    assert _gap(entry, 7, frozenset({banned})) is None  # not among the reported: no gap to judge by
+
+
+def test_the_withheld_tokens_are_the_runs_logit_bias_bans(tmp_path: Path) -> None:
+    binary = tmp_path / "llama-server"
+    server = ServerProcess(binary)
+    assert _withheld(server) == frozenset()  # a version that needs no field bans nothing
+    set_completion_fields(binary, {"logit_bias": [[t, False] for t in HIGH_BYTES] + [[5, 2.0]]})
+    assert _withheld(server) == frozenset(HIGH_BYTES)  # a bias that only moves a token withholds nothing
