@@ -6,9 +6,10 @@ from pathlib import Path
 
 import pytest
 
+from harness.backends.llama_server.differential import compare_with_reference
 from harness.backends.llama_server.probe import HIGH_BYTES
-from harness.load.outputs import _gap, _withheld
-from harness.targets.llama_server import ServerProcess, set_completion_fields
+from harness.load.outputs import _gap
+from harness.targets.llama_server import set_completion_fields, withheld_tokens
 
 
 def test_the_gap_is_to_the_best_token_the_server_could_sample() -> None:
@@ -25,7 +26,20 @@ def test_the_gap_is_to_the_best_token_the_server_could_sample() -> None:
 
 def test_the_withheld_tokens_are_the_runs_logit_bias_bans(tmp_path: Path) -> None:
     binary = tmp_path / "llama-server"
-    server = ServerProcess(binary)
-    assert _withheld(server) == frozenset()  # a version that needs no field bans nothing
+    assert withheld_tokens(binary) == frozenset()  # a version that needs no field bans nothing
     set_completion_fields(binary, {"logit_bias": [[t, False] for t in HIGH_BYTES] + [[5, 2.0]]})
-    assert _withheld(server) == frozenset(HIGH_BYTES)  # a bias that only moves a token withholds nothing
+    assert withheld_tokens(binary) == frozenset(HIGH_BYTES)  # a bias that only moves a token withholds nothing
+
+
+def test_a_near_tie_is_one_among_the_tokens_the_server_could_sample() -> None:
+    """``restore_equivalence``'s near-tie (``greedy-flip-on-cache-path``) on a version whose completions ban the
+    byte tokens: the fresh server's runner-up is the second token it could sample, not the second it reports."""
+    banned = HIGH_BYTES[-1]
+    entries = [{"id": t, "top_logprobs": [{"id": t, "logprob": -0.5}]} for t in (118, 65, 87)]
+    entries.append({"id": 40, "top_logprobs": [{"id": banned, "logprob": -1.0}, {"id": 40, "logprob": -1.1},
+                                               {"id": 93, "logprob": -1.1001}]})  # fmt: skip
+    fresh = {"tokens": [118, 65, 87, 40], "completion_probabilities": entries}
+    assert compare_with_reference(fresh, (118, 65, 87, 93), "x", frozenset({banned})) == "near-tie"
+    said = compare_with_reference(fresh, (118, 65, 87, 93), "x")  # the banned token taken for the best
+    assert said == "x: generated [118, 65, 87, 93], a fresh server generates [118, 65, 87, 40]"
+    assert compare_with_reference(fresh, (118, 65, 87, 40), "x") is None

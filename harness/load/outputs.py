@@ -15,7 +15,7 @@ from typing import Any
 
 from fixtures.gguf import BYTE_TOKEN_OFFSET, SPECS
 from harness.findings import BATCH_SHAPE_FLIP_GAP, CONCURRENT_OUTPUT_DIVERGENCE, GREEDY_FLIP_ON_CACHE_PATH
-from harness.targets.llama_server import ServerProcess, completion_fields
+from harness.targets.llama_server import ServerProcess, withheld_tokens
 from harness.trace.calls import read_trace
 from harness.trace.lineage import DECODE_THREW, SHORT_WINDOW, Explainer
 
@@ -151,14 +151,6 @@ def _pieces_complete(tokens: Sequence[int]) -> list[bool]:
 _LEAD_BYTES = [BYTE_TOKEN_OFFSET + b for b in range(0xC0, 0xF8)]
 
 
-def _withheld(fresh: ServerProcess) -> frozenset[int]:
-    """The tokens every completion of the run bans (``logit_bias`` false: the byte tokens 0x80-0xFF where the
-    version answers HTTP 500 to a generation that is not valid UTF-8, :mod:`harness.backends.llama_server.probe`):
-    the server never samples them, while its reported probabilities are the raw distribution that holds them."""
-    bias = completion_fields(fresh.binary).get("logit_bias") or ()
-    return frozenset(int(t) for t, v in bias if v is False)
-
-
 def _gap(entry: dict[str, Any], served: int, withheld: frozenset[int] = frozenset()) -> float | None:
     """The served token's logprob below the best the server could sample (a ``withheld`` token is not one)."""
     top = [t for t in entry.get("top_logprobs") or [] if int(t["id"]) not in withheld]
@@ -174,7 +166,7 @@ def _gap_resumed(fresh: ServerProcess, tokens: Sequence[int], want: Sequence[int
     those tokens is sent with ``n_predict`` 1, so only the last one is evaluated (one row on the same
     memory, ``cache_n`` = its length - 1); the lone UTF-8 lead bytes are banned from the sample so the
     one token is reported, and the raw distribution (pre-sampling, biases not applied) is read."""
-    withheld = _withheld(fresh)
+    withheld = withheld_tokens(fresh.binary)
     ban = [[t, False] for t in sorted(withheld.union(_LEAD_BYTES))]
     n_probs = 10 + len(withheld)  # ten the server could sample, besides the ones it never does
     if i == 0:  # the prompt's own last row, as in the fresh generation
@@ -203,14 +195,14 @@ def compare_output(
 
     The gap is the served token's logprob below the fresh server's best at the first difference (not
     only the second best: the tiny models' logits are flat enough for three-way ties; a token every completion
-    of the run bans is not a best, :func:`_withheld`), read from the
+    of the run bans is not a best, :func:`~harness.targets.llama_server.withheld_tokens`), read from the
     fresh generation's own reported probabilities, or, where the server withheld them (a token that
     leaves the text inside a UTF-8 sequence), recomputed in the same batch shape
     (:func:`_gap_resumed`); whether it is within the batch-shape findings' bound is
     :attr:`OutputDiff.batch_shape_flip`.
     """
     r = fresh.completion(list(tokens), len(generated), ignore_eos=True, return_tokens=True, cache_prompt=False,
-                         n_probs=10 + len(_withheld(fresh)))  # fmt: skip
+                         n_probs=10 + len(withheld_tokens(fresh.binary)))  # fmt: skip
     want = [int(t) for t in r.get("tokens") or ()]
     if want == list(generated):
         return None
@@ -221,7 +213,7 @@ def compare_output(
     gap: float | None = None
     if i < n and [want[k] for k in reported] == [int(p["id"]) for p in probs]:
         if i in reported:
-            gap = _gap(probs[reported.index(i)], int(generated[i]), _withheld(fresh))
+            gap = _gap(probs[reported.index(i)], int(generated[i]), withheld_tokens(fresh.binary))
         else:
             gap = _gap_resumed(fresh, tokens, want, i, int(generated[i]))
     return OutputDiff(arch, tuple(int(t) for t in tokens), tuple(int(t) for t in generated), tuple(want), i, gap)

@@ -62,6 +62,7 @@ __all__ = [
     "sanitizer_reports",
     "set_completion_fields",
     "unique_log",
+    "withheld_tokens",
 ]
 
 
@@ -531,9 +532,10 @@ class ServerProcess:
 
     def fresh_completion(self, tokens: Sequence[int], n_predict: int) -> Any:
         """``tokens`` computed from scratch (``cache_prompt`` off), with the top two log-probabilities of each token
-        generated: the reference answer an answer served from a cache is compared with."""
+        generated besides the tokens it never samples (:func:`withheld_tokens`): the reference answer an answer
+        served from a cache is compared with."""
         return self.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False,
-                               n_probs=2)  # fmt: skip
+                               n_probs=2 + len(withheld_tokens(self.binary)))  # fmt: skip
 
     def slot_n_ctx(self) -> int:
         """The slots' ``n_ctx`` as ``GET /slots`` reports it (``server_slot::to_json``); 0 where the server does not
@@ -584,6 +586,14 @@ def completion_fields(binary: Path) -> dict[str, Any]:
 
 def set_completion_fields(binary: Path, fields: dict[str, Any]) -> None:
     _FORMS[binary.resolve()] = dict(fields)
+
+
+def withheld_tokens(binary: Path) -> frozenset[int]:
+    """The tokens every completion to ``binary`` bans (``logit_bias`` false in its fields: the byte tokens
+    0x80-0xFF where the version answers HTTP 500 to a generation that is not valid UTF-8): the server never samples
+    them, while the probabilities it reports (``n_probs``) are the raw distribution that holds them."""
+    bias = completion_fields(binary).get("logit_bias") or ()
+    return frozenset(int(t) for t, v in bias if v is False)
 
 
 def completion_form_known(binary: Path) -> bool:

@@ -49,7 +49,7 @@ from harness.backends.llama_server.differential import (
 )
 from harness.backends.llama_server.probe import ensure_form
 from harness.errors import ServerStartError
-from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
+from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log, withheld_tokens
 from harness.targets.server_log import CacheLog
 
 __all__ = [
@@ -220,7 +220,7 @@ class LimitRun:
         """``restore_equivalence``: an answer served partly from the cache equals the fresh server's ``reference``
         (a greedy tie flipped is the known finding, counted)."""
         generated = tuple(int(t) for t in answer.get("tokens") or ())
-        problem = compare_with_reference(reference, generated, self._what(tokens, answer))
+        problem = compare_with_reference(reference, generated, self._what(tokens, answer), withheld_tokens(self.binary))
         self.checked["restore_equivalence"] += 1
         if problem == "near-tie":
             self.near_ties += 1
