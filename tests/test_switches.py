@@ -11,6 +11,7 @@ from fixtures.gguf import model_path
 from harness.model.sites import SITES
 from harness.targets.libllama import make_llama_server
 from harness.targets.llama_server import ServerConfig
+from harness.targets.synthetic import make_server
 from harness.trees.pinned import sdist_source
 from harness.trees.switches import COMMON_H, PINNED, SERVER_CONTEXT, SERVER_TASK_H, read_switches, switches_from_text
 from harness.trees.tree import check_tree
@@ -27,7 +28,8 @@ def test_each_switch_is_read_with_the_line_that_decided_it() -> None:
     unreadable = switches_from_text({SERVER_CONTEXT: None, COMMON_H: None, SERVER_TASK_H: None})
     assert unreadable.all() == tuple(
         type(s)(s.name, False, f"{p} not readable: the pinned behaviour", s.change)
-        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H, SERVER_CONTEXT), strict=True)
+        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H, SERVER_CONTEXT, SERVER_CONTEXT),
+                        strict=True)
     )
 
 
@@ -61,9 +63,34 @@ def test_an_idle_pass_that_needs_a_unified_kv_is_read_from_the_start_and_turns_t
         assert pinned.params.cache_idle_slots
 
 
+def test_an_end_checkpoint_held_to_the_spacing_rule_is_read_and_the_model_skips_it() -> None:
+    """b9780's server-context.cpp:3546: the spacing statement lets no ``near_prompt_end`` through, so a 120-token
+    prompt at ``-cms 64`` gets a checkpoint at 52 and none at 116 (116 is not past 52 + 64); 0c1e570's (:3606)
+    makes both."""
+    old = ("        // no need to create checkpoints that are too close together, unless it's the last user message\n"
+           "        do_checkpoint = do_checkpoint && (slot.prompt.checkpoints.empty() || is_last_user_message || "
+           "n_tokens_start > slot.prompt.checkpoints.back().n_tokens + params_base.checkpoint_min_step);\n")
+    new = old.replace("is_last_user_message || ", "is_last_user_message || near_prompt_end || ")
+    sw = switches_from_text({SERVER_CONTEXT: "// near_prompt_end\n" + old})
+    assert sw.end_checkpoint_spaced.on and sw.end_checkpoint_spaced.where == f"{SERVER_CONTEXT}:3"
+    assert not switches_from_text({SERVER_CONTEXT: new}).end_checkpoint_spaced.on
+    shapeless = switches_from_text({SERVER_CONTEXT: "int x;\n"}).end_checkpoint_spaced
+    assert not shapeless.on and shapeless.where.startswith("no spacing statement")
+    made = {}
+    for spaced in (False, True):
+        cfg = ServerConfig("jamba", n_parallel=1, ctx_checkpoints=4, checkpoint_min_step=64, n_ubatch=64)
+        params = cfg.params(sw if spaced else PINNED)
+        assert params.end_checkpoint_spaced is spaced
+        server = make_server("master", "hybrid", params=params, n_ctx=2048)
+        server.handle_completion(tuple(3 + (i * 17) % 250 for i in range(120)), n_predict=1)
+        server.run_until_idle()
+        made[spaced] = [c.n_tokens for c in server.slots[0].prompt.checkpoints]
+    assert made == {False: [52, 116], True: [52]}
+
+
 def test_the_pinned_tree_has_every_switch_off() -> None:
     sw = read_switches(sdist_source())
-    assert [s.on for s in sw.all()] == [False, False, False, False]
+    assert [s.on for s in sw.all()] == [False, False, False, False, False]
     assert "not in tools/server/server-context.cpp" in sw.slot_file_checkpoints.line()
     assert sw.prompt_cache_replaced.where.startswith(f"{SERVER_TASK_H}:")
 
@@ -76,6 +103,7 @@ def test_upstream_b11549_has_26004(tmp_path: Path) -> None:
     assert sw.slot_file_checkpoints.on and sw.slot_file_checkpoints.where.startswith(f"{SERVER_CONTEXT}:")
     assert sw.checkpoint_load_bool.on and sw.checkpoint_load_bool.where.startswith(f"{COMMON_H}:")
     b11434 = read_switches(check_tree(Path("b11434")))  # before it: off
+    assert not sw.end_checkpoint_spaced.on and not b11434.end_checkpoint_spaced.on
     assert not b11434.slot_file_checkpoints.on and not b11434.checkpoint_load_bool.on
     assert not sw.prompt_cache_replaced.on and not b11434.prompt_cache_replaced.on  # both still have it
     for site, up in SITES.items():  # the model's allocations of #26004, where b11549 makes them

@@ -29,7 +29,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--examples", type=int, default=50, metavar="N", help="generated programs per model (50)")
     parser.add_argument("--seed", type=int, default=0, help="the programs' seed (0)")
     add_archs(parser, ARCHS, "the fixture models (the model can move transformer cells only)")
-    add_server_options(parser, source=False, asan=False)
+    add_server_options(parser, asan=False)
     parser.add_argument("--json", metavar="PATH", help="write the figures as JSON")
 
 

@@ -51,7 +51,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="generated names after the explicit list (50; 0: the list only); --differential: "
                              "generated programs per model (0: the fixed smoke programs only)")  # fmt: skip
     parser.add_argument("--seed", type=int, default=0, help="the generated names' or programs' seed (0)")
-    add_server_options(parser, source=False, asan=False)
+    add_server_options(parser, asan=False)
     parser.add_argument("--json", metavar="PATH", help="write every name's requests and effects as JSON")
     parser.add_argument("--differential", action="store_true",
                         help="save/restore/erase between completions against the model and a fresh server, "

@@ -41,7 +41,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     sub = parser.add_subparsers(dest="action", metavar="record|replay|shrink", required=True)
     rec = sub.add_parser("record", help="a traced concurrent run on a real llama-server")
     rec.add_argument("--out", type=Path, required=True, help="the trace file (round R: OUT with .R before .jsonl)")
-    add_server_options(rec, source=False, asan=False)  # a --server-bin must link libllama shared
+    add_server_options(rec, asan=False)  # a --server-bin must link libllama shared (a --source build does)
     rec.add_argument("--arch", choices=ARCHS, help="the generated fixture model (default llama)")
     rec.add_argument("--model", choices=ARCHS, help=argparse.SUPPRESS)  # the old spelling of --arch
     rec.add_argument("--seed", type=int, default=0, help="the workload's seed (0: the reproducer's)")

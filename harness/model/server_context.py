@@ -123,6 +123,9 @@ class ServerParams:
     checkpoint_load_bool: bool = False
     # upstream before the pin (b9093, server-context.cpp:1010-1013): the idle-slot pass only with --kv-unified
     idle_pass_needs_unified: bool = False
+    # upstream before about b10280 (b9780's server-context.cpp:3546): the spacing rule holds the prompt's end
+    # checkpoint too (no near_prompt_end in it)
+    end_checkpoint_spaced: bool = False
 
 
 @dataclass
@@ -788,7 +791,9 @@ class ServerContext:
             do_checkpoint = False
         cps = slot.prompt.checkpoints
         do_checkpoint = do_checkpoint and (
-            cps.empty() or near_prompt_end or n_start > cps.back().n_tokens + p.checkpoint_min_step
+            cps.empty()
+            or (near_prompt_end and not p.end_checkpoint_spaced)
+            or n_start > cps.back().n_tokens + p.checkpoint_min_step
         )
         # the tokens are in the slot's prompt before the checkpoint is taken (:3526)
         slot.prompt.tokens = slot.prompt.tokens + tuple(batch)

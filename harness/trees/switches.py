@@ -15,6 +15,11 @@ change the model's checks can see, read from the tree's text with the file and l
   idle-slot pass runs only with ``--kv-unified`` (a per-slot KV turns it off at start, "--cache-idle-slots requires
   --kv-unified, disabling"); by 0c1e570 it also runs on a per-slot KV, saving without clearing. Read: the start's
   ``if (!params_base.kv_unified)`` right inside ``if (params_base.cache_idle_slots)``.
+* ``end_checkpoint_spaced`` -- upstream before about b10280 (b9093 and b9780: tools/server/server-context.cpp's
+  "no need to create checkpoints that are too close together"): the checkpoint a prompt's last batch makes (4 tokens
+  before its end) is held to the spacing rule as every other is, so one within ``checkpoint_min_step`` of the last
+  is not made; by b10280 (and at 0c1e570) ``near_prompt_end`` lets it through. Read: that statement without
+  ``near_prompt_end``. (b9093's step is a fixed 64, not ``-cms``: the harness's configurations mostly use 64.)
 * ``prompt_cache_replaced`` -- not an upstream change yet: upstream has said a block cache may replace
   ``server_prompt_cache``. On when the tree's tools/server/server-task.h declares no ``struct server_prompt_cache``:
   the model's policy (``alloc``, ``load``, ``update``) then describes nothing in the tree, and the server gate runs
@@ -61,10 +66,11 @@ class Switches:
     checkpoint_load_bool: Switch
     prompt_cache_replaced: Switch
     idle_pass_needs_unified: Switch
+    end_checkpoint_spaced: Switch
 
     def all(self) -> tuple[Switch, ...]:
         return (self.slot_file_checkpoints, self.checkpoint_load_bool, self.prompt_cache_replaced,
-                self.idle_pass_needs_unified)
+                self.idle_pass_needs_unified, self.end_checkpoint_spaced)
 
     def lines(self) -> list[str]:
         return [s.line() for s in self.all()]
@@ -74,6 +80,9 @@ _SLOT = "slot files carry the checkpoints, upstream #26004"
 _LOAD = "checkpoint loads return bool, upstream #26004"
 _CACHE = "server_prompt_cache replaced, as by a block cache: the model's cache policy describes nothing there"
 _IDLE = "the idle-slot pass only with --kv-unified, upstream before 0c1e570"
+_SPACED = "the prompt's end checkpoint held to the spacing rule, upstream before b10280"
+# the spacing statement: do_checkpoint = do_checkpoint && (slot.prompt.checkpoints.empty() || ...);
+_SPACING = r"do_checkpoint\s*=\s*do_checkpoint\s*&&\s*\(\s*slot\.prompt\.checkpoints\.empty\(\)[^;]*;"
 _IDLE_OFF_WITHOUT_UNIFIED = (r"if\s*\(\s*params_base\.cache_idle_slots\s*\)\s*\{\s*"
                              r"if\s*\(\s*!\s*params_base\.kv_unified\s*\)")
 
@@ -82,6 +91,7 @@ PINNED = Switches(
     Switch("checkpoint_load_bool", False, "the pinned tree, 0c1e570", _LOAD),
     Switch("prompt_cache_replaced", False, "the pinned tree, 0c1e570", _CACHE),
     Switch("idle_pass_needs_unified", False, "the pinned tree, 0c1e570", _IDLE),
+    Switch("end_checkpoint_spaced", False, "the pinned tree, 0c1e570", _SPACED),
 )
 
 
@@ -106,7 +116,21 @@ def switches_from_text(files: dict[str, str | None]) -> Switches:
         at = _line_of(text, pattern)
         where = f"{path}:{at}" if at is not None else f"not in {path}"
         out.append(Switch(name, (at is not None) == on_when_found, where, change))
+    out.append(_end_checkpoint_spaced(files.get(SERVER_CONTEXT)))
     return Switches(*out)
+
+
+def _end_checkpoint_spaced(text: str | None) -> Switch:
+    """On where the spacing statement lets no ``near_prompt_end`` through; a tree without the statement (another
+    shape of the code) is left to the pinned behaviour, said in ``where``."""
+    if text is None:
+        return Switch("end_checkpoint_spaced", False, f"{SERVER_CONTEXT} not readable: the pinned behaviour", _SPACED)
+    m = re.search(_SPACING, blank_comments(text))
+    if m is None:
+        return Switch("end_checkpoint_spaced", False, f"no spacing statement in {SERVER_CONTEXT}: the pinned "
+                      "behaviour", _SPACED)  # fmt: skip
+    at = f"{SERVER_CONTEXT}:{text.count(chr(10), 0, m.start()) + 1}"
+    return Switch("end_checkpoint_spaced", "near_prompt_end" not in m.group(0), at, _SPACED)
 
 
 def read_switches(tree: Path) -> Switches:
