@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from harness.errors import UsageError
+from harness.errors import HarnessLimit, UsageError
 from harness.targets.llama_server import Launch, ServerProcess
 from harness.trace.calls import DEFAULT_MAX_BYTES, static_note, trace_env
 from harness.trace.replay import lib_dir_of
@@ -91,7 +91,13 @@ class ServerTrace:
         """The server's environment: ``with_env`` (e.g. the fault shim's) plus the trace into ``path``."""
         if path is None:
             return with_env
-        return trace_env(path, max_bytes=self.max_bytes, with_env=with_env)
+        # the interposer compiled against the server's own tree (its structs and batch API as that server has them)
+        tree = tree_of_build(self.binary.resolve().parent)
+        try:
+            return trace_env(path, tree=tree, max_bytes=self.max_bytes, with_env=with_env)
+        except HarnessLimit as e:  # a tree trace.c cannot be built against: the run goes on untraced, said once
+            self.enabled, self.note = False, str(e)
+            return with_env
 
     def settle(self, path: Path | None, failed: bool) -> str | None:
         """Keep ``path`` when its run failed (returns :func:`trace_lines`), else delete it."""

@@ -27,6 +27,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -40,6 +41,7 @@ import numpy as np
 from faults.native import NativeUnavailable, cache_dir
 from harness.errors import HarnessLimit
 from harness.trees.pinned import sdist_source
+from harness.trees.semantics import blank_comments
 from harness.trees.stage import links_libllama
 
 __all__ = [
@@ -61,6 +63,7 @@ __all__ = [
     "short_window",
     "static_note",
     "trace_env",
+    "trace_features",
     "write_trace",
 ]
 
@@ -72,8 +75,25 @@ DEFAULT_MAX_BYTES = 64 << 20
 Event = dict[str, Any]
 
 
+# the llama_context_params fields trace.c writes that a tree may not have yet (its "ctx" line leaves them out)
+TRACE_OPTIONAL_FIELDS = ("n_rs_seq", "n_outputs_max", "n_outputs_max_per_seq", "ctx_type", "ctx_other")
+
+
+def trace_features(header: str) -> dict[str, bool]:
+    """What trace.c may use of the API in ``header`` (a tree's include/llama.h): ``BATCH_EXT``, the extended batch
+    API with ``llama_process`` (the server's from about b10600; before it, ``llama_decode``), and each of
+    :data:`TRACE_OPTIONAL_FIELDS` in ``struct llama_context_params``."""
+    header = blank_comments(header)
+    body = re.search(r"struct\s+llama_context_params\s*\{(.*?)\};", header, re.S)
+    fields = body.group(1) if body else ""
+    out = {"BATCH_EXT": re.search(r"\bllama_process\s*\(", header) is not None}
+    out.update({f: re.search(rf"\b{f}\s*;", fields) is not None for f in TRACE_OPTIONAL_FIELDS})
+    return out
+
+
 def build_trace(tree: Path | None = None) -> Path:
-    """The interposer's shared object, compiled against ``tree``'s headers (the pinned tree by default)."""
+    """The interposer's shared object, compiled against ``tree``'s headers (the pinned tree by default), with
+    what that header has of the API (:func:`trace_features`) in its ``lt_features.h``."""
     tree = tree if tree is not None else sdist_source()
     src = _HERE / "trace.c"
     cc = shutil.which("gcc")
@@ -89,18 +109,21 @@ def build_trace(tree: Path | None = None) -> Path:
     if out.exists():
         return out
     out.parent.mkdir(parents=True, exist_ok=True)
+    features = trace_features(headers[0].read_text(errors="replace"))
     fd, tmp = tempfile.mkstemp(prefix=".trace-", suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        argv = [cc, "-O2", "-Wall", "-shared", "-fPIC", "-I", str(tree / "include"),
-                "-I", str(tree / "ggml" / "include"), "-o", tmp, str(src), "-ldl", "-lpthread"]  # fmt: skip
-        proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
+        with tempfile.TemporaryDirectory(prefix="trace-features-") as gen:
+            defines = "".join(f"#define LT_HAS_{k} {int(v)}\n" for k, v in features.items())
+            Path(gen, "lt_features.h").write_text(defines)
+            argv = [cc, "-O2", "-Wall", "-shared", "-fPIC", "-I", gen, "-I", str(tree / "include"),
+                    "-I", str(tree / "ggml" / "include"), "-o", tmp, str(src), "-ldl", "-lpthread"]  # fmt: skip
+            proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, check=False)
         if proc.returncode != 0:
             first = next((ln for ln in proc.stderr.splitlines() if "error" in ln), proc.stderr.strip()[:200])
             # a limit of the harness on this tree (exit 6), not the user's mistake: trace.c records the pinned API
-            raise HarnessLimit(f"the libllama trace cannot be built against {tree}/include/llama.h (trace.c records "
-                               f"the API of the pinned commit: the extended batch API and its context parameters): "
-                               f"{first}")  # fmt: skip
+            raise HarnessLimit(f"the libllama trace cannot be built against {tree}/include/llama.h (trace.c knows "
+                               f"the API from about b9093 to the pinned commit): {first}")  # fmt: skip
         os.replace(tmp, out)
     finally:
         if os.path.exists(tmp):

@@ -27,6 +27,11 @@
  * (llama_batch_ext_*) is shadowed per batch pointer; the shadow's memory comes from __libc_malloc so
  * that the fault shim (faults/shim.c), preloaded beside this, never counts or fails it.
  * llamatrace_hash() is exported for the reader (harness/trace/calls.py) to hash rows the same way.
+ *
+ * One source for every API generation: lt_features.h, written by calls.py from the tree's llama.h, says what
+ * the tree has (LT_HAS_BATCH_EXT: the extended batch API with llama_process, the server's from about b10600;
+ * LT_HAS_<field>: the llama_context_params fields that came later). A tree without the extended batch API
+ * is traced through llama_decode (the "decode" lines); a field the tree lacks is left out of its "ctx" line.
  */
 #define _GNU_SOURCE
 #include <dlfcn.h>
@@ -41,6 +46,7 @@
 #include <unistd.h>
 
 #include "llama.h"
+#include "lt_features.h"
 
 extern void *__libc_malloc(size_t);
 extern void *__libc_realloc(void *, size_t);
@@ -153,7 +159,7 @@ struct lt_shadow {
 #define LT_MAX_BATCHES 64
 static struct lt_shadow lt_batches[LT_MAX_BATCHES];
 
-static struct lt_shadow *shadow(const void *b, int create) {
+__attribute__((unused)) static struct lt_shadow *shadow(const void *b, int create) {
     struct lt_shadow *free_one = NULL;
     for (int i = 0; i < LT_MAX_BATCHES; i++) {
         if (lt_batches[i].b == b) return &lt_batches[i];
@@ -165,7 +171,7 @@ static struct lt_shadow *shadow(const void *b, int create) {
     return free_one;
 }
 
-static struct lt_row *row(struct lt_shadow *s, int idx) {
+__attribute__((unused)) static struct lt_row *row(struct lt_shadow *s, int idx) {
     if (!s || idx < 0) return NULL;
     if (idx >= s->cap) {
         int cap = s->cap ? s->cap : 64;
@@ -249,11 +255,21 @@ struct llama_context *llama_init_from_model(struct llama_model *model, struct ll
     begin("ctx");
     putf(",\"ctx\":%d,\"model\":%d", id, model_id(model));
     putf(",\"n_ctx\":%u,\"n_batch\":%u,\"n_ubatch\":%u,\"n_seq_max\":%u", p.n_ctx, p.n_batch, p.n_ubatch, p.n_seq_max);
-    putf(",\"n_rs_seq\":%u,\"n_outputs_max\":%u,\"n_outputs_max_per_seq\":%u", p.n_rs_seq, p.n_outputs_max,
-         p.n_outputs_max_per_seq);
+#if LT_HAS_n_rs_seq
+    putf(",\"n_rs_seq\":%u", p.n_rs_seq);
+#endif
+#if LT_HAS_n_outputs_max
+    putf(",\"n_outputs_max\":%u", p.n_outputs_max);
+#endif
+#if LT_HAS_n_outputs_max_per_seq
+    putf(",\"n_outputs_max_per_seq\":%u", p.n_outputs_max_per_seq);
+#endif
     putf(",\"n_threads\":%d,\"n_threads_batch\":%d", p.n_threads, p.n_threads_batch);
-    putf(",\"ctx_type\":%d,\"rope_scaling_type\":%d,\"pooling_type\":%d,\"attention_type\":%d", (int)p.ctx_type,
-         (int)p.rope_scaling_type, (int)p.pooling_type, (int)p.attention_type);
+#if LT_HAS_ctx_type
+    putf(",\"ctx_type\":%d", (int)p.ctx_type);
+#endif
+    putf(",\"rope_scaling_type\":%d,\"pooling_type\":%d,\"attention_type\":%d", (int)p.rope_scaling_type,
+         (int)p.pooling_type, (int)p.attention_type);
     putf(",\"flash_attn_type\":%d", (int)p.flash_attn_type);
     putf(",\"rope_freq_base\":%.9g,\"rope_freq_scale\":%.9g", p.rope_freq_base, p.rope_freq_scale);
     putf(",\"yarn_ext_factor\":%.9g,\"yarn_attn_factor\":%.9g,\"yarn_beta_fast\":%.9g,\"yarn_beta_slow\":%.9g",
@@ -262,8 +278,10 @@ struct llama_context *llama_init_from_model(struct llama_model *model, struct ll
     putf(",\"embeddings\":%s,\"offload_kqv\":%s,\"op_offload\":%s,\"swa_full\":%s,\"kv_unified\":%s",
          p.embeddings ? "true" : "false", p.offload_kqv ? "true" : "false", p.op_offload ? "true" : "false",
          p.swa_full ? "true" : "false", p.kv_unified ? "true" : "false");
-    putf(",\"cb_eval\":%s,\"n_samplers\":%zu,\"ctx_other\":%d", p.cb_eval ? "true" : "false", p.n_samplers,
-         p.ctx_other ? ctx_id(p.ctx_other) : -1);
+    putf(",\"cb_eval\":%s,\"n_samplers\":%zu", p.cb_eval ? "true" : "false", p.n_samplers);
+#if LT_HAS_ctx_other
+    putf(",\"ctx_other\":%d", p.ctx_other ? ctx_id(p.ctx_other) : -1);
+#endif
     if (c) {
         REAL(llama_n_ctx);
         REAL(llama_n_batch);
@@ -293,6 +311,8 @@ void llama_free(struct llama_context *ctx) {
 }
 
 /* ---- the extended batch: shadowed while it is built, written when processed ------------------ */
+
+#if LT_HAS_BATCH_EXT
 
 struct llama_batch_ext *llama_batch_ext_init(struct llama_context *ctx) {
     REAL(llama_batch_ext_init);
@@ -426,7 +446,9 @@ bool llama_batch_ext_set_pos(struct llama_batch_ext *batch, int32_t idx, const l
     return ok;
 }
 
-static void put_rows(const struct lt_row *rows, int n) {
+#endif /* LT_HAS_BATCH_EXT */
+
+__attribute__((unused)) static void put_rows(const struct lt_row *rows, int n) {
     put(",\"tok\":[");
     for (int i = 0; i < n; i++) putf(i ? ",%d" : "%d", rows[i].tok);
     put("],\"pos\":[");
@@ -454,6 +476,7 @@ static void ret_line(long long of, int ret) {
     emit();
 }
 
+#if LT_HAS_BATCH_EXT
 int32_t llama_process(struct llama_context *ctx, enum llama_process_type type, struct llama_batch_ext *batch) {
     REAL(llama_process);
     long long of = -1;
@@ -476,6 +499,8 @@ int32_t llama_process(struct llama_context *ctx, enum llama_process_type type, s
     }
     return ret;
 }
+
+#endif /* LT_HAS_BATCH_EXT */
 
 /* ---- the legacy llama_batch ------------------------------------------------------------------- */
 
