@@ -3,6 +3,7 @@ a real upstream tree from the package index (b11549, which has #26004)."""
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -11,9 +12,18 @@ from fixtures.gguf import model_path
 from harness.model.sites import SITES
 from harness.targets.libllama import make_llama_server
 from harness.targets.llama_server import ServerConfig
+from harness.targets.server_log import CacheLog
 from harness.targets.synthetic import make_server
 from harness.trees.pinned import sdist_source
-from harness.trees.switches import COMMON_H, PINNED, SERVER_CONTEXT, SERVER_TASK_H, read_switches, switches_from_text
+from harness.trees.switches import (
+    COMMON_H,
+    PINNED,
+    SERVER_CONTEXT,
+    SERVER_TASK_CPP,
+    SERVER_TASK_H,
+    read_switches,
+    switches_from_text,
+)
 from harness.trees.tree import check_tree
 
 
@@ -25,11 +35,11 @@ def test_each_switch_is_read_with_the_line_that_decided_it() -> None:
     assert sw.checkpoint_load_bool.on and sw.checkpoint_load_bool.where == f"{COMMON_H}:2"
     old = switches_from_text({SERVER_CONTEXT: "// SLOT_CKPT_MAGIC\n", COMMON_H: "void load_tgt(llama_context * c);"})
     assert not old.slot_file_checkpoints.on and not old.checkpoint_load_bool.on
-    unreadable = switches_from_text({SERVER_CONTEXT: None, COMMON_H: None, SERVER_TASK_H: None})
+    unreadable = switches_from_text({SERVER_CONTEXT: None, COMMON_H: None, SERVER_TASK_H: None, SERVER_TASK_CPP: None})
     assert unreadable.all() == tuple(
         type(s)(s.name, False, f"{p} not readable: the pinned behaviour", s.change)
-        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H, SERVER_CONTEXT, SERVER_CONTEXT),
-                        strict=True)
+        for s, p in zip(PINNED.all(), (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H, SERVER_CONTEXT, SERVER_CONTEXT,
+                                       SERVER_TASK_CPP), strict=True)
     )
 
 
@@ -88,9 +98,51 @@ def test_an_end_checkpoint_held_to_the_spacing_rule_is_read_and_the_model_skips_
     assert made == {False: [52, 116], True: [52]}
 
 
+ALLOC = """server_prompt_cache_state * server_prompt_cache::alloc(const server_prompt & prompt, size_t a, size_t b) {
+    // remove any cached prompts that are fully contained in the current prompt
+%s    std::vector<uint8_t> state_data_tgt;
+}
+
+bool server_prompt_cache::load(server_prompt & prompt) {
+    SRV_WRN(" - making room for prompt cache entry, removing oldest entry (size = %%.3f MiB)\\n", 1.0);
+}
+"""
+ROOM = """    while (!states.empty() && size() + state_size_new > limit_size) {
+        SRV_WRN(" - making room for prompt cache entry, removing oldest entry (size = %.3f MiB)\\n", 1.0);
+    }
+"""
+
+
+def test_an_alloc_that_makes_no_room_is_read_and_followed_by_the_model_and_the_log_reader() -> None:
+    """b9780's server-task.cpp:1623: ``server_prompt_cache::alloc`` neither skips an over-limit entry nor makes
+    room (the line in another function does not count); the model then saves past the limit and lets update()
+    evict, and the log reader takes update()'s eviction for size as that version's design."""
+    old = switches_from_text({SERVER_TASK_CPP: ALLOC % ""}).alloc_without_room
+    assert old.on and old.where == f"{SERVER_TASK_CPP}:1"
+    new = switches_from_text({SERVER_TASK_CPP: ALLOC % ROOM}).alloc_without_room
+    assert not new.on and new.where == f"{SERVER_TASK_CPP}:4"
+    assert not switches_from_text({SERVER_TASK_CPP: "int x;"}).alloc_without_room.on
+    sw = switches_from_text({SERVER_TASK_CPP: ALLOC % ""})
+    evicted = {}
+    for without in (False, True):
+        params = ServerConfig("llama", n_parallel=1, cache_ram_mib=1).params(sw if without else PINNED)
+        params = dataclasses.replace(params, cache_ram_unit=1)  # a limit of 1 byte: every save is over it
+        server = make_server("master", "transformer", params=params, n_ctx=2048)
+        for k in range(3):
+            server.handle_completion(tuple(3 + (i * (k + 5)) % 250 for i in range(40)), n_predict=1)
+            server.run_until_idle()
+        assert server.prompt_cache is not None
+        evicted[without] = (server.prompt_cache.makes_room, any("exceeds cache size limit" in m
+                                                                for m in server.prompt_cache.log))  # fmt: skip
+    assert evicted == {False: (True, True), True: (False, False)}
+    line = "srv update:  - cache size limit reached, removing oldest entry (size = 0.049 MiB)\n"
+    assert [p.property for p in CacheLog(4).feed(line)] == ["alloc_eviction"]
+    assert CacheLog(4, alloc_makes_room=False).feed(line) == []
+
+
 def test_the_pinned_tree_has_every_switch_off() -> None:
     sw = read_switches(sdist_source())
-    assert [s.on for s in sw.all()] == [False, False, False, False, False]
+    assert [s.on for s in sw.all()] == [False] * 6
     assert "not in tools/server/server-context.cpp" in sw.slot_file_checkpoints.line()
     assert sw.prompt_cache_replaced.where.startswith(f"{SERVER_TASK_H}:")
 
@@ -104,6 +156,7 @@ def test_upstream_b11549_has_26004(tmp_path: Path) -> None:
     assert sw.checkpoint_load_bool.on and sw.checkpoint_load_bool.where.startswith(f"{COMMON_H}:")
     b11434 = read_switches(check_tree(Path("b11434")))  # before it: off
     assert not sw.end_checkpoint_spaced.on and not b11434.end_checkpoint_spaced.on
+    assert not sw.alloc_without_room.on and read_switches(check_tree(Path("b9780"))).alloc_without_room.on
     assert not b11434.slot_file_checkpoints.on and not b11434.checkpoint_load_bool.on
     assert not sw.prompt_cache_replaced.on and not b11434.prompt_cache_replaced.on  # both still have it
     for site, up in SITES.items():  # the model's allocations of #26004, where b11549 makes them

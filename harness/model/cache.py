@@ -173,9 +173,13 @@ class ServerPromptCache:
         limit_tokens: int,
         *,
         unit: int = 1024 * 1024,
+        makes_room: bool = True,
     ) -> None:
         self.host = host
         self.sem = sem
+        # upstream before about b10001 (b9780's server-task.cpp:1623): alloc neither skips an over-limit entry nor
+        # makes room; the update() after the save evicts for size (harness.trees.switches: alloc_without_room)
+        self.makes_room = makes_room
         self.evictions = 0  # entries popped by update() (statistics; not upstream)
         self.loads = 0  # entries moved into a slot by load() (statistics; not upstream)
         # server-task.h:613
@@ -236,12 +240,13 @@ class ServerPromptCache:
         state_size_new = state_size_tgt + state_size_dft + checkpoints_size
 
         # :1730 skip over-limit entries to avoid disturbing the cache
-        if self.limit_size > 0 and state_size_new > self.limit_size:
+        if self.makes_room and self.limit_size > 0 and state_size_new > self.limit_size:
             self.log.append(f"prompt state size {state_size_new} exceeds cache size limit {self.limit_size}")
             return None
 
         self._remove_obsolete(prompt)
-        self._make_room(state_size_new)
+        if self.makes_room:
+            self._make_room(state_size_new)
 
         # :1762 allocate the new state buffers inside the try (both semantics)
         tgt: Payload | None = None

@@ -126,6 +126,8 @@ class ServerParams:
     # upstream before about b10280 (b9780's server-context.cpp:3546): the spacing rule holds the prompt's end
     # checkpoint too (no near_prompt_end in it)
     end_checkpoint_spaced: bool = False
+    # upstream before about b10001 (b9780's server-task.cpp:1623): alloc makes no room, update() evicts after it
+    alloc_without_room: bool = False
 
 
 @dataclass
@@ -356,7 +358,8 @@ class ServerContext:
         n_ctx = getattr(self.ctx_tgt, "n_ctx", 0)
         # server-context.cpp:1333: --cache-ram 0 disables the cache
         if p.cache_ram != 0:
-            self.prompt_cache = cache_cls(self.host, self.sem, p.cache_ram, n_ctx, unit=p.cache_ram_unit)
+            self.prompt_cache = cache_cls(self.host, self.sem, p.cache_ram, n_ctx, unit=p.cache_ram_unit,
+                                          makes_room=not p.alloc_without_room)  # fmt: skip
         # :1401 idle-slot caching needs the cache
         if p.cache_idle_slots and p.cache_ram == 0:
             p.cache_idle_slots = False

@@ -119,6 +119,7 @@ class ServerConfig:
             checkpoint_load_bool=sw.checkpoint_load_bool.on,
             idle_pass_needs_unified=sw.idle_pass_needs_unified.on,
             end_checkpoint_spaced=sw.end_checkpoint_spaced.on,
+            alloc_without_room=sw.alloc_without_room.on,
             n_slots=self.n_parallel,
             cache_ram=self.cache_ram_mib,
             cache_ram_unit=1 << 20,

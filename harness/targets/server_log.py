@@ -70,6 +70,9 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
+
+from harness.trees.switches import switches_of_binary
 
 __all__ = ["LOG_PROPERTIES", "CacheLog", "LogProblem", "busy_slot_touches"]
 
@@ -256,8 +259,11 @@ class _Order:
 class CacheLog:
     """The server-side properties of one ``llama-server`` (``-lv 4``), checked line by line as its log grows."""
 
-    def __init__(self, ctx_checkpoints: int) -> None:
+    def __init__(self, ctx_checkpoints: int, *, alloc_makes_room: bool = True) -> None:
         self.ctx_checkpoints = ctx_checkpoints
+        # False: a version whose alloc makes no room (harness.trees.switches: alloc_without_room), where update()
+        # evicting for size after a save is the design, not alloc_eviction broken
+        self.alloc_makes_room = alloc_makes_room
         self.checked: Counter[str] = Counter()
         self._offset = 0
         self._state: tuple[int, float, float, int, int, int] | None = None  # the state line being listed, its line
@@ -279,6 +285,11 @@ class CacheLog:
         self._idle_open = False  # the last idle-pass line was a slot's "saving idle slot": its clear may follow
         self._loading: str | None = None  # the address of the entry the last load's scan took, if known
         self._failed: _FailedLoad | None = None  # a failed load, until the cache state after it (restore_failure)
+
+    @classmethod
+    def of_binary(cls, binary: Path, ctx_checkpoints: int) -> CacheLog:
+        """The reader of ``binary``'s log, following its tree's upstream changes (:mod:`harness.trees.switches`)."""
+        return cls(ctx_checkpoints, alloc_makes_room=not switches_of_binary(binary).alloc_without_room.on)
 
     def feed(self, text: str) -> list[LogProblem]:
         """Check the whole lines of ``text`` (the log so far) not seen before; the problems found, in order. A
@@ -328,7 +339,7 @@ class CacheLog:
         elif "cache size limit reduced" in line:
             self._limit_lowered = True
         elif "cache size limit reached, removing oldest entry" in line:
-            if not self._limit_lowered:
+            if not self._limit_lowered and self.alloc_makes_room:
                 out.append(LogProblem("alloc_eviction", f"log line {self._line}: update evicted for size "
                                       f"({line.split('srv', 1)[-1].strip()}) though no allocation failure lowered "
                                       "the limit: alloc saved without making room first"))  # fmt: skip

@@ -20,6 +20,11 @@ change the model's checks can see, read from the tree's text with the file and l
   before its end) is held to the spacing rule as every other is, so one within ``checkpoint_min_step`` of the last
   is not made; by b10280 (and at 0c1e570) ``near_prompt_end`` lets it through. Read: that statement without
   ``near_prompt_end``. (b9093's step is a fixed 64, not ``-cms``: the harness's configurations mostly use 64.)
+* ``alloc_without_room`` -- upstream before about b10001 (b9093 and b9780: tools/server/server-task.cpp's
+  ``server_prompt_cache::alloc``): a save neither skips an entry over the cache's limit nor makes room for it
+  first; the entry goes in, and the ``update()`` after it evicts the oldest for size ("cache size limit reached").
+  By b10001 (and at 0c1e570) alloc skips an over-limit entry and pops the oldest until the new one fits
+  ("making room for prompt cache entry"). Read: that line in ``server_prompt_cache::alloc``.
 * ``prompt_cache_replaced`` -- not an upstream change yet: upstream has said a block cache may replace
   ``server_prompt_cache``. On when the tree's tools/server/server-task.h declares no ``struct server_prompt_cache``:
   the model's policy (``alloc``, ``load``, ``update``) then describes nothing in the tree, and the server gate runs
@@ -38,7 +43,8 @@ from pathlib import Path
 from harness.trees.build import tree_of_build
 from harness.trees.semantics import blank_comments
 
-__all__ = ["PINNED", "SERVER_TASK_H", "Switch", "Switches", "read_switches", "switches_from_text", "switches_of_binary"]
+__all__ = ["PINNED", "SERVER_TASK_CPP", "SERVER_TASK_H", "Switch", "Switches", "read_switches", "switches_from_text",
+           "switches_of_binary"]
 
 SERVER_CONTEXT = "tools/server/server-context.cpp"
 SERVER_TASK_H = "tools/server/server-task.h"
@@ -67,10 +73,11 @@ class Switches:
     prompt_cache_replaced: Switch
     idle_pass_needs_unified: Switch
     end_checkpoint_spaced: Switch
+    alloc_without_room: Switch
 
     def all(self) -> tuple[Switch, ...]:
         return (self.slot_file_checkpoints, self.checkpoint_load_bool, self.prompt_cache_replaced,
-                self.idle_pass_needs_unified, self.end_checkpoint_spaced)
+                self.idle_pass_needs_unified, self.end_checkpoint_spaced, self.alloc_without_room)
 
     def lines(self) -> list[str]:
         return [s.line() for s in self.all()]
@@ -81,6 +88,8 @@ _LOAD = "checkpoint loads return bool, upstream #26004"
 _CACHE = "server_prompt_cache replaced, as by a block cache: the model's cache policy describes nothing there"
 _IDLE = "the idle-slot pass only with --kv-unified, upstream before 0c1e570"
 _SPACED = "the prompt's end checkpoint held to the spacing rule, upstream before b10280"
+_ROOM = "a save that neither skips an over-limit entry nor makes room first, upstream before b10001"
+SERVER_TASK_CPP = "tools/server/server-task.cpp"
 # the spacing statement: do_checkpoint = do_checkpoint && (slot.prompt.checkpoints.empty() || ...);
 _SPACING = r"do_checkpoint\s*=\s*do_checkpoint\s*&&\s*\(\s*slot\.prompt\.checkpoints\.empty\(\)[^;]*;"
 _IDLE_OFF_WITHOUT_UNIFIED = (r"if\s*\(\s*params_base\.cache_idle_slots\s*\)\s*\{\s*"
@@ -92,6 +101,7 @@ PINNED = Switches(
     Switch("prompt_cache_replaced", False, "the pinned tree, 0c1e570", _CACHE),
     Switch("idle_pass_needs_unified", False, "the pinned tree, 0c1e570", _IDLE),
     Switch("end_checkpoint_spaced", False, "the pinned tree, 0c1e570", _SPACED),
+    Switch("alloc_without_room", False, "the pinned tree, 0c1e570", _ROOM),
 )
 
 
@@ -117,7 +127,26 @@ def switches_from_text(files: dict[str, str | None]) -> Switches:
         where = f"{path}:{at}" if at is not None else f"not in {path}"
         out.append(Switch(name, (at is not None) == on_when_found, where, change))
     out.append(_end_checkpoint_spaced(files.get(SERVER_CONTEXT)))
+    out.append(_alloc_without_room(files.get(SERVER_TASK_CPP)))
     return Switches(*out)
+
+
+def _alloc_without_room(text: str | None) -> Switch:
+    """On where ``server_prompt_cache::alloc`` makes no room ("making room for prompt cache entry" absent from
+    it); a tree without that function is left to the pinned behaviour, said in ``where``."""
+    if text is None:
+        return Switch("alloc_without_room", False, f"{SERVER_TASK_CPP} not readable: the pinned behaviour", _ROOM)
+    code = blank_comments(text)
+    start = re.search(r"\bserver_prompt_cache::alloc\s*\(", code)
+    if start is None:
+        return Switch("alloc_without_room", False, f"no server_prompt_cache::alloc in {SERVER_TASK_CPP}: the "
+                      "pinned behaviour", _ROOM)  # fmt: skip
+    nxt = re.search(r"\bserver_prompt_cache::\w+\s*\(", code[start.end():])
+    body = text[start.start(): start.end() + (nxt.start() if nxt else len(code))]  # the log line: a string
+    room = body.find("making room for prompt cache entry")
+    at = start.start() if room < 0 else start.start() + room
+    where = f"{SERVER_TASK_CPP}:{text.count(chr(10), 0, at) + 1}"
+    return Switch("alloc_without_room", room < 0, where, _ROOM)
 
 
 def _end_checkpoint_spaced(text: str | None) -> Switch:
@@ -136,7 +165,7 @@ def _end_checkpoint_spaced(text: str | None) -> Switch:
 def read_switches(tree: Path) -> Switches:
     """The switches of the llama.cpp tree at ``tree``."""
     files: dict[str, str | None] = {}
-    for path in (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H):
+    for path in (SERVER_CONTEXT, COMMON_H, SERVER_TASK_H, SERVER_TASK_CPP):
         try:
             files[path] = (tree / path).read_text(errors="replace")
         except OSError:

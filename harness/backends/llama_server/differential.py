@@ -154,7 +154,7 @@ class Differential:
     def __post_init__(self) -> None:
         if self.cfg.log_verbosity is None:  # -lv 4: the cache's own trace lines, for the server-side properties
             self.cfg = dataclasses.replace(self.cfg, log_verbosity=4)
-        self.cache_log = CacheLog(self.cfg.ctx_checkpoints)
+        self.cache_log = CacheLog.of_binary(self.binary, self.cfg.ctx_checkpoints)
         self.model_file = model_path(self.cfg.arch)
         self.server = ServerProcess(
             self.binary,

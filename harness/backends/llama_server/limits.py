@@ -108,7 +108,7 @@ class LimitRun:
         self.binary, self.binary_expr = binary, binary_expr
         self.steps: list[str] = []
         self.actions: list[Action] = []  # the steps as calls, for :func:`shrink`
-        self.log = CacheLog(self.cfg.ctx_checkpoints)
+        self.log = CacheLog.of_binary(binary, self.cfg.ctx_checkpoints)
         self.checked: Counter[str] = Counter()  # slot_within_ctx; restore_equivalence, with ``fresh``
         self.slot_ctx = 0  # the slots' n_ctx as the server reports it (GET /slots), once started
         self.near_ties = 0
