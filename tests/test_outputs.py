@@ -9,7 +9,7 @@ import pytest
 from harness.backends.llama_server.differential import compare_with_reference
 from harness.backends.llama_server.probe import HIGH_BYTES
 from harness.load.outputs import _gap
-from harness.targets.llama_server import set_completion_fields, withheld_tokens
+from harness.targets.llama_server import sampleable, set_completion_fields, withheld_tokens
 
 
 def test_the_gap_is_to_the_best_token_the_server_could_sample() -> None:
@@ -39,7 +39,8 @@ def test_a_near_tie_is_one_among_the_tokens_the_server_could_sample() -> None:
     entries.append({"id": 40, "top_logprobs": [{"id": banned, "logprob": -1.0}, {"id": 40, "logprob": -1.1},
                                                {"id": 93, "logprob": -1.1001}]})  # fmt: skip
     fresh = {"tokens": [118, 65, 87, 40], "completion_probabilities": entries}
-    assert compare_with_reference(fresh, (118, 65, 87, 93), "x", frozenset({banned})) == "near-tie"
+    assert compare_with_reference(sampleable(fresh, frozenset({banned})), (118, 65, 87, 93), "x") == "near-tie"
+    assert sampleable(fresh, frozenset()) is fresh
     said = compare_with_reference(fresh, (118, 65, 87, 93), "x")  # the banned token taken for the best
     assert said == "x: generated [118, 65, 87, 93], a fresh server generates [118, 65, 87, 40]"
     assert compare_with_reference(fresh, (118, 65, 87, 40), "x") is None

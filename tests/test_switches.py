@@ -4,6 +4,7 @@ a real upstream tree from the package index (b11549, which has #26004)."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from harness.trees.switches import (
     SERVER_TASK_H,
     read_switches,
     switches_from_text,
+    switches_of_binary,
 )
 from harness.trees.tree import check_tree
 
@@ -132,12 +134,33 @@ def test_an_alloc_that_makes_no_room_is_read_and_followed_by_the_model_and_the_l
             server.handle_completion(tuple(3 + (i * (k + 5)) % 250 for i in range(40)), n_predict=1)
             server.run_until_idle()
         assert server.prompt_cache is not None
-        evicted[without] = (server.prompt_cache.makes_room, any("exceeds cache size limit" in m
-                                                                for m in server.prompt_cache.log))  # fmt: skip
-    assert evicted == {False: (True, True), True: (False, False)}
+        cache = server.prompt_cache
+        evicted[without] = (cache.makes_room, any("exceeds cache size limit" in m for m in cache.log), len(cache))
+    # pinned: every save over the limit is skipped; before b10001 each goes in and update() keeps the newest one
+    assert evicted == {False: (True, True, 0), True: (False, False, 1)}
     line = "srv update:  - cache size limit reached, removing oldest entry (size = 0.049 MiB)\n"
     assert [p.property for p in CacheLog(4).feed(line)] == ["alloc_eviction"]
     assert CacheLog(4, alloc_makes_room=False).feed(line) == []
+
+
+def test_the_log_reader_follows_the_tree_of_the_binary_its_log_names(tmp_path: Path) -> None:
+    """ServerProcess writes its command line first in the log ("$ BINARY ..."): the reader follows that binary's
+    tree (a harness build's ``build-info.json`` names it), so every reader of every step judges ``alloc_eviction``
+    as the version that wrote the log does, and a log without the line keeps the pinned rule."""
+    tree = tmp_path / "tree"
+    (tree / "include").mkdir(parents=True)
+    (tree / "include" / "llama.h").write_text("struct llama_context_params { int n_ctx; };\n")
+    (tree / "tools" / "server").mkdir(parents=True)
+    (tree / "tools" / "server" / "server-task.cpp").write_text(ALLOC % "")
+    build = tmp_path / "build"
+    build.mkdir()
+    (build / "build-info.json").write_text(json.dumps({"source": str(tree)}))
+    evicted = "srv update:  - cache size limit reached, removing oldest entry (size = 0.049 MiB)\n"
+    old = f"$ {build / 'llama-server'} --host 127.0.0.1 --port 8080 -m x.gguf\n" + evicted
+    assert CacheLog(4).feed(old) == []
+    (tree / "tools" / "server" / "server-task.cpp").write_text(ALLOC % ROOM)
+    switches_of_binary.cache_clear()  # the same path, another tree: read again
+    assert [p.property for p in CacheLog(4).feed(old)] == ["alloc_eviction"]
 
 
 def test_the_pinned_tree_has_every_switch_off() -> None:

@@ -199,7 +199,7 @@ class ProgramCheck:
     def run(self, binary: Path, log: Callable[[str], None]) -> Verdict:
         cfg, requests = LIMIT_PROGRAMS[self.program]()
         cfg = dataclasses.replace(cfg, log_verbosity=4)  # the cache's own trace lines
-        cache_log = CacheLog.of_binary(binary, cfg.ctx_checkpoints)
+        cache_log = CacheLog(cfg.ctx_checkpoints)
         with tempfile.TemporaryDirectory(prefix="harness-history-") as tmp:
             server = ServerProcess(binary, launch_of(cfg), log_path=str(Path(tmp) / "server.log"))
             try:

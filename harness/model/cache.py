@@ -374,9 +374,11 @@ class ServerPromptCache:
 
     # server-task.cpp:1870
     def update(self) -> int:
-        """Evict oldest entries over the byte limit, then over the token limit; returns the latter."""
+        """Evict oldest entries over the byte limit, then over the token limit; returns the latter. (Before about
+        b10001, with an alloc that makes no room, update() always kept one entry: b9780's server-task.cpp:1755.)"""
+        keep = 0 if self.makes_room else 1
         if self.limit_size > 0:
-            while self.states and self.size() > self.limit_size:
+            while len(self.states) > keep and self.size() > self.limit_size:
                 self.log.append(f"cache size limit reached, removing oldest entry (size = {self.states[0].size()})")
                 self._pop_front()
 
@@ -394,7 +396,7 @@ class ServerPromptCache:
             limit_tokens_cur = self.limit_tokens
 
         if self.limit_tokens > 0:
-            while self.states and self.n_tokens() > limit_tokens_cur:
+            while len(self.states) > keep and self.n_tokens() > limit_tokens_cur:
                 self.log.append(f"cache token limit ({self.limit_tokens}, est: {limit_tokens_cur}) reached")
                 self._pop_front()
         return limit_tokens_cur

@@ -59,6 +59,7 @@ __all__ = [
     "completion_form_known",
     "log_sanitizer_reports",
     "proc_status",
+    "sampleable",
     "sanitizer_reports",
     "set_completion_fields",
     "unique_log",
@@ -534,10 +535,13 @@ class ServerProcess:
 
     def fresh_completion(self, tokens: Sequence[int], n_predict: int) -> Any:
         """``tokens`` computed from scratch (``cache_prompt`` off), with the top two log-probabilities of each token
-        generated besides the tokens it never samples (:func:`withheld_tokens`): the reference answer an answer
-        served from a cache is compared with."""
-        return self.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False,
-                               n_probs=2 + len(withheld_tokens(self.binary)))  # fmt: skip
+        generated among the tokens it could sample: the reference answer an answer served from a cache is compared
+        with. (The server reports the raw distribution; the tokens every completion bans, :func:`withheld_tokens`,
+        are asked for besides the two and left out, :func:`sampleable`.)"""
+        withheld = withheld_tokens(self.binary)
+        answer = self.completion(list(tokens), n_predict, ignore_eos=True, return_tokens=True, cache_prompt=False,
+                                 n_probs=2 + len(withheld))  # fmt: skip
+        return sampleable(answer, withheld)
 
     def slot_n_ctx(self) -> int:
         """The slots' ``n_ctx`` as ``GET /slots`` reports it (``server_slot::to_json``); 0 where the server does not
@@ -588,6 +592,16 @@ def completion_fields(binary: Path) -> dict[str, Any]:
 
 def set_completion_fields(binary: Path, fields: dict[str, Any]) -> None:
     _FORMS[binary.resolve()] = dict(fields)
+
+
+def sampleable(answer: Any, withheld: frozenset[int]) -> Any:
+    """``answer`` (a completion's JSON) with the ``withheld`` tokens left out of each ``top_logprobs`` list: the
+    probabilities the server reports among the tokens it could have sampled."""
+    if not withheld:
+        return answer
+    probs = [{**p, "top_logprobs": [t for t in p.get("top_logprobs") or [] if int(t["id"]) not in withheld]}
+             for p in answer.get("completion_probabilities") or []]  # fmt: skip
+    return {**answer, "completion_probabilities": probs}
 
 
 def withheld_tokens(binary: Path) -> frozenset[int]:

@@ -259,10 +259,11 @@ class _Order:
 class CacheLog:
     """The server-side properties of one ``llama-server`` (``-lv 4``), checked line by line as its log grows."""
 
-    def __init__(self, ctx_checkpoints: int, *, alloc_makes_room: bool = True) -> None:
+    def __init__(self, ctx_checkpoints: int, *, alloc_makes_room: bool | None = None) -> None:
         self.ctx_checkpoints = ctx_checkpoints
         # False: a version whose alloc makes no room (harness.trees.switches: alloc_without_room), where update()
-        # evicting for size after a save is the design, not alloc_eviction broken
+        # evicting for size after a save is the design, not alloc_eviction broken. None: as the log's first line
+        # says, the command line ServerProcess writes there ("$ BINARY ..."): that binary's tree's switch
         self.alloc_makes_room = alloc_makes_room
         self.checked: Counter[str] = Counter()
         self._offset = 0
@@ -286,11 +287,6 @@ class CacheLog:
         self._loading: str | None = None  # the address of the entry the last load's scan took, if known
         self._failed: _FailedLoad | None = None  # a failed load, until the cache state after it (restore_failure)
 
-    @classmethod
-    def of_binary(cls, binary: Path, ctx_checkpoints: int) -> CacheLog:
-        """The reader of ``binary``'s log, following its tree's upstream changes (:mod:`harness.trees.switches`)."""
-        return cls(ctx_checkpoints, alloc_makes_room=not switches_of_binary(binary).alloc_without_room.on)
-
     def feed(self, text: str) -> list[LogProblem]:
         """Check the whole lines of ``text`` (the log so far) not seen before; the problems found, in order. A
         block still open at the end (a state whose entries may go on, a scan without its end) waits for the
@@ -309,6 +305,9 @@ class CacheLog:
 
     def _read(self, line: str) -> list[LogProblem]:
         out: list[LogProblem] = []
+        if self.alloc_makes_room is None:  # the first line: the command line, if ServerProcess wrote the log
+            binary = Path(line[2:].split(" ", 1)[0]) if line.startswith("$ ") else None
+            self.alloc_makes_room = binary is None or not switches_of_binary(binary).alloc_without_room.on
         if any(other in line for other in _OTHER_THREADS):
             return out  # the HTTP threads' lines carry nothing checked here and may land inside a state's list
         entry = _ENTRY.search(line)
@@ -339,7 +338,7 @@ class CacheLog:
         elif "cache size limit reduced" in line:
             self._limit_lowered = True
         elif "cache size limit reached, removing oldest entry" in line:
-            if not self._limit_lowered and self.alloc_makes_room:
+            if not self._limit_lowered and self.alloc_makes_room is not False:
                 out.append(LogProblem("alloc_eviction", f"log line {self._line}: update evicted for size "
                                       f"({line.split('srv', 1)[-1].strip()}) though no allocation failure lowered "
                                       "the limit: alloc saved without making room first"))  # fmt: skip

@@ -22,9 +22,12 @@ change the model's checks can see, read from the tree's text with the file and l
   ``near_prompt_end``. (b9093's step is a fixed 64, not ``-cms``: the harness's configurations mostly use 64.)
 * ``alloc_without_room`` -- upstream before about b10001 (b9093 and b9780: tools/server/server-task.cpp's
   ``server_prompt_cache::alloc``): a save neither skips an entry over the cache's limit nor makes room for it
-  first; the entry goes in, and the ``update()`` after it evicts the oldest for size ("cache size limit reached").
-  By b10001 (and at 0c1e570) alloc skips an over-limit entry and pops the oldest until the new one fits
-  ("making room for prompt cache entry"). Read: that line in ``server_prompt_cache::alloc``.
+  first; the entry goes in, and the ``update()`` after it evicts the oldest for size ("cache size limit reached"),
+  always keeping one entry ("always keep at least one state, regardless of the limits"). By b10001 (and at
+  0c1e570) alloc skips an over-limit entry and pops the oldest until the new one fits ("making room for prompt
+  cache entry"), and update() may empty the cache. Read: that line in
+  ``server_prompt_cache::alloc``. The log reader (:class:`harness.targets.server_log.CacheLog`) follows it too,
+  from the binary its log's first line names.
 * ``prompt_cache_replaced`` -- not an upstream change yet: upstream has said a block cache may replace
   ``server_prompt_cache``. On when the tree's tools/server/server-task.h declares no ``struct server_prompt_cache``:
   the model's policy (``alloc``, ``load``, ``update``) then describes nothing in the tree, and the server gate runs

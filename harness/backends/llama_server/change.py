@@ -190,7 +190,7 @@ class _Side:
         self.server = server
         self.released = 0
         self.read = 0  # the log's characters parsed so far (whole lines)
-        self.log = CacheLog.of_binary(server.binary, ctx_checkpoints)  # the server-side properties on its own log
+        self.log = CacheLog(ctx_checkpoints)  # the server-side properties on its own log
         self.problems: tuple[LogProblem, ...] = ()  # what the last read of the log showed broken
 
     def ask(self, toks: tuple[int, ...], n_predict: int) -> Answer:

@@ -43,7 +43,7 @@ from fixtures.gguf import draft_path, model_path, n_ctx_train
 from harness.backends.llama_server.probe import ensure_form
 from harness.errors import PropertyFailure
 from harness.targets.libllama import close_server, make_llama_server
-from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log, withheld_tokens
+from harness.targets.llama_server import Launch, RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog, LogProblem
 from harness.trees.switches import switches_of_binary
 from properties.reuse import ReuseTracer
@@ -154,7 +154,7 @@ class Differential:
     def __post_init__(self) -> None:
         if self.cfg.log_verbosity is None:  # -lv 4: the cache's own trace lines, for the server-side properties
             self.cfg = dataclasses.replace(self.cfg, log_verbosity=4)
-        self.cache_log = CacheLog.of_binary(self.binary, self.cfg.ctx_checkpoints)
+        self.cache_log = CacheLog(self.cfg.ctx_checkpoints)
         self.model_file = model_path(self.cfg.arch)
         self.server = ServerProcess(
             self.binary,
@@ -340,15 +340,13 @@ def compare_with_fresh(fresh: ServerProcess, tokens: tuple[int, ...], n_predict:
                        what: str) -> str | None:  # fmt: skip
     """:func:`check_output` on plain values (no model's row): ``generated`` is what the server under test answered
     ``tokens``; ``what`` names the request in the message."""
-    reference = fresh.fresh_completion(tokens, n_predict)
-    return compare_with_reference(reference, generated, what, withheld_tokens(fresh.binary))
+    return compare_with_reference(fresh.fresh_completion(tokens, n_predict), generated, what)
 
 
-def compare_with_reference(r: Any, generated: tuple[int, ...], what: str,
-                           withheld: frozenset[int] = frozenset()) -> str | None:  # fmt: skip
-    """``generated`` against a fresh server's answer ``r`` (``ServerProcess.fresh_completion``): None when equal,
-    "near-tie" when the first difference is the fresh server's runner-up within :data:`NEAR_TIE_LOGPROB` (among the
-    tokens it could sample: none ``withheld``), else the difference."""
+def compare_with_reference(r: Any, generated: tuple[int, ...], what: str) -> str | None:
+    """``generated`` against a fresh server's answer ``r`` (``ServerProcess.fresh_completion``: its probabilities
+    among the tokens it could sample): None when equal, "near-tie" when the first difference is the fresh server's
+    runner-up within :data:`NEAR_TIE_LOGPROB`, else the difference."""
     want = tuple(int(t) for t in r.get("tokens") or ())
     if want == generated:
         return None
@@ -358,7 +356,7 @@ def compare_with_reference(r: Any, generated: tuple[int, ...], what: str,
     ids = [int(p["id"]) for p in probs]
     offset = next((o for o in range(len(want) - len(ids) + 1) if list(want[o : o + len(ids)]) == ids), None)
     if i is not None and offset is not None and 0 <= i - offset < len(probs):
-        top = [t for t in probs[i - offset].get("top_logprobs") or [] if int(t["id"]) not in withheld]
+        top = probs[i - offset].get("top_logprobs") or []
         if len(top) >= 2 and int(top[1]["id"]) == generated[i]:
             gap = float(top[0]["logprob"]) - float(top[1]["logprob"])
             if gap < NEAR_TIE_LOGPROB:

@@ -49,7 +49,7 @@ from harness.backends.llama_server.differential import (
 )
 from harness.backends.llama_server.probe import ensure_form
 from harness.errors import ServerStartError
-from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log, withheld_tokens
+from harness.targets.llama_server import RequestFailed, ServerConfig, ServerProcess, unique_log
 from harness.targets.server_log import CacheLog
 
 __all__ = [
@@ -108,7 +108,7 @@ class LimitRun:
         self.binary, self.binary_expr = binary, binary_expr
         self.steps: list[str] = []
         self.actions: list[Action] = []  # the steps as calls, for :func:`shrink`
-        self.log = CacheLog.of_binary(binary, self.cfg.ctx_checkpoints)
+        self.log = CacheLog(self.cfg.ctx_checkpoints)
         self.checked: Counter[str] = Counter()  # slot_within_ctx; restore_equivalence, with ``fresh``
         self.slot_ctx = 0  # the slots' n_ctx as the server reports it (GET /slots), once started
         self.near_ties = 0
@@ -220,7 +220,7 @@ class LimitRun:
         """``restore_equivalence``: an answer served partly from the cache equals the fresh server's ``reference``
         (a greedy tie flipped is the known finding, counted)."""
         generated = tuple(int(t) for t in answer.get("tokens") or ())
-        problem = compare_with_reference(reference, generated, self._what(tokens, answer), withheld_tokens(self.binary))
+        problem = compare_with_reference(reference, generated, self._what(tokens, answer))
         self.checked["restore_equivalence"] += 1
         if problem == "near-tie":
             self.near_ties += 1
