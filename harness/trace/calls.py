@@ -81,7 +81,7 @@ TRACE_OPTIONAL_FIELDS = ("n_rs_seq", "n_outputs_max", "n_outputs_max_per_seq", "
 
 def trace_features(header: str) -> dict[str, bool]:
     """What trace.c may use of the API in ``header`` (a tree's include/llama.h): ``BATCH_EXT``, the extended batch
-    API with ``llama_process`` (the server's from about b10600; before it, ``llama_decode``), and each of
+    API with ``llama_process`` (the server's from between b10816 and b11434; before, ``llama_decode``), and each of
     :data:`TRACE_OPTIONAL_FIELDS` in ``struct llama_context_params``."""
     header = blank_comments(header)
     body = re.search(r"struct\s+llama_context_params\s*\{(.*?)\};", header, re.S)
@@ -239,7 +239,8 @@ class Row:
 
 def is_batch(ev: Event) -> bool:
     """Whether ``ev`` decoded a batch of rows: a ``process`` of type decode (``llama_process``, the server's call
-    from about b10300) or a ``decode`` (``llama_decode``, the server's call before; ``trace.c`` records both)."""
+    from between b10816 and b11434) or a ``decode`` (``llama_decode``, the server's call before; ``trace.c``
+    records both)."""
     return ev.get("ev") in ("process", "decode") and ev.get("type", "decode") == "decode"
 
 

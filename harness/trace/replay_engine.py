@@ -152,7 +152,7 @@ class _Ctx:
             raise RuntimeError(f"llama_init_from_model refused the traced parameters {params}")
         self.mem = ll.llama_get_memory(self.ptr)
         # the batch API generation of the tree: llama_batch_ext with llama_process where the header has it (the
-        # server's own calls, from about b10300), else llama_batch with llama_decode
+        # server's own calls, from between b10816 and b11434), else llama_batch with llama_decode
         self.batch = ll.llama_batch_ext_init(self.ptr) if ll.has("llama_process") else None
         self.n_batch = int(cp.n_batch)
 

@@ -29,7 +29,7 @@
  * llamatrace_hash() is exported for the reader (harness/trace/calls.py) to hash rows the same way.
  *
  * One source for every API generation: lt_features.h, written by calls.py from the tree's llama.h, says what
- * the tree has (LT_HAS_BATCH_EXT: the extended batch API with llama_process, the server's from about b10600;
+ * the tree has (LT_HAS_BATCH_EXT: the extended batch API with llama_process, the server's from between b10816 and b11434;
  * LT_HAS_<field>: the llama_context_params fields that came later). A tree without the extended batch API
  * is traced through llama_decode (the "decode" lines); a field the tree lacks is left out of its "ctx" line.
  */

@@ -8,8 +8,8 @@ against the tree's headers and links it to the tree's ``libllama.so``, cached by
 So a struct that grew a member, a parameter whose type changed or an enum renumbered is absorbed by the compiler;
 a function the harness needs that the header lacks, or one that takes another number of parameters than the
 harness passes, is refused in one :class:`~harness.errors.HarnessLimit` line naming it; a function of another API
-generation (:data:`OPTIONAL`: the ``llama_batch_ext`` batch API with ``llama_process``, from about b10300) is left
-out where the header lacks it. :mod:`harness.trees.driver` loads the module.
+generation (:data:`OPTIONAL`: the ``llama_batch_ext`` batch API with ``llama_process``, from between b10816 and
+b11434) is left out where the header lacks it. :mod:`harness.trees.driver` loads the module.
 """
 
 from __future__ import annotations
@@ -70,7 +70,7 @@ CALLS: dict[str, int] = {
     "llama_batch_free": 1,
     "llama_decode": 2,
     "llama_get_logits_ith": 2,
-    # the batch API of trees from about b10300 (the traced server's own calls, replayed as it made them)
+    # the batch API of trees from between b10816 and b11434 (the traced server's own calls, replayed as it made them)
     "llama_batch_ext_init": 1,
     "llama_batch_ext_free": 1,
     "llama_batch_ext_clear": 1,

@@ -9,7 +9,8 @@ memory helpers):
   ``libllama.so`` (:mod:`harness.trees.binding`: a struct that grew a member, as b11549's ``llama_context_params``
   did with ``moe_cache_size``, is absorbed by the compiler; what cannot be driven is refused in one line naming
   the function). A function of another API generation (the ``llama_batch_ext`` batch API with ``llama_process``,
-  in trees from about b10300) is bound where the header has it; :meth:`Driver.has` says which generation a tree is.
+  in trees from between b10816 and b11434) is bound where the header has it; :meth:`Driver.has` says which
+  generation a tree is.
 * :class:`PackageDriver`: llama-cpp-python's own ``ctypes`` bindings, on the library it vendors (the pinned
   tree, 0c1e570). It is the user's runtime, and the subject of the llama-cpp-python caches' backend.
 
