@@ -17,11 +17,12 @@ def test_the_gap_is_to_the_best_token_the_server_could_sample() -> None:
     probabilities it reports are the raw distribution: a banned token on top is not the fresh server's best.
     Measured against it, a flip of 0.0048 between two allowed tokens read as 0.29 and failed the gate."""
     banned = HIGH_BYTES[0]
-    entry = {"top_logprobs": [{"id": banned, "logprob": -1.0}, {"id": 118, "logprob": -1.2860},
-                              {"id": 113, "logprob": -1.2908}]}  # fmt: skip
+    entry = {"id": 118, "top_logprobs": [{"id": banned, "logprob": -1.0}, {"id": 118, "logprob": -1.2860},
+                                         {"id": 113, "logprob": -1.2908}]}  # fmt: skip
     assert _gap(entry, 113) == pytest.approx(0.2908)
-    assert _gap(entry, 113, frozenset({banned})) == pytest.approx(0.0048)
-    assert _gap(entry, 7, frozenset({banned})) is None  # not among the reported: no gap to judge by
+    (sampled,) = sampleable({"completion_probabilities": [entry]}, frozenset({banned}))["completion_probabilities"]
+    assert _gap(sampled, 113) == pytest.approx(0.0048)
+    assert _gap(sampled, 7) is None  # not among the reported: no gap to judge by
 
 
 def test_the_withheld_tokens_are_the_runs_logit_bias_bans(tmp_path: Path) -> None:

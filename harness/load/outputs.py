@@ -15,7 +15,7 @@ from typing import Any
 
 from fixtures.gguf import BYTE_TOKEN_OFFSET, SPECS
 from harness.findings import BATCH_SHAPE_FLIP_GAP, CONCURRENT_OUTPUT_DIVERGENCE, GREEDY_FLIP_ON_CACHE_PATH
-from harness.targets.llama_server import ServerProcess, withheld_tokens
+from harness.targets.llama_server import ServerProcess, sampleable, withheld_tokens
 from harness.trace.calls import read_trace
 from harness.trace.lineage import DECODE_THREW, SHORT_WINDOW, Explainer
 
@@ -151,9 +151,10 @@ def _pieces_complete(tokens: Sequence[int]) -> list[bool]:
 _LEAD_BYTES = [BYTE_TOKEN_OFFSET + b for b in range(0xC0, 0xF8)]
 
 
-def _gap(entry: dict[str, Any], served: int, withheld: frozenset[int] = frozenset()) -> float | None:
-    """The served token's logprob below the best the server could sample (a ``withheld`` token is not one)."""
-    top = [t for t in entry.get("top_logprobs") or [] if int(t["id"]) not in withheld]
+def _gap(entry: dict[str, Any], served: int) -> float | None:
+    """The served token's logprob below the best in ``entry`` (its probabilities among the tokens the server could
+    sample: :func:`~harness.targets.llama_server.sampleable`)."""
+    top = entry.get("top_logprobs") or []
     got = [float(t["logprob"]) for t in top if int(t["id"]) == served]
     return float(top[0]["logprob"]) - got[0] if top and got else None
 
@@ -172,20 +173,20 @@ def _gap_resumed(fresh: ServerProcess, tokens: Sequence[int], want: Sequence[int
     if i == 0:  # the prompt's own last row, as in the fresh generation
         r = fresh.completion(list(tokens), 1, ignore_eos=True, return_tokens=True, cache_prompt=False, n_probs=n_probs,
                              logit_bias=ban)  # fmt: skip
+        r = sampleable(r, withheld)
     else:
         head = fresh.completion(list(tokens), i, ignore_eos=True, return_tokens=True, cache_prompt=False)
         if [int(t) for t in head.get("tokens") or ()] != list(want[:i]):
             return None
         prompt = [*tokens, *want[:i]]
-        r = fresh.completion(prompt, 1, ignore_eos=True, return_tokens=True, cache_prompt=True, n_probs=n_probs,
-                             logit_bias=ban)  # fmt: skip
+        r = sampleable(fresh.completion(prompt, 1, ignore_eos=True, return_tokens=True, cache_prompt=True,
+                                        n_probs=n_probs, logit_bias=ban), withheld)  # fmt: skip
         if int(r["timings"]["cache_n"]) != len(prompt) - 1:
             return None  # evaluated in another shape (a recurrent slot that could not keep it): no exact gap
     probs = r.get("completion_probabilities") or []
-    top = [t for t in (probs[0].get("top_logprobs") or []) if int(t["id"]) not in withheld] if probs else []
-    if not top or int(top[0]["id"]) != want[i]:
+    if not probs or not (probs[0].get("top_logprobs") or []) or int(probs[0]["top_logprobs"][0]["id"]) != want[i]:
         return None
-    return _gap(probs[0], served, withheld)
+    return _gap(probs[0], served)
 
 
 def compare_output(
@@ -201,8 +202,9 @@ def compare_output(
     (:func:`_gap_resumed`); whether it is within the batch-shape findings' bound is
     :attr:`OutputDiff.batch_shape_flip`.
     """
-    r = fresh.completion(list(tokens), len(generated), ignore_eos=True, return_tokens=True, cache_prompt=False,
-                         n_probs=10 + len(withheld_tokens(fresh.binary)))  # fmt: skip
+    withheld = withheld_tokens(fresh.binary)
+    r = sampleable(fresh.completion(list(tokens), len(generated), ignore_eos=True, return_tokens=True,
+                                    cache_prompt=False, n_probs=10 + len(withheld)), withheld)  # fmt: skip
     want = [int(t) for t in r.get("tokens") or ()]
     if want == list(generated):
         return None
@@ -213,7 +215,7 @@ def compare_output(
     gap: float | None = None
     if i < n and [want[k] for k in reported] == [int(p["id"]) for p in probs]:
         if i in reported:
-            gap = _gap(probs[reported.index(i)], int(generated[i]), withheld_tokens(fresh.binary))
+            gap = _gap(probs[reported.index(i)], int(generated[i]))
         else:
             gap = _gap_resumed(fresh, tokens, want, i, int(generated[i]))
     return OutputDiff(arch, tuple(int(t) for t in tokens), tuple(int(t) for t in generated), tuple(want), i, gap)
